@@ -1,0 +1,14 @@
+"""Kernels behind the model: each op has a plain-torch reference (`*_ref`, runs everywhere and is the
+specification) and, on CUDA, a Triton kernel of the same signature. The public name picks one per call."""
+from engine.ops.activation import silu_and_mul, silu_and_mul_ref
+from engine.ops.attention import (AttentionMetadata, paged_attention, paged_attention_ref, varlen_attention,
+                                  varlen_attention_ref)
+from engine.ops.kv_cache import store_kvcache, store_kvcache_ref
+from engine.ops.norm import rms_norm, rms_norm_ref
+from engine.ops.rotary import apply_rotary, apply_rotary_ref, qk_norm_rope, qk_norm_rope_ref
+
+__all__ = [
+    "AttentionMetadata", "apply_rotary", "apply_rotary_ref", "paged_attention", "paged_attention_ref",
+    "qk_norm_rope", "qk_norm_rope_ref", "rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref",
+    "store_kvcache", "store_kvcache_ref", "varlen_attention", "varlen_attention_ref",
+]
