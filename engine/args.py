@@ -1,0 +1,91 @@
+"""Engine settings with vLLM's names and meanings, as a dataclass (offline `LLM(...)`) and as CLI flags."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    served_model_name: str | None = None
+    dtype: str = "auto"                          # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"                         # auto: cuda when available, else cpu
+    max_model_len: int | None = None             # default: the model's context, capped by the KV pool
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float | None = None      # GiB of KV pool when running on CPU (default: 2, capped by RAM)
+    swap_space: float | None = None              # GiB of CPU swap pool (default: 4 on CUDA, 1 on CPU)
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None    # default: 8192 (at least max_model_len without chunking)
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    load_format: str = "auto"                    # auto | safetensors | gguf | dummy
+    scheduling_policy: str = "fcfs"              # fcfs | priority
+    limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 8})
+    mm_processor_kwargs: dict = field(default_factory=dict)   # e.g. {"max_pixels": 1003520}
+    encoder_cache_size: int = 16384              # LLM tokens of vision-encoder output kept for reuse
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    allow_remote_media: bool = False             # fetch http(s) image URLs (off: only data: URLs)
+    allowed_local_media_path: str | None = None  # serve file:// image URLs from inside this directory
+    seed: int = 0
+    demo_model: bool = False                     # the small text-only default model of run_app.sh
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineArgs
+    p.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the path's name)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    p.add_argument("--device", default=d.device, choices=("auto", "cuda", "cpu"))
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--cpu-kv-cache-space", type=float, default=None, help="GiB of KV pool on CPU")
+    p.add_argument("--swap-space", type=float, default=None, help="GiB of CPU swap space for preempted KV")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors", "gguf", "dummy"))
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=("fcfs", "priority"))
+    p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
+                   help='JSON, e.g. \'{"image": 4}\'')
+    p.add_argument("--mm-processor-kwargs", type=json.loads, default={},
+                   help='JSON, e.g. \'{"max_pixels": 1003520}\'')
+    p.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size)
+    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
+    p.add_argument("--allow-remote-media", action="store_true", help="allow http(s) image URLs (off by default)")
+    p.add_argument("--allowed-local-media-path", default=None, help="allow file:// image URLs under this dir")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--demo-model", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def api_key_from_env(cli_value: str | None) -> str | None:
+    return cli_value or os.environ.get("VLLM_API_KEY") or None

@@ -1,0 +1,48 @@
+"""The KV cache tensors: one GPU pool for all layers and, with swap space, a (pinned) CPU pool of the same
+block shape. Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]: a layer's K or V
+is a contiguous [num_blocks, block_size, Hk, D] view, and a swap moves a block of every layer in one copy."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class CacheEngine:
+    def __init__(self, config: ModelConfig, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (config.num_hidden_layers, 2, num_gpu_blocks, block_size, config.num_key_value_heads,
+                 config.head_dim)
+        self.gpu_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.cpu_cache = None
+        if num_cpu_blocks > 0:
+            cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
+            self.cpu_cache = torch.empty(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+        self.device = device
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.gpu_cache]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return config.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(gpu_block, cpu_block) pairs: gather the GPU blocks, one device-to-host copy, scatter on the host."""
+        if not pairs:
+            return
+        gpu_ids = torch.tensor([g for g, _ in pairs], device=self.device)
+        cpu_ids = torch.tensor([c for _, c in pairs])
+        staged = self.gpu_cache.index_select(2, gpu_ids).to("cpu")
+        self.cpu_cache.index_copy_(2, cpu_ids, staged)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu_block, gpu_block) pairs: gather on the host, one host-to-device copy, scatter on the device."""
+        if not pairs:
+            return
+        cpu_ids = torch.tensor([c for c, _ in pairs])
+        gpu_ids = torch.tensor([g for _, g in pairs], device=self.device)
+        staged = self.cpu_cache.index_select(2, cpu_ids)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        self.gpu_cache.index_copy_(2, gpu_ids, staged.to(self.device, non_blocking=True))

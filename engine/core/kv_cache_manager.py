@@ -1,0 +1,142 @@
+"""Per-request block tables on top of the block pool: allocation for the tokens a step will compute, prefix-cache
+lookups, freeing, and swapping a preempted request's blocks to and from the CPU swap pool."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0      # prompt tokens looked up
+    hits: int = 0         # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_cpu_blocks: dict[str, list[int]] = {}
+        self.num_cached_of: dict[str, int] = {}      # how many leading blocks of a request are hashed
+        self.prefix_stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_blocks)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / max(self.pool.num_blocks, 1)
+
+    # ---- prefix cache --------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached full blocks at the start of the request, and the tokens they cover.
+        Never the block holding the last token: that token must be computed to produce logits."""
+        if not self.enable_caching:
+            return [], 0
+        request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """After a step: register the request's full blocks whose KV is now computed."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        done = self.num_cached_of.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        request.update_block_hashes(self.block_size)
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_of[request.request_id] = num_full
+
+    # ---- allocation ----------------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (plus cached blocks the request
+        takes over). False, changing nothing, when the pool has too few free blocks."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cached blocks sitting in the free queue stop being free once taken.
+        reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(needed, 0) > self.pool.num_free_blocks - reclaimed:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if needed > 0:
+            blocks.extend(self.pool.get_new_blocks(needed))
+        if new_computed_blocks:
+            self.num_cached_of[request.request_id] = len(blocks) - max(needed, 0)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release every block (GPU and CPU) of a finished or recompute-preempted request. Tail blocks go to
+        the free queue first so that shared prefixes are evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request.request_id, []))
+        self.num_cached_of.pop(request.request_id, None)
+
+    # ---- swap space ----------------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        n = len(self.req_to_blocks.get(request.request_id, ()))
+        return 0 < n <= len(self.free_cpu_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to CPU blocks; returns (gpu_block, cpu_block) copies to run before the
+        GPU blocks are reused. The GPU blocks keep their hashes, so they stay prefix-cache hits until reused."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        cpu = [self.free_cpu_blocks.pop() for _ in blocks]
+        self.req_to_cpu_blocks[request.request_id] = cpu
+        self.num_cached_of.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+        return [(b.block_id, c) for b, c in zip(blocks, cpu)]
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        cpu = self.req_to_cpu_blocks.get(request.request_id, ())
+        needed = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size), len(cpu))
+        return needed <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back into fresh GPU blocks; returns (cpu_block, gpu_block) copies."""
+        cpu = self.req_to_cpu_blocks.pop(request.request_id)
+        blocks = self.pool.get_new_blocks(len(cpu))
+        self.req_to_blocks[request.request_id] = blocks
+        self.free_cpu_blocks.extend(cpu)
+        return [(c, b.block_id) for c, b in zip(cpu, blocks)]

@@ -1,0 +1,109 @@
+"""A request's state inside the engine core: its tokens, how many have KV in the cache, where it is queued."""
+from __future__ import annotations
+
+import array
+import enum
+import hashlib
+import time
+
+import torch
+
+from engine.inputs.types import ImageItem, ProcessedPrompt
+from engine.outputs import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"                      # not yet (or no longer, after recompute preemption) holding KV
+    RUNNING = "running"
+    SWAPPED = "swapped"                      # preempted, its KV blocks parked in the CPU swap pool
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: ProcessedPrompt, sampling_params: SamplingParams,
+                 eos_token_ids: list[int], max_tokens: int, priority: int = 0,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.prompt_token_ids = list(prompt.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.max_tokens = max_tokens                     # resolved against max_model_len by the engine
+        self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0                     # tokens whose KV is in the cache
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.output_logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
+        self.output_queue = None                         # set by the async front end
+
+    # ---- sizes ---------------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def images(self) -> list[ImageItem]:
+        return self.prompt.images
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until every known token has KV (a resumed request re-prefills its outputs too)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    # ---- positions (M-RoPE for Qwen3-VL, plain indices otherwise) -----------------------------------------
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of tokens [start, end): [end-start] or, for M-RoPE, [3, end-start]."""
+        mrope = self.prompt.mrope_positions
+        if mrope is None:
+            return torch.arange(start, end, dtype=torch.int64)
+        parts = []
+        if start < self.num_prompt_tokens:
+            parts.append(mrope[:, start:min(end, self.num_prompt_tokens)])
+        if end > self.num_prompt_tokens:
+            gen = torch.arange(max(start, self.num_prompt_tokens), end, dtype=torch.int64)
+            parts.append((gen + self.prompt.mrope_position_delta).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    # ---- prefix-cache block hashes ------------------------------------------------------------------------
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend block_hashes over every full block. A block's hash chains its parent's, its token ids and
+        the content hash of every image whose placeholder tokens overlap it: identical <|image_pad|> ids of two
+        different images never share KV."""
+        while (len(self.block_hashes) + 1) * block_size <= self.num_tokens:
+            i = len(self.block_hashes)
+            start, end = i * block_size, (i + 1) * block_size
+            h = hashlib.blake2b(digest_size=16)
+            h.update(self.block_hashes[-1] if self.block_hashes else b"root")
+            h.update(array.array("q", self.all_token_ids[start:end]).tobytes())
+            for image in self.images:
+                if image.offset < end and image.end > start:
+                    h.update(image.content_hash.encode())
+            self.block_hashes.append(h.digest())

@@ -1,0 +1,222 @@
+"""Continuous batching: each step picks which requests run and how many tokens each computes.
+
+One step = one forward. Order: running requests (decodes and unfinished prefill chunks), then swapped-out
+requests coming back, then waiting ones, all within max_num_batched_tokens and max_num_seqs. A prompt longer
+than the remaining budget is split across steps (chunked prefill), so decodes keep flowing beside it.
+When the pool runs dry the least important running request is preempted: swapped to the CPU pool when
+it has room, else freed and recomputed later. "Least important" = latest arrival (fcfs), or largest
+`priority` value then latest arrival (priority policy, lower value runs sooner, as in vLLM).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[Request]                          # in batch order
+    num_scheduled_tokens: dict[str, int]
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu), run first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu), run second
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', not {policy!r}")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+
+    # ---- queues --------------------------------------------------------------------------------------------
+    def _key(self, req: Request):
+        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        req.status = status
+        req.metrics.finished_time = time.time()
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        for queue in (self.running, self.waiting, self.swapped):
+            queue.sort(key=self._key)
+        out = SchedulerOutput(scheduled=[], num_scheduled_tokens={})
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        now = time.time()
+        for req in out.scheduled:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]          # least important; never one already scheduled this step
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._add(out, req, n)
+                budget -= n
+                i += 1
+                continue
+            break
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(req, n):
+                break
+            self.swapped.pop(0)
+            copies = self.kv.swap_in(req)
+            out.blocks_to_swap_in.extend(copies)
+            self.counters.num_swap_ins += 1
+            self.counters.num_blocks_swapped_in += len(copies)
+            assert self.kv.allocate_slots(req, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add(out, req, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            while not self.kv.allocate_slots(req, n, hits):
+                victim = self._priority_victim(req)
+                if victim is None:
+                    return
+                self._preempt(victim, out)
+            self.waiting.remove(req)   # not pop(0): a recompute victim may have been put in front
+            req.num_computed_tokens = num_cached
+            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, num_cached)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add(out, req, n)
+            budget -= n
+
+    def _priority_victim(self, incoming: Request) -> Request | None:
+        """Under the priority policy a waiting request may push out a strictly less important running one."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = self.running[-1]
+        return victim if self._key(victim) > self._key(incoming) and victim.priority > incoming.priority else None
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append(req)
+        out.num_scheduled_tokens[req.request_id] = n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        if req.request_id in out.num_scheduled_tokens:   # un-schedule it from this step
+            del out.num_scheduled_tokens[req.request_id]
+            out.scheduled.remove(req)
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        out.preempted.append(req)
+        if self.kv.can_swap_out(req):
+            copies = self.kv.swap_out(req)
+            out.blocks_to_swap_out.extend(copies)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.counters.num_swap_outs += 1
+            self.counters.num_blocks_swapped_out += len(copies)
+            mode = "SWAP"
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.insert(0, req)
+            self.counters.num_recompute_preemptions += 1
+            mode = "RECOMPUTE"
+        logger.warning(
+            "Request %s is preempted by PreemptionMode.%s mode because there is not enough KV cache space. "
+            "This can affect the end-to-end performance. Increase gpu_memory_utilization or swap_space to "
+            "provide more KV cache memory. total_num_cumulative_preemption=%d",
+            req.request_id, mode, self.counters.num_preemptions)
+
+    # ---- after the forward ---------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed-token counts, append sampled tokens, cache full blocks, finish on token-level stop
+        conditions. Returns the requests that received a new token."""
+        updated = []
+        for req in out.scheduled:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.append_output_token(token)
+                updated.append(req)
+            self.kv.cache_computed_blocks(req)
+            if token is not None:
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(req, status)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

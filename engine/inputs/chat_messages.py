@@ -1,0 +1,100 @@
+"""OpenAI-style chat messages, checked and split into what the chat template sees and the images they carry.
+
+The template only needs to know that an image sits at a given place (it writes one
+<|vision_start|><|image_pad|><|vision_end|> there), so image parts reach it as a bare {"type": "image"}; the
+image itself (a URL to decode, or a PIL image given offline) is returned beside, in prompt order.
+Errors name the offending field the way OpenAI does: messages[1].content[0].image_url.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from engine.errors import InvalidInputError
+
+ROLES = ("system", "user", "assistant", "tool")
+IMAGE_ROLES = ("user", "tool")  # the roles whose images chat templates render (Qwen3-VL: user and tool)
+
+
+@dataclass
+class ImageRef:
+    """An image found in the messages: a URL (data:, http(s), file) or an already decoded PIL image."""
+    param: str                          # where it was, for error messages: messages[1].content[0].image_url
+    url: str | None = None
+    image: Image.Image | None = None
+
+
+@dataclass
+class ParsedChat:
+    messages: list[dict[str, Any]]      # what the template renders: content as a string or normalized parts
+    images: list[ImageRef]              # in the order their placeholders appear
+
+
+def parse_chat_messages(messages: Any, content_format: str = "openai") -> ParsedChat:
+    """Check `messages` and normalize them for the template. With a "string" template (one that cannot loop over
+    content parts, like SmolLM2's) text parts are joined with newlines, as vLLM does."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInputError("messages must be a non-empty list of {role, content} objects", param="messages")
+    out: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise InvalidInputError(f"{where} must be an object with role and content", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidInputError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
+                                    param=f"{where}.role")
+        content = message.get("content")
+        if content is None:
+            if role != "assistant" or not message.get("tool_calls"):
+                raise InvalidInputError(f"{where}.content is required (only an assistant message with tool_calls "
+                                        f"may omit it)", param=f"{where}.content")
+        elif isinstance(content, list):
+            parts = [_parse_part(part, role, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
+            if content_format == "string":
+                if any(p["type"] != "text" for p in parts):
+                    raise InvalidInputError(f"{where}.content: this model's chat template cannot place images",
+                                            param=f"{where}.content")
+                content = "\n".join(p["text"] for p in parts)
+            else:
+                content = parts
+        elif not isinstance(content, str):
+            raise InvalidInputError(f"{where}.content must be a string or a list of content parts",
+                                    param=f"{where}.content")
+        out.append({**message, "content": content})
+    return ParsedChat(out, images)
+
+
+def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dict[str, Any]:
+    if not isinstance(part, Mapping):
+        raise InvalidInputError(f"{where} must be an object with a type", param=where)
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidInputError(f"{where}.text must be a string", param=f"{where}.text")
+        return {"type": "text", "text": text}
+    if kind not in ("image_url", "image"):
+        raise InvalidInputError(f"{where}.type {kind!r} is not supported; use 'text' or 'image_url'",
+                                param=f"{where}.type")
+    if role not in IMAGE_ROLES:
+        raise InvalidInputError(f"{where}: images are only accepted in {' and '.join(IMAGE_ROLES)} messages, "
+                                f"not {role}", param=where)
+    if kind == "image_url":
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, Mapping) else value   # {"url": ...} or a plain string
+        if not isinstance(url, str) or not url:
+            raise InvalidInputError(f"{where}.image_url must be {{\"url\": \"data:image/...;base64,...\"}}",
+                                    param=f"{where}.image_url")
+        images.append(ImageRef(param=f"{where}.image_url", url=url))
+    else:
+        image = part.get("image")
+        if not isinstance(image, Image.Image):
+            raise InvalidInputError(f"{where}.image must be a PIL image (offline use); over HTTP send image_url",
+                                    param=f"{where}.image")
+        images.append(ImageRef(param=f"{where}.image", image=image))
+    return {"type": "image"}

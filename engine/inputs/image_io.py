@@ -1,0 +1,166 @@
+"""Image bytes in, an RGB PIL image out, without trusting the sender.
+
+Every limit is checked before the work it protects: the byte size before base64-decoding or reading, the pixel
+count from the header before the full decode (a 50 KB PNG can claim 100k x 100k pixels). Only base64 data URLs
+are accepted by default; http(s) URLs need `allow_remote` (the server's --allow-remote-media) and file:// URLs need
+`allowed_local_media_path` (the server's --allowed-local-media-path, vLLM's name), because a server that fetches
+URLs for its callers can be pointed at the private network or at its own disk.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
+
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
+DEFAULT_FETCH_TIMEOUT_S = 10.0
+# The formats browsers and cameras produce; Pillow's rarer decoders stay out of reach of request bodies.
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
+
+
+def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
+    """The bytes of a `data:image/<format>;base64,<data>` URL."""
+    header, sep, payload = url.partition(",")
+    if not url.startswith("data:") or not sep:
+        raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
+    media_type, *params = header[len("data:"):].split(";")
+    if not media_type.lower().startswith("image/"):
+        raise InvalidInputError(f"data URL has media type {media_type or '(none)'!r}; expected image/png, "
+                                f"image/jpeg, image/webp...", param=param)
+    if "base64" not in (p.strip().lower() for p in params):
+        raise InvalidInputError("image data URLs must be base64-encoded: data:image/<format>;base64,<data>",
+                                param=param)
+    payload = "".join(payload.split())  # some clients wrap base64 at 76 columns
+    if len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding: base64 is 4 chars per 3 bytes
+        raise PayloadTooLargeError(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes} "
+                                   f"bytes", param=param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"image data URL is not valid base64: {e}", param=param) from e
+
+
+def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
+                      allowed_local_media_path: str | Path | None = None, timeout: float = DEFAULT_FETCH_TIMEOUT_S,
+                      param: str | None = None) -> bytes:
+    """The bytes behind an image URL: data: always; http(s) only with allow_remote; file:// only inside
+    allowed_local_media_path."""
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":
+        return decode_data_url(url, max_bytes, param)
+    if scheme in ("http", "https"):
+        if not allow_remote:
+            raise InvalidInputError("image URLs over http(s) are disabled on this server; send the image as a "
+                                    "data:image/...;base64 URL, or start the server with --allow-remote-media",
+                                    param=param)
+        return _fetch_http(url, max_bytes, timeout, param)
+    if scheme == "file":
+        if allowed_local_media_path is None:
+            raise InvalidInputError("file:// image URLs are disabled on this server; send the image as a "
+                                    "data:image/...;base64 URL, or start the server with "
+                                    "--allowed-local-media-path DIR", param=param)
+        return _read_local(url, Path(allowed_local_media_path), max_bytes, param)
+    raise InvalidInputError(f"unsupported image URL scheme {scheme or '(none)'!r}; send a data:image/...;base64 URL",
+                            param=param)
+
+
+def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+               param: str | None = None) -> Image.Image:
+    """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos)."""
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
+    try:
+        with warnings.catch_warnings():
+            # Our own max_pixels check below is the guard; Pillow's bomb warning would only be noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
+            check_pixels(image.width, image.height, max_pixels, param)
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:  # Pillow's own hard stop (2 x 89 Mpx) fires while reading the header
+        raise ImageError(f"image has more than the limit of {max_pixels} pixels: {e}", param=param) from e
+    except UnidentifiedImageError as e:
+        raise ImageError(f"could not decode image: not a {', '.join(ALLOWED_FORMATS)} image", param=param) from e
+    except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt files
+        raise ImageError(f"could not decode image: {e}", param=param) from e
+    return to_rgb(image)
+
+
+def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:
+    if width <= 0 or height <= 0:
+        raise ImageError(f"image is {width}x{height}: it has no pixels", param=param)
+    if width * height > max_pixels:
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}; "
+                         f"downscale it before sending", param=param)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white: what transformers' convert_to_rgb does, so the
+    image processor sees the same pixels as the reference."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+# ---- remote and local sources (both opt-in) ---------------------------------------------------------------------
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects only to http(s): a redirect must not turn a remote fetch into ftp:// or file://."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise urllib.error.URLError(f"refusing redirect to {newurl!r}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_HttpOnlyRedirects())
+
+
+def _fetch_http(url: str, max_bytes: int, timeout: float, param: str | None) -> bytes:
+    try:
+        with _OPENER.open(urllib.request.Request(url, headers={"User-Agent": "localchat-engine"}),
+                          timeout=timeout) as resp:
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > max_bytes:
+                raise PayloadTooLargeError(f"image at {url} is {length} bytes, over the limit of {max_bytes} bytes",
+                                           param=param)
+            data = resp.read(max_bytes + 1)  # never more than the cap, whatever the header said
+    except PayloadTooLargeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - URLError, HTTPError, timeouts, connection resets
+        raise ImageError(f"could not fetch image {url}: {e}", param=param) from e
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"image at {url} is over the limit of {max_bytes} bytes", param=param)
+    return data
+
+
+def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None) -> bytes:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidInputError(f"file:// URL must name a local path, got host {parts.netloc!r}", param=param)
+    # resolve() follows symlinks and '..', so the containment check sees where the file really is.
+    path = Path(urllib.request.url2pathname(parts.path)).resolve()
+    root = allowed_dir.expanduser().resolve()
+    if not path.is_relative_to(root):
+        raise InvalidInputError(f"{path} is outside the allowed local media directory {root}", param=param)
+    if not path.is_file():
+        raise ImageError(f"no such image file: {path}", param=param)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise PayloadTooLargeError(f"image {path} is {size} bytes, over the limit of {max_bytes} bytes", param=param)
+    return path.read_bytes()

@@ -1,0 +1,139 @@
+"""Qwen3-VL image preprocessing with Pillow and torch, reproducing transformers' Qwen2VLImageProcessorPil.
+
+An image is resized (bicubic, Pillow) so both sides are multiples of patch*merge = 32 and its area lies within
+[min_pixels, max_pixels], scaled to [0, 1], normalized with mean/std, duplicated to temporal_patch_size = 2 frames
+and cut into 16x16 patches. One row of pixel_values is one patch as (C, T, 16, 16) = 1536 values, and rows come in
+merge-block order: every 2x2 block of patches (the ones the merger fuses into one LLM token) is contiguous.
+Each arithmetic step happens in the dtype the reference uses, so pixel_values match it bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from engine.errors import ImageError, ModelLoadError
+from engine.inputs.image_io import to_rgb
+
+MAX_ASPECT_RATIO = 200  # the vision encoder's limit; smart_resize refuses more elongated images
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65_536            # preprocessor_config.json size.shortest_edge (an area, despite the name)
+    max_pixels: int = 16_777_216        # size.longest_edge; servers cap it far lower (one token per 32x32 pixels)
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    def __post_init__(self):
+        if self.max_pixels < self.factor ** 2 or self.min_pixels > self.max_pixels:
+            raise ValueError(f"image pixel budget [{self.min_pixels}, {self.max_pixels}] is empty or below one "
+                             f"{self.factor}x{self.factor} block; raise max_pixels")
+
+    # ---- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], min_pixels: int | None = None,
+                    max_pixels: int | None = None) -> "ImageProcessor":
+        """From a preprocessor_config.json dict. Top-level min_pixels/max_pixels keys win over `size` (as in
+        transformers); the arguments win over both (the server's cap)."""
+        size = cfg.get("size") or {}
+        lo = min_pixels or cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+        hi = max_pixels or cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        defaults = cls()
+        return cls(
+            patch_size=int(cfg.get("patch_size", defaults.patch_size)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", defaults.temporal_patch_size)),
+            merge_size=int(cfg.get("merge_size", defaults.merge_size)),
+            min_pixels=int(lo or defaults.min_pixels),
+            max_pixels=int(hi or defaults.max_pixels),
+            image_mean=tuple(float(x) for x in cfg.get("image_mean", defaults.image_mean)),
+            image_std=tuple(float(x) for x in cfg.get("image_std", defaults.image_std)),
+            rescale_factor=float(cfg.get("rescale_factor", defaults.rescale_factor)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, min_pixels: int | None = None,
+                       max_pixels: int | None = None) -> "ImageProcessor":
+        cfg_path = Path(path) / "preprocessor_config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{path} has no preprocessor_config.json, which a vision model needs",
+                                 code="model_not_found")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
+        return cls.from_config(cfg, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    # ---- sizes ----------------------------------------------------------------------------------------------
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def cache_key(self) -> str:
+        """Everything that changes pixel_values for the same image: part of an image's content hash."""
+        return (f"qwen2vl/p{self.patch_size}/t{self.temporal_patch_size}/m{self.merge_size}/"
+                f"px{self.min_pixels}-{self.max_pixels}/mean{self.image_mean}/std{self.image_std}/"
+                f"r{self.rescale_factor!r}")
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """smart_resize: sides rounded to multiples of `factor`, area brought into [min_pixels, max_pixels]
+        with the aspect ratio kept as closely as possible."""
+        if min(height, width) <= 0:
+            raise ImageError(f"image is {width}x{height}: it has no pixels")
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise ImageError(f"image is {width}x{height}, an aspect ratio over {MAX_ASPECT_RATIO}:1; "
+                             f"crop or pad it")
+        f = self.factor
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+    def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) in patches for an image of this size; a still image is one temporal patch."""
+        h, w = self.resized_size(height, width)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """LLM tokens (<|image_pad|> count) for an image of this size: one per merge x merge block of patches."""
+        t, h, w = self.grid_thw(height, width)
+        return t * h * w // self.merge_size ** 2
+
+    # ---- pixels ---------------------------------------------------------------------------------------------
+    def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """pixel_values [h*w, C*T*P*P] float32 in merge-block order, and grid_thw (1, h, w) in patches."""
+        image = to_rgb(image)
+        height, width = self.resized_size(image.height, image.width)
+        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+        x = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
+        # The reference rescales in float64 and rounds to float32 once, then normalizes in float32.
+        x = (x.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
+        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(-1, 1, 1)
+        std = torch.tensor(self.image_std, dtype=torch.float32).view(-1, 1, 1)
+        x = (x - mean) / std
+        return self._patchify(x), (1, height // self.patch_size, width // self.patch_size)
+
+    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
+        c, height, width = x.shape
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = height // p, width // p
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p)
+        x = x.permute(1, 4, 2, 5, 0, 3, 6)              # (block row, block col, inner row, inner col, C, P, P)
+        x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # a still image repeated over the temporal patch
+        return x.reshape(gh * gw, c * t * p * p).contiguous()

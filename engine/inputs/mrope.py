@@ -1,0 +1,61 @@
+"""Qwen3-VL's 3-axis (temporal, height, width) rotary positions for a prompt.
+
+Text advances all three axes together, one per token. An image's tokens sit on its merged grid: token (hi, wi)
+gets (cur, cur + hi, cur + wi), and the text after it resumes at cur + max(H, W), not cur + H*W, so an image costs
+few positions however many tokens it has. That is why generated tokens need `delta`: the token at absolute index
+n gets position n + delta on all three axes, delta = max position + 1 - prompt length (<= 0).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.errors import InvalidInputError
+
+
+def get_mrope_positions(token_ids: Sequence[int], image_grids_thw: Sequence[Sequence[int]], image_token_id: int,
+                        spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+    """Positions [3, len(token_ids)] int64 and the delta for generated tokens.
+
+    `image_grids_thw` are the images' (t, h, w) patch grids (before merging), in prompt order; image i owns the next
+    t*h*w / merge**2 <|image_pad|> tokens, so images need not be separated by other tokens.
+    """
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    n = ids.numel()
+    positions = torch.empty(3, n, dtype=torch.long)
+    image_starts = _image_starts(ids, image_grids_thw, image_token_id, spatial_merge_size)
+    cur = 0   # next free position
+    i = 0     # next token index
+    for start, (t, h, w) in image_starts:
+        positions[:, i:start] = torch.arange(cur, cur + start - i)   # the text run before the image
+        cur += start - i
+        H, W = h // spatial_merge_size, w // spatial_merge_size
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(H), torch.arange(W), indexing="ij")
+        end = start + t * H * W
+        positions[0, start:end] = cur + tt.flatten()
+        positions[1, start:end] = cur + hh.flatten()
+        positions[2, start:end] = cur + ww.flatten()
+        cur += max(H, W)
+        i = end
+    positions[:, i:] = torch.arange(cur, cur + n - i)
+    delta = int(positions.max()) + 1 - n if n else 0
+    return positions, delta
+
+
+def _image_starts(ids: torch.Tensor, grids: Sequence[Sequence[int]], image_token_id: int,
+                  merge: int) -> list[tuple[int, tuple[int, int, int]]]:
+    """Where each image's token run begins; checks the prompt holds exactly the tokens the grids call for."""
+    pad_idx = (ids == image_token_id).nonzero().flatten().tolist()
+    out, k = [], 0
+    for t, h, w in grids:
+        length = t * (h // merge) * (w // merge)
+        run = pad_idx[k:k + length]
+        if length <= 0 or len(run) != length or run[-1] - run[0] != length - 1:
+            raise InvalidInputError(f"the prompt's image tokens do not match the images: image {len(out)} "
+                                    f"(grid {t}x{h}x{w}) needs {length} consecutive image tokens")
+        out.append((run[0], (int(t), int(h), int(w))))
+        k += length
+    if k != len(pad_idx):
+        raise InvalidInputError(f"the prompt has {len(pad_idx)} image tokens but the images need {k}")
+    return out

@@ -1,0 +1,190 @@
+"""From what a request sends (text, token ids, chat messages, images) to a ProcessedPrompt the engine can run.
+
+The prompt holds one <|image_pad|> per image (the chat template writes <|vision_start|><|image_pad|><|vision_end|>);
+each is expanded to the t*h*w / merge**2 tokens its image becomes after the vision encoder, exactly as the
+Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are computed over the expanded prompt.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import ModelConfig
+from engine.errors import InvalidInputError
+from engine.inputs.chat_messages import ImageRef, parse_chat_messages
+from engine.inputs.chat_template import ChatTemplate
+from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
+                                    fetch_image_bytes, load_image, to_rgb)
+from engine.inputs.image_processor import ImageProcessor
+from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.types import ImageItem, ProcessedPrompt
+
+# Names the template itself receives; a request's chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS    # of the image as sent, before resizing
+    limit_images_per_prompt: int = 8                    # vLLM: --limit-mm-per-prompt
+    allow_remote_media: bool = False                    # http(s) image URLs
+    allowed_local_media_path: str | None = None         # file:// image URLs under this directory
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase,
+                 chat_template: ChatTemplate | None, image_processor: ImageProcessor | None = None,
+                 limits: InputLimits | None = None):
+        if model_config.is_multimodal and image_processor is None:
+            raise ValueError(f"{model_config.architecture} takes images: pass an ImageProcessor")
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.image_processor = image_processor if model_config.is_multimodal else None
+        self.limits = limits or InputLimits()
+
+    # ---- entry points ---------------------------------------------------------------------------------------
+    def process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
+        """A completion prompt: a string (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM does),
+        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}."""
+        if isinstance(prompt, str):
+            return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
+        if not isinstance(prompt, dict):
+            raise InvalidInputError(f"prompt must be a string or a dict, got {type(prompt).__name__}",
+                                    param="prompt")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise InvalidInputError(f"unknown prompt field(s) {sorted(unknown)}; expected prompt or "
+                                    f"prompt_token_ids, and optionally multi_modal_data", param="prompt")
+        images = self._images_from_mm_data(prompt.get("multi_modal_data"))
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise InvalidInputError("give exactly one of prompt and prompt_token_ids", param="prompt")
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise InvalidInputError("prompt must be a string", param="prompt")
+            return self._build(self._encode(text, add_special_tokens=True), images, text)
+        return self._build(self._check_token_ids(prompt["prompt_token_ids"]), images, None)
+
+    def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
+        """OpenAI-style chat messages, rendered with the model's chat template and tokenized without added
+        special tokens (the template writes them), as apply_chat_template does."""
+        if self.chat_template is None:
+            raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead",
+                                    param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        bad = [k for k in kwargs if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KWARGS]
+        if bad:
+            raise InvalidInputError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidInputError("tools must be a list of objects", param="tools")
+        chat = parse_chat_messages(messages, self.chat_template.content_format)
+        if chat.images and not self.model_config.is_multimodal:
+            raise self._text_only_error(chat.images[0].param)
+        self._check_image_count(len(chat.images), chat.images[0].param if chat.images else "messages")
+        images = [self._load_image_ref(ref) for ref in chat.images]
+        text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **kwargs)
+        return self._build(self._encode(text, add_special_tokens=False), images, text)
+
+    # ---- building the prompt --------------------------------------------------------------------------------
+    def _build(self, token_ids: list[int], images: list[Image.Image], text: str | None) -> ProcessedPrompt:
+        mc = self.model_config
+        if not mc.is_multimodal:
+            if images:
+                raise self._text_only_error("multi_modal_data")
+            return ProcessedPrompt(prompt_token_ids=token_ids, prompt=text)
+        if mc.video_token_id is not None and mc.video_token_id in token_ids:
+            raise InvalidInputError("video input is not supported; send images", param="prompt")
+        slots = [i for i, t in enumerate(token_ids) if t == mc.image_token_id]
+        if len(slots) != len(images):
+            raise InvalidInputError(
+                f"the prompt has {len(slots)} image placeholder(s) but {len(images)} image(s) were given; put one "
+                f"<|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param="prompt")
+        merge = mc.vision.spatial_merge_size
+        ids: list[int] = []
+        items: list[ImageItem] = []
+        prev = 0
+        for slot, image in zip(slots, images):
+            pixel_values, grid = self.image_processor(image)
+            length = grid[0] * grid[1] * grid[2] // merge ** 2
+            ids += token_ids[prev:slot]
+            items.append(ImageItem(pixel_values=pixel_values, grid_thw=grid, offset=len(ids), length=length,
+                                   content_hash=self._content_hash(image)))
+            ids += [mc.image_token_id] * length
+            prev = slot + 1
+        ids += token_ids[prev:]
+        positions, delta = get_mrope_positions(ids, [it.grid_thw for it in items], mc.image_token_id, merge)
+        return ProcessedPrompt(prompt_token_ids=ids, prompt=text, images=items, mrope_positions=positions,
+                               mrope_position_delta=delta)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not text:
+            raise InvalidInputError("the prompt is empty", param="prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise InvalidInputError("the prompt is empty after tokenization", param="prompt")
+        return self._check_token_ids(ids)
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidInputError("prompt_token_ids must be a non-empty list of integers", param="prompt")
+        if not all(type(t) is int for t in ids):   # bool is an int subclass; it is not a token id
+            raise InvalidInputError("prompt_token_ids must contain only integers", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidInputError(f"token id {bad} is out of the vocabulary [0, {vocab})", param="prompt")
+        return list(ids)
+
+    # ---- images ---------------------------------------------------------------------------------------------
+    def _images_from_mm_data(self, mm_data: Any) -> list[Image.Image]:
+        if mm_data is None:
+            return []
+        if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+            raise InvalidInputError("multi_modal_data must be {\"image\": image or [images]}; only images are "
+                                    "supported", param="multi_modal_data")
+        images = mm_data.get("image")
+        images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
+        if images and not self.model_config.is_multimodal:
+            raise self._text_only_error("multi_modal_data")
+        self._check_image_count(len(images), "multi_modal_data")
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise InvalidInputError(f"multi_modal_data.image[{i}] must be a PIL image, "
+                                        f"got {type(image).__name__}", param="multi_modal_data")
+            check_pixels(image.width, image.height, self.limits.max_image_pixels, "multi_modal_data")
+        return [to_rgb(image) for image in images]
+
+    def _load_image_ref(self, ref: ImageRef) -> Image.Image:
+        lim = self.limits
+        if ref.image is not None:
+            check_pixels(ref.image.width, ref.image.height, lim.max_image_pixels, ref.param)
+            return to_rgb(ref.image)
+        data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
+                                 allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
+        return load_image(data, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param)
+
+    def _check_image_count(self, n: int, param: str) -> None:
+        if n > self.limits.limit_images_per_prompt:
+            raise InvalidInputError(f"{n} images in one prompt, over the limit of "
+                                    f"{self.limits.limit_images_per_prompt}", param=param)
+
+    def _content_hash(self, image: Image.Image) -> str:
+        """Identifies the image's pixels and how they were processed: the prefix-cache and encoder-cache key."""
+        h = hashlib.blake2b(digest_size=32)
+        h.update(f"{image.mode}:{image.width}x{image.height}:{self.image_processor.cache_key}\0".encode())
+        h.update(image.tobytes())
+        return h.hexdigest()
+
+    def _text_only_error(self, param: str) -> InvalidInputError:
+        return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
+                                 f"accept images", param=param)

@@ -1,0 +1,166 @@
+"""LLMEngine: the synchronous engine core. add_request() queues work; each step() schedules one batch, runs one
+forward, samples, detokenizes and returns what changed. The offline LLM and the server's async loop drive it."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine.args import EngineArgs
+from engine.cache_engine import CacheEngine
+from engine.config import ModelConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
+from engine.inputs.types import ProcessedPrompt
+from engine.logger import init_logger
+from engine.model.loader import build_model, load_model_config, load_weights
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.stats import StatLogger
+
+logger = init_logger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "float": torch.float32}
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        start = time.perf_counter()
+        self.args = args
+        self.device = _resolve_device(args.device)
+        self.model_config: ModelConfig = load_model_config(args.model)
+        self.dtype = _resolve_dtype(args.dtype, self.model_config, self.device)
+        self.model_name = args.served_model_name or Path(args.model).name
+        logger.info("Initializing engine: model=%s, architecture=%s, dtype=%s, device=%s, block_size=%d, "
+                    "prefix_caching=%s, scheduling_policy=%s", args.model, self.model_config.architecture,
+                    str(self.dtype).removeprefix("torch."), self.device, args.block_size,
+                    args.enable_prefix_caching, args.scheduling_policy)
+        from engine.inputs.setup import build_input_processor   # tokenizer + template + image processor
+        self.input_processor = build_input_processor(args, self.model_config)
+        self.tokenizer = self.input_processor.tokenizer
+
+        max_len = args.max_model_len or self.model_config.max_position_embeddings
+        self.model = build_model(self.model_config, max_len, self.dtype, self.device)
+        load_weights(self.model, args.model, args.load_format)
+
+        from engine.kv_sizing import plan_kv_cache
+        plan = plan_kv_cache(self, max_len)
+        self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
+        self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
+        if self.max_model_len < max_len:
+            logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens", max_len,
+                           self.max_model_len, self.num_gpu_blocks * args.block_size)
+        self.max_num_batched_tokens = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+        self.cache = CacheEngine(self.model_config, self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
+                                 self.dtype, self.device)
+        self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.model_config, self.cache, self.kv, args.block_size, self.device,
+                                  args.encoder_cache_size)
+        plan.log(self)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            from engine.cuda_graphs import enable_cuda_graphs
+            enable_cuda_graphs(self)
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs disabled (--enforce-eager): every step runs eagerly")
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stats = StatLogger(self)
+        self._next_id = 0
+        logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def process_prompt(self, prompt) -> ProcessedPrompt:
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        return self.input_processor.process(prompt)
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises InvalidInputError (e.g. PromptTooLongError) if it cannot run."""
+        params = params or SamplingParams()
+        processed = self.process_prompt(prompt)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.scheduler.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already running", param="request_id")
+        max_tokens = self._check_lengths(processed, params)
+        req = Request(request_id, processed, params, self.model_config.eos_token_ids, max_tokens, priority,
+                      arrival_time)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.outputs.add(req)
+        self.scheduler.add_request(req)
+        return req
+
+    def _check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
+        n = len(processed.prompt_token_ids)
+        if n == 0:
+            raise InvalidInputError("the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} "
+                f"tokens (no room left for output); shorten the prompt", param="messages", code="context_length")
+        room = self.max_model_len - n
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens "
+                f"and max_tokens asks for {params.max_tokens} more ({n + params.max_tokens} in all); lower "
+                f"max_tokens to at most {room} or shorten the prompt", param="max_tokens", code="context_length")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return self.outputs.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        num_decode = sum(1 for r in so.scheduled if so.num_scheduled_tokens[r.request_id] == 1
+                         and r.num_computed_tokens >= r.num_prompt_tokens)
+        result = self.runner.execute_model(so)
+        updated = self.scheduler.update_from_output(so, result.sampled)
+        outputs = []
+        for req in updated:
+            out = self.outputs.on_token(req, result.logprobs.get(req.request_id))
+            if out.finished and not req.is_finished:       # a stop string ended it
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            outputs.append(out)
+        self.stats.on_step(so, num_decode, len(updated))
+        return outputs
+
+    def get_stats(self) -> dict:
+        return self.stats.snapshot()
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device=cuda was asked for but no CUDA GPU is available (use device=cpu)")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32      # CPU matmuls are fastest and exact in fp32
+    dtype = _DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+

@@ -1,0 +1,7 @@
+"""Triton kernels behind engine.ops (CUDA only; imported lazily by the dispatchers in engine/ops/*.py).
+
+Each module mirrors one reference module and exposes functions with the reference's exact signatures:
+kv_cache.store_kvcache, norm.rms_norm, rotary.apply_rotary / qk_norm_rope, activation.silu_and_mul,
+attention.paged_attention / varlen_attention. The references (`*_ref`) are the specification; the tests in
+tests/test_ops_triton.py compare the two on random inputs (on the GPU, or on CPU with TRITON_INTERPRET=1).
+"""

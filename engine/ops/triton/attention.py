@@ -1,0 +1,321 @@
+"""Attention kernels: paged decode (flash-decoding), paged prefill over a cached prefix, and the vision
+encoder's non-causal varlen attention. Semantics: engine/ops/attention.py (the `*_ref` functions).
+
+All three share `_attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
+scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
+(token n of a sequence lives at block_tables[n // block_size], row n % block_size) or contiguously. A token's
+head row (D contiguous elements) is the unit of coalescing either way, so any power-of-two block size, 1
+included, takes the same path at the same speed.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64   # keys per decode tile: 16 KB of K plus 16 KB of V per stage in bf16 at D=128
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
+            offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax of q ([M, BLOCK_D]) against keys n_lo..n_hi-1. k_ptr/v_ptr already point at the kv
+    head (and, unpaged, at the segment's first token). MASKED: mask keys >= n_hi (the range's ragged end);
+    CAUSAL: also keys after each row's position q_pos. Unmasked ranges must hold whole tiles only."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        pos = start_n + offs_n
+        n_mask = pos < n_hi  # also keeps block-table reads inside the sequence's blocks
+        if PAGED:
+            blk = tl.load(bt_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            row = blk * stride_b + (pos % BLOCK_SIZE).to(tl.int64) * stride_s
+        else:
+            row = pos.to(tl.int64) * stride_s
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if CAUSAL:
+            s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        elif MASKED:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every row sees at least one key of the first tile it meets (key 0, or the split's first key), so
+        # m_new is finite and no exp2(-inf - -inf) arises.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    # Grid (decode seq, kv head, split). All GROUP query heads of a kv head share the program, so each K/V
+    # tile is read from memory once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows.
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # The context is cut into NUM_SPLITS tile-aligned pieces from its actual length, so the work is even
+    # across splits whatever seq_len is; a short context leaves the later splits empty (n_lo >= n_hi),
+    # and a padding sequence (seq_len 0) leaves all of them empty: zeros out, nothing read.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_lo = split * split_len
+    n_hi = tl.minimum(n_lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    head_off = kvh.to(tl.int64) * stride_h
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + head_off, v_ptr + head_off,
+                            bt_ptr + seq.to(tl.int64) * stride_bt, n_lo, n_hi, offs_g, qk_scale,
+                            stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
+                            PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Partial result of this split: normalised output and its log2-sum-exp (-inf when empty).
+        idx = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + idx, lse, mask=g_mask)
+        tl.store(part_o_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # Grid (decode seq, q head): merge the splits' partial softmaxes, weighting each by exp2(lse - max).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + base + offs_s)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :],
+                other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    out = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit(do_not_specialize=["num_decodes", "num_seqs"])
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_decodes, num_seqs,
+                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    # Grid (query block, q head). Query block b of prefill sequence i has the global id
+    # qsl[i] // BLOCK_M + i + b: ids increase with i and each sequence owns at least cdiv(q_len, BLOCK_M)
+    # of them, so a binary search over query_start_loc finds the owner on the device (no host work list).
+    # Ids are taken in reverse so the last blocks of long prompts (the most keys) start first.
+    target = tl.load(qsl_ptr + num_decodes) // BLOCK_M + num_decodes + (tl.num_programs(0) - 1 - tl.program_id(0))
+    lo: tl.int32 = num_decodes
+    hi: tl.int32 = num_seqs
+    while lo < hi:  # first sequence whose first id is > target; the owner is the one before it
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    m0 = (target - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query row of this block in the sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # absolute position of query row 0 (bottom-right causal)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+    # Keys [0, full_hi) are visible to every row of the block (they precede its first row): whole tiles,
+    # no mask. Keys [full_hi, kv_hi) run up to the block's last valid row: causal mask. A block past the
+    # sequence's queries (the id scheme leaves at most one per sequence) has kv_hi 0 and does nothing.
+    kv_hi = tl.where(m0 < q_len, tl.maximum(prefix + tl.minimum(m0 + BLOCK_M, q_len), 0), 0)
+    full_hi = tl.minimum(tl.maximum((prefix + m0 + 1) // BLOCK_N * BLOCK_N, 0), kv_hi)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_head = (head // GROUP).to(tl.int64) * stride_h
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
+                            stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
+                            PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
+                            qk_scale, stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
+                            PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (seq_len 0) stay 0, like the reference
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    # Grid (query block, segment, head); max_seqlen sizes axis 0, so blocks past a short segment exit idle.
+    m0 = tl.program_id(0) * BLOCK_M
+    seg = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(cu_ptr + seg)
+    seg_len = tl.load(cu_ptr + seg + 1) - start
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < seg_len
+    d_mask = offs_d < HEAD_DIM  # head_dim 72 runs padded to 128: zero columns add nothing to q.k
+    q_rows = (start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
+    full_hi = kv_hi // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_off = start.to(tl.int64) * stride_kt + head * stride_kh
+    # Whole tiles without a mask, then the segment's ragged last tile with one.
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, 0, full_hi, offs_m,
+                            qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
+                            PAGED=False, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, full_hi, kv_hi, offs_m,
+                            qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
+                            PAGED=False, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small, so the tests' tiny batches still exercise several splits
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per decode sequence, from shapes only (so a captured CUDA graph stays valid for any seq_lens):
+    about two programs per SM in all, a power of two (the reduction's arange), at most one per key tile of
+    the longest context the block table can hold."""
+    want = triton.cdiv(2 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    tiles = triton.cdiv(max_context, DECODE_BLOCK_N)
+    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(tiles), MAX_SPLITS))
+
+
+def _prefill_config(head_dim_padded: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128x64 tiles, 8 warps for D=128 (two warpgroups for
+    Hopper's wgmma, ~128 KB of shared memory at 3 stages); smaller tiles for fp32 and wide heads."""
+    if dtype == torch.float32 or head_dim_padded > 128:
+        return 64, 32, 4, 2
+    return 128, 64, (4 if head_dim_padded <= 64 else 8), 3
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32 on the GPU
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D] -> new [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
+    assert q.dtype == k_cache.dtype == v_cache.dtype and num_q_heads % num_kv_heads == 0
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    group = num_q_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    prec = _dot_precision(q.dtype)
+    qk_scale = scale * LOG2E
+    bt = md.block_tables
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    qsl = md.query_start_loc_cpu
+
+    num_decodes = md.num_decodes
+    if num_decodes > 0:
+        splits = decode_num_splits(num_decodes, num_kv_heads, bt.shape[1] * block_size, q.device)
+        if splits > 1:
+            part_o = torch.empty((num_decodes, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((num_decodes, num_q_heads, splits), dtype=torch.float32, device=q.device)
+        else:
+            part_o = part_lse = out  # unused: the kernel writes the output directly
+        fp32 = q.dtype == torch.float32
+        _decode_kernel[(num_decodes, num_kv_heads, splits)](
+            q, k_cache, v_cache, bt, md.seq_lens, out, part_o, part_lse, qk_scale,
+            q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N // 2 if fp32 else DECODE_BLOCK_N,
+            NUM_SPLITS=splits, DOT_PREC=prec, num_warps=4, num_stages=2 if fp32 else 3)
+        if splits > 1:
+            _decode_reduce_kernel[(num_decodes, num_q_heads)](
+                part_o, part_lse, out, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
+
+    num_seqs = md.num_seqs
+    if num_seqs > num_decodes:
+        block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype)
+        # Number of query-block ids the prefill sequences own under the kernel's id scheme.
+        blocks = (qsl[num_seqs] // block_m + num_seqs) - (qsl[num_decodes] // block_m + num_decodes)
+        _prefill_kernel[(blocks, num_q_heads)](
+            q, k_cache, v_cache, bt, md.seq_lens, md.query_start_loc, out, qk_scale, num_decodes, num_seqs,
+            q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+    if qsl[num_seqs] < num_tokens:  # tokens outside every sequence: zeros, as the reference leaves them
+        out[qsl[num_seqs]:].zero_()
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment [cu_seqlens[i], cu_seqlens[i+1]). q, k, v: [N, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if k.stride() != v.stride():  # the kernel addresses k and v with one set of strides
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_segments = cu_seqlens.numel() - 1
+    if num_tokens == 0 or num_segments <= 0 or max_seqlen <= 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype)
+    _varlen_kernel[(triton.cdiv(max_seqlen, block_m), num_segments, num_heads)](
+        q, k, v, cu_seqlens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,66 @@
+"""How to pick each next token and when to stop: vLLM's SamplingParams, with its names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidInputError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16        # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None        # number of top log-probabilities to return per token (0: only the chosen)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n == 1, "n", "only n=1 is supported"),
+            (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "top_k must be -1, 0 (off) or a positive integer"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "max_tokens", "max_tokens must be at least 1"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+             "min_tokens", "min_tokens must be in [0, max_tokens]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            (all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be non-empty strings"),
+            (len(self.stop_strings) <= 16, "stop", "at most 16 stop strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be non-negative integers"),
+            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidInputError(message, param=param)

@@ -1,0 +1,97 @@
+"""Engine counters for /stats, /metrics and the periodic vLLM-style throughput line in the log."""
+from __future__ import annotations
+
+import time
+
+from engine.core.scheduler import SchedulerOutput
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
+LOG_INTERVAL_S = 5.0
+
+
+class StatLogger:
+    def __init__(self, engine):
+        self.engine = engine
+        self.started = time.time()
+        self.num_prompt_tokens = 0          # prefill tokens computed (recomputation included)
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+        self._last_log = time.time()
+        self._interval_prompt = 0
+        self._interval_gen = 0
+        self.last_prompt_throughput = 0.0
+        self.last_generation_throughput = 0.0
+
+    def on_step(self, so: SchedulerOutput, num_decode_tokens: int, num_generated: int) -> None:
+        """num_decode_tokens: scheduled tokens that were decode steps; the rest of the batch was prefill."""
+        prompt = so.total_num_scheduled_tokens - num_decode_tokens
+        self.num_prompt_tokens += prompt
+        self.num_generation_tokens += num_generated
+        self._interval_prompt += prompt
+        self._interval_gen += num_generated
+        self.num_steps += 1
+        now = time.time()
+        if now - self._last_log >= LOG_INTERVAL_S:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        dt = now - self._last_log
+        self.last_prompt_throughput = self._interval_prompt / dt
+        self.last_generation_throughput = self._interval_gen / dt
+        s = self.snapshot()
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Swapped: %d reqs, Pending: %d reqs, GPU KV cache usage: %.1f%%, CPU KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%", self.last_prompt_throughput, self.last_generation_throughput,
+            s["num_running"], s["num_swapped"], s["num_waiting"], s["gpu_cache_usage"] * 100,
+            s["cpu_cache_usage"] * 100, s["prefix_cache_hit_rate"] * 100)
+        self._last_log, self._interval_prompt, self._interval_gen = now, 0, 0
+
+    def snapshot(self) -> dict:
+        e = self.engine
+        kv, sched, counters = e.kv, e.scheduler, e.scheduler.counters
+        total, free = e.num_gpu_blocks, kv.num_free_blocks
+        cpu_total, cpu_free = e.num_cpu_blocks, kv.num_free_cpu_blocks
+        enc = e.runner.encoder_cache
+        return {
+            "model": e.model_name,
+            "block_size": e.args.block_size,
+            "num_total_gpu_blocks": total,
+            "num_free_gpu_blocks": free,
+            "num_used_gpu_blocks": total - free,
+            "num_cached_blocks": kv.pool.num_cached_blocks,
+            "num_total_cpu_blocks": cpu_total,
+            "num_free_cpu_blocks": cpu_free,
+            "num_used_cpu_blocks": cpu_total - cpu_free,
+            "gpu_cache_usage": (total - free) / total if total else 0.0,
+            "cpu_cache_usage": (cpu_total - cpu_free) / cpu_total if cpu_total else 0.0,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_swapped": len(sched.swapped),
+            "prefix_caching": kv.enable_caching,
+            "prefix_cache_queries": kv.prefix_stats.queries,
+            "prefix_cache_hits": kv.prefix_stats.hits,
+            "prefix_cache_hit_rate": kv.prefix_stats.hit_rate,
+            "num_preemptions": counters.num_preemptions,
+            "num_recompute_preemptions": counters.num_recompute_preemptions,
+            "num_swaps": counters.num_swap_outs + counters.num_swap_ins,
+            "num_swap_outs": counters.num_swap_outs,
+            "num_swap_ins": counters.num_swap_ins,
+            "num_blocks_swapped_out": counters.num_blocks_swapped_out,
+            "num_blocks_swapped_in": counters.num_blocks_swapped_in,
+            "encoder_cache_hits": enc.hits,
+            "encoder_cache_misses": enc.misses,
+            "encoder_cache_entries": len(enc.entries),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_steps": self.num_steps,
+            "prompt_throughput": self.last_prompt_throughput,
+            "generation_throughput": self.last_generation_throughput,
+            "uptime_s": time.time() - self.started,
+            "max_model_len": e.max_model_len,
+            "max_num_seqs": e.args.max_num_seqs,
+            "max_num_batched_tokens": e.max_num_batched_tokens,
+            "multimodal": e.model_config.is_multimodal,
+            "demo_model": e.args.demo_model,
+        }

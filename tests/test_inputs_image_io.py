@@ -1,0 +1,237 @@
+"""Image bytes are decoded into RGB images safely: limits before work, clear errors, remote/local URLs opt-in."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import struct
+import threading
+import zlib
+
+import pytest
+from PIL import Image
+
+from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
+from engine.inputs.image_io import decode_data_url, fetch_image_bytes, load_image, to_rgb
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **save_args)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height but whose pixel data is garbage: only a header-first check passes
+    it to the pixel limit instead of failing (or exploding) in the decoder."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"garbage") + chunk(b"IEND", b"")
+
+
+RED = Image.new("RGB", (48, 32), (255, 0, 0))
+
+
+# ---- data URLs ------------------------------------------------------------------------------------------------
+def test_data_url_round_trips_the_bytes():
+    data = encode(RED)
+    assert decode_data_url(data_url(data)) == data
+
+
+def test_data_url_tolerates_line_wrapped_base64():
+    data = encode(RED)
+    b64 = base64.encodebytes(data).decode()  # wrapped at 76 columns with newlines
+    assert decode_data_url(f"data:image/png;base64,{b64}") == data
+
+
+@pytest.mark.parametrize("url, error, message", [
+    ("http://example.com/cat.png", InvalidInputError, "data:image/<format>;base64"),
+    ("data:text/plain;base64,aGVsbG8=", InvalidInputError, "media type 'text/plain'"),
+    ("data:image/png,rawbytes", InvalidInputError, "must be base64-encoded"),
+    ("data:image/png;base64,not*valid*base64", ImageError, "not valid base64"),
+])
+def test_malformed_data_urls_are_refused_with_a_reason(url, error, message):
+    with pytest.raises(error, match=message):
+        decode_data_url(url)
+
+
+def test_oversized_data_url_is_refused_before_decoding():
+    url = "data:image/png;base64," + "A" * 4000  # 3000 bytes once decoded
+    with pytest.raises(PayloadTooLargeError, match="over the limit of 1000 bytes") as info:
+        decode_data_url(url, max_bytes=1000, param="messages[0].content[0].image_url")
+    assert info.value.status == 413 and info.value.param == "messages[0].content[0].image_url"
+
+
+# ---- decoding -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_common_formats_decode_to_rgb(fmt):
+    image = load_image(encode(RED, fmt))
+    assert image.mode == "RGB" and image.size == (48, 32)
+    assert image.getpixel((5, 5))[0] > 200
+
+
+@pytest.mark.parametrize("mode, pixel, expected", [
+    ("RGBA", (255, 0, 0, 0), (255, 255, 255)),       # fully transparent -> the white background
+    ("RGBA", (255, 0, 0, 255), (255, 0, 0)),         # opaque stays
+    ("LA", (0, 0), (255, 255, 255)),
+    ("L", 77, (77, 77, 77)),
+])
+def test_modes_convert_to_rgb_with_alpha_on_white(mode, pixel, expected):
+    image = load_image(encode(Image.new(mode, (8, 8), pixel)))
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == expected
+
+
+def test_palette_with_transparency_composites_on_white():
+    image = Image.new("P", (8, 8), 0)
+    image.putpalette([10, 20, 30] * 256)
+    assert load_image(encode(image, transparency=0)).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_cmyk_jpeg_converts_to_rgb():
+    image = load_image(encode(Image.new("CMYK", (8, 8), (0, 255, 255, 0)), "JPEG"))
+    r, g, b = image.getpixel((4, 4))
+    assert image.mode == "RGB" and r > 200 and g < 60 and b < 60
+
+
+def test_to_rgb_matches_transformers_convert_to_rgb():
+    from transformers.image_transforms import convert_to_rgb
+    rgba = Image.new("RGBA", (4, 4), (200, 100, 50, 128))
+    assert to_rgb(rgba).tobytes() == convert_to_rgb(rgba, return_numpy=True).tobytes()
+
+
+def test_exif_orientation_is_applied_as_browsers_show_photos():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    image = load_image(encode(Image.new("RGB", (60, 20)), "JPEG", exif=exif.tobytes()))
+    assert image.size == (20, 60)
+
+
+def test_animated_gif_gives_its_first_frame():
+    frames = [Image.new("RGB", (8, 8), c) for c in [(255, 0, 0), (0, 0, 255)]]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    assert load_image(data).getpixel((0, 0))[0] > 200
+
+
+def test_bytes_over_the_limit_are_refused_before_decoding():
+    with pytest.raises(PayloadTooLargeError, match="is 2000 bytes, over the limit of 1000"):
+        load_image(b"\0" * 2000, max_bytes=1000)   # garbage: a decode attempt would say "could not decode"
+
+
+def test_pixel_count_is_checked_from_the_header_before_decoding():
+    with pytest.raises(ImageError, match="image is 8000x6000 = 48000000 pixels, over the limit of 40000000"):
+        load_image(png_header_only(8000, 6000))
+
+
+def test_decompression_bomb_past_pillows_own_limit_is_an_image_error():
+    with pytest.raises(ImageError, match="pixels"):
+        load_image(png_header_only(100_000, 100_000))
+
+
+def test_pixel_limit_is_configurable():
+    with pytest.raises(ImageError, match="48x32 = 1536 pixels, over the limit of 1000"):
+        load_image(encode(RED), max_pixels=1000)
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"definitely not an image", "could not decode image"),
+    (encode(RED)[:60], "could not decode image"),             # truncated PNG
+    (encode(RED, "PPM"), "could not decode image: not a PNG"),  # a format request bodies may not use
+])
+def test_undecodable_bytes_are_an_image_error(data, message):
+    with pytest.raises(ImageError, match=message):
+        load_image(data)
+
+
+# ---- http(s) and file:// URLs ---------------------------------------------------------------------------------
+class _Server(http.server.ThreadingHTTPServer):
+    routes: dict[str, tuple[int, dict[str, str], bytes]]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        status, headers, body = self.server.routes.get(self.path, (404, {}, b"not found"))
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    server = _Server(("127.0.0.1", 0), _Handler)
+    png = encode(RED)
+    server.routes = {
+        "/red.png": (200, {"Content-Length": str(len(png))}, png),
+        "/big-declared.png": (200, {"Content-Length": str(10_000)}, b"\0" * 10_000),
+        "/big-undeclared.png": (200, {}, b"\0" * 10_000),   # no Content-Length: the read itself is capped
+        "/to-file": (302, {"Location": "file:///etc/passwd"}, b""),
+    }
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", png
+    server.shutdown()
+
+
+def test_http_urls_are_refused_by_default_naming_the_flag(http_server):
+    base, _ = http_server
+    with pytest.raises(InvalidInputError, match="--allow-remote-media"):
+        fetch_image_bytes(f"{base}/red.png")
+
+
+def test_http_urls_are_fetched_when_allowed(http_server):
+    base, png = http_server
+    assert fetch_image_bytes(f"{base}/red.png", allow_remote=True) == png
+
+
+@pytest.mark.parametrize("path", ["/big-declared.png", "/big-undeclared.png"])
+def test_http_fetch_obeys_the_byte_cap(http_server, path):
+    base, _ = http_server
+    with pytest.raises(PayloadTooLargeError, match="over the limit of 5000 bytes"):
+        fetch_image_bytes(f"{base}{path}", max_bytes=5000, allow_remote=True)
+
+
+@pytest.mark.parametrize("path", ["/missing.png", "/to-file"])
+def test_http_failures_and_redirects_off_http_are_image_errors(http_server, path):
+    base, _ = http_server
+    with pytest.raises(ImageError, match="could not fetch"):
+        fetch_image_bytes(f"{base}{path}", allow_remote=True)
+
+
+def test_file_urls_are_refused_by_default_naming_the_flag(tmp_path):
+    (tmp_path / "a.png").write_bytes(encode(RED))
+    with pytest.raises(InvalidInputError, match="--allowed-local-media-path"):
+        fetch_image_bytes((tmp_path / "a.png").as_uri())
+
+
+def test_file_urls_inside_the_allowed_directory_are_read(tmp_path):
+    (tmp_path / "a.png").write_bytes(encode(RED))
+    assert fetch_image_bytes((tmp_path / "a.png").as_uri(), allowed_local_media_path=tmp_path) == encode(RED)
+
+
+def test_file_urls_cannot_escape_the_allowed_directory(tmp_path):
+    media, secret = tmp_path / "media", tmp_path / "secret.png"
+    media.mkdir()
+    secret.write_bytes(encode(RED))
+    (media / "link.png").symlink_to(secret)
+    for url in [secret.as_uri(), f"file://{media}/../secret.png", (media / "link.png").as_uri()]:
+        with pytest.raises(InvalidInputError, match="outside the allowed local media directory"):
+            fetch_image_bytes(url, allowed_local_media_path=media)
+
+
+def test_file_urls_obey_the_byte_cap(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\0" * 2000)
+    with pytest.raises(PayloadTooLargeError):
+        fetch_image_bytes((tmp_path / "a.png").as_uri(), max_bytes=1000, allowed_local_media_path=tmp_path)
+
+
+def test_other_url_schemes_are_refused():
+    with pytest.raises(InvalidInputError, match="unsupported image URL scheme 'ftp'"):
+        fetch_image_bytes("ftp://example.com/a.png", allow_remote=True)
