@@ -7,7 +7,6 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import InvalidInputError
+from engine.errors import ImageError, InvalidInputError
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
@@ -89,26 +88,28 @@ class InputProcessor:
         chat = parse_chat_messages(messages, self.chat_template.content_format)
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
-        self._check_image_count(len(chat.images), chat.images[0].param if chat.images else "messages")
-        images = [self._load_image_ref(ref) for ref in chat.images]
+        self._check_image_count(len(chat.images), "messages")
+        # Render before decoding any image: a template error is cheaper to find than a decoded image.
         text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          **kwargs)
-        return self._build(self._encode(text, add_special_tokens=False), images, text)
+        images = [self._load_image_ref(ref) for ref in chat.images]
+        return self._build(self._encode(text, add_special_tokens=False), images, text, param="messages")
 
     # ---- building the prompt --------------------------------------------------------------------------------
-    def _build(self, token_ids: list[int], images: list[Image.Image], text: str | None) -> ProcessedPrompt:
+    def _build(self, token_ids: list[int], images: list[Image.Image], text: str | None,
+               param: str = "prompt") -> ProcessedPrompt:
         mc = self.model_config
         if not mc.is_multimodal:
             if images:
                 raise self._text_only_error("multi_modal_data")
             return ProcessedPrompt(prompt_token_ids=token_ids, prompt=text)
         if mc.video_token_id is not None and mc.video_token_id in token_ids:
-            raise InvalidInputError("video input is not supported; send images", param="prompt")
+            raise InvalidInputError("video input is not supported; send images", param=param)
         slots = [i for i, t in enumerate(token_ids) if t == mc.image_token_id]
         if len(slots) != len(images):
             raise InvalidInputError(
                 f"the prompt has {len(slots)} image placeholder(s) but {len(images)} image(s) were given; put one "
-                f"<|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param="prompt")
+                f"<|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param=param)
         merge = mc.vision.spatial_merge_size
         ids: list[int] = []
         items: list[ImageItem] = []
@@ -161,17 +162,26 @@ class InputProcessor:
             if not isinstance(image, Image.Image):
                 raise InvalidInputError(f"multi_modal_data.image[{i}] must be a PIL image, "
                                         f"got {type(image).__name__}", param="multi_modal_data")
-            check_pixels(image.width, image.height, self.limits.max_image_pixels, "multi_modal_data")
-        return [to_rgb(image) for image in images]
+        return [self._checked(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
     def _load_image_ref(self, ref: ImageRef) -> Image.Image:
         lim = self.limits
         if ref.image is not None:
-            check_pixels(ref.image.width, ref.image.height, lim.max_image_pixels, ref.param)
-            return to_rgb(ref.image)
+            return self._checked(ref.image, ref.param)
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        return load_image(data, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param)
+        image = load_image(data, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param)
+        return self._checked(image, ref.param)
+
+    def _checked(self, image: Image.Image, param: str) -> Image.Image:
+        """The image in RGB, once its size passes the limits and the resize rules, so that a later error
+        cannot lose track of which image it was."""
+        check_pixels(image.width, image.height, self.limits.max_image_pixels, param)
+        try:
+            self.image_processor.resized_size(image.height, image.width)
+        except ImageError as e:
+            raise ImageError(e.message, param=param) from e
+        return to_rgb(image)
 
     def _check_image_count(self, n: int, param: str) -> None:
         if n > self.limits.limit_images_per_prompt:

@@ -37,26 +37,53 @@ class AttentionMetadata:
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D] -> [T, Hq, D] (fp32 math, GQA)."""
-    num_q_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.zeros_like(q)
-    for i in range(md.num_seqs):
+    if md.num_decodes:
+        out[:md.num_decodes] = _decode_ref(q[:md.num_decodes], k_cache, v_cache, md, scale)
+    for i in range(md.num_decodes, md.num_seqs):
         start, end, ctx = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1], md.seq_lens_cpu[i]
-        n = end - start
-        if n == 0 or ctx == 0:
-            continue
-        nblocks = -(-ctx // block_size)
-        blocks = md.block_tables[i, :nblocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:ctx].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:ctx].float()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        if end > start and ctx > 0:
+            k, v = _gather(k_cache, v_cache, md.block_tables[i:i + 1], ctx)
+            out[start:end] = _attend(q[start:end].unsqueeze(0), k, v, scale, torch.tensor([ctx]), causal=True)[0]
     return out
+
+
+def _gather(k_cache, v_cache, block_tables, ctx: int):
+    """K and V of the first `ctx` slots of each row's blocks: [B, ctx, Hk, D] each (fp32)."""
+    nblocks = -(-ctx // k_cache.shape[1])
+    blocks = block_tables[:, :nblocks].long()
+    shape = (blocks.shape[0], -1) + k_cache.shape[2:]
+    return (k_cache[blocks].reshape(shape)[:, :ctx].float(), v_cache[blocks].reshape(shape)[:, :ctx].float())
+
+
+def _attend(q, k, v, scale, seq_lens, causal: bool):
+    """q: [B, n, Hq, D] (the last n positions of each context), k/v: [B, N, Hk, D] -> [B, n, Hq, D].
+    Query heads are grouped by their KV head, so GQA needs no copy of K or V."""
+    b, n, hq, d = q.shape
+    hk, kv_len = k.shape[2], k.shape[1]
+    qg = q.float().reshape(b, n, hk, hq // hk, d).permute(0, 2, 3, 1, 4)         # [B, Hk, G, n, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale        # [B, Hk, G, n, N]
+    k_pos = torch.arange(kv_len, device=q.device)
+    lens = seq_lens.to(q.device)
+    mask = k_pos[None, None, :] >= lens[:, None, None]                           # past this sequence's context
+    if causal:
+        q_pos = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]
+        mask = mask | (k_pos[None, None, :] > q_pos[:, :, None])
+    scores = scores.masked_fill(mask[:, None, None], float("-inf"))
+    o = torch.matmul(scores.softmax(-1), v.permute(0, 2, 1, 3).unsqueeze(2))     # [B, Hk, G, n, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(b, n, hq, d).to(q.dtype)
+
+
+def _decode_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """All single-token sequences at once, padded to the longest context (seq_len 0 rows give zeros)."""
+    lens = md.seq_lens_cpu[:md.num_decodes]
+    longest = max(lens)
+    if longest == 0:
+        return torch.zeros_like(q)
+    k, v = _gather(k_cache, v_cache, md.block_tables[:md.num_decodes], longest)
+    seq_lens = torch.tensor(lens)
+    out = _attend(q.unsqueeze(1), k, v, scale, seq_lens.clamp(min=1), causal=False)[:, 0]
+    return torch.where((seq_lens > 0).to(q.device)[:, None, None], out, torch.zeros_like(out))
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
