@@ -85,19 +85,16 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             queue.sort(key=self._key)
         out = SchedulerOutput(scheduled=[], num_scheduled_tokens={})
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
-            self._schedule_waiting(out, budget)
+            self._admit(out)
         now = time.time()
         for req in out.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -113,43 +110,50 @@ class Scheduler:
                 i += 1
                 continue
             break
-        return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.swapped[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_swap_in(req, n):
-                break
-            self.swapped.pop(0)
-            copies = self.kv.swap_in(req)
-            out.blocks_to_swap_in.extend(copies)
-            self.counters.num_swap_ins += 1
-            self.counters.num_blocks_swapped_in += len(copies)
-            assert self.kv.allocate_slots(req, n)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add(out, req, n)
-            budget -= n
-        return budget
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Bring in swapped-out and waiting requests in policy order, stopping at the first that does not fit
+        (so nothing overtakes a more important request that is still waiting for room)."""
+        for req in sorted(self.swapped + self.waiting, key=self._key):
+            budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            admitted = self._swap_in(out, req, budget) if req.status == RequestStatus.SWAPPED \
+                else self._start(out, req, budget)
+            if not admitted:
+                return
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_cached, budget)
-            while not self.kv.allocate_slots(req, n, hits):
-                victim = self._priority_victim(req)
-                if victim is None:
-                    return
-                self._preempt(victim, out)
-            self.waiting.remove(req)   # not pop(0): a recompute victim may have been put in front
-            req.num_computed_tokens = num_cached
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, num_cached)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add(out, req, n)
-            budget -= n
+    def _swap_in(self, out: SchedulerOutput, req: Request, budget: int) -> bool:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self.kv.can_swap_in(req, n):
+            return False
+        self.swapped.remove(req)
+        copies = self.kv.swap_in(req)
+        out.blocks_to_swap_in.extend(copies)
+        self.counters.num_swap_ins += 1
+        self.counters.num_blocks_swapped_in += len(copies)
+        assert self.kv.allocate_slots(req, n)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._add(out, req, n)
+        return True
+
+    def _start(self, out: SchedulerOutput, req: Request, budget: int) -> bool:
+        hits, num_cached = self.kv.get_computed_blocks(req)
+        n = min(req.num_tokens - num_cached, budget)
+        while not self.kv.allocate_slots(req, n, hits):
+            victim = self._priority_victim(req)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            n = min(req.num_tokens - num_cached, self.max_num_batched_tokens - out.total_num_scheduled_tokens)
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_cached
+        req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, num_cached)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._add(out, req, n)
+        return True
 
     def _priority_victim(self, incoming: Request) -> Request | None:
         """Under the priority policy a waiting request may push out a strictly less important running one."""
