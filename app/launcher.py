@@ -1,0 +1,257 @@
+"""`python -m app start [--model PATH] [--detach] [engine flags…] | stop | status`
+
+start: resolve the model, start `python -m engine` (output in vllm.log, echoed here while it loads), wait for
+its /health, start `python -m proxy` (proxy.log), print the URL, then supervise: if either process exits, stop
+the other and say why. Ctrl-C, SIGTERM or `python -m app stop` stop both (proxy first, then engine).
+Ports come from ENGINE_PORT (3001) and PROXY_PORT (8000); see app/settings.py for the rest.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from app import control, procs
+from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
+from app.settings import REPO, Settings
+
+POLL_S = 0.3
+
+
+class StopRequested(Exception):
+    pass
+
+
+def _raise_stop(signum, _frame):
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def say(msg: str = "") -> None:
+    print(f"[app] {msg}" if msg else "", flush=True)
+
+
+def split_engine_args(args: list[str]) -> tuple[list[str], str | None]:
+    """Engine flags without --api-key (its value is handed over by environment, not shown in `ps`)."""
+    out, key, i = [], None, 0
+    while i < len(args):
+        if args[i] == "--api-key" and i + 1 < len(args):
+            key, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith("--api-key="):
+            key = args[i].split("=", 1)[1]
+        else:
+            out.append(args[i])
+        i += 1
+    for flag in ("--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in out):
+            raise SystemExit(f"[app] set the engine's address with ENGINE_HOST / ENGINE_PORT, not {flag}")
+    return out, key
+
+
+def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[str]:
+    cmd = [s.python, "-m", "engine", "--model", str(model.path), "--host", s.engine_host,
+           "--port", str(s.engine_port)]
+    if not any(a.startswith("--served-model-name") for a in extra):
+        cmd += ["--served-model-name", model.served_name]
+    if model.demo:
+        cmd.append("--demo-model")  # the engine reports demo_model: true in /stats; the page shows a banner
+    return cmd + extra
+
+
+def demo_notice(model: ResolvedModel) -> None:
+    say("-" * 78)
+    say(f"NOTE: running the built-in demo model {model.served_name}: small and TEXT-ONLY, so answers are")
+    say("simple and images are not understood. No model was given and none was found in the Hugging Face cache.")
+    say(f"To use {TARGET_NAME}:  ./run_app.sh --model /path/to/{TARGET_NAME}   (or set MODEL_PATH)")
+    say("-" * 78)
+
+
+class Supervisor:
+    """One run: the engine and the proxy as children of this process."""
+
+    def __init__(self, s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None):
+        self.s, self.model, self.engine_args, self.api_key = s, model, engine_args, api_key
+        self.engine: subprocess.Popen | None = None
+        self.proxy: subprocess.Popen | None = None
+
+    def _children(self):
+        return (("proxy", self.proxy, self.s.proxy_log), ("engine", self.engine, self.s.engine_log))
+
+    def start_engine(self) -> None:
+        procs.rotate(self.s.engine_log)
+        env = {"VLLM_API_KEY": self.api_key} if self.api_key else {}
+        cmd = engine_command(self.s, self.model, self.engine_args)
+        say("engine: " + " ".join(cmd))
+        self.engine = procs.spawn(cmd, self.s.engine_log, env=env, cwd=REPO)
+        procs.write_pid(control.pid_file(self.s, "engine"), self.engine.pid, "engine")
+
+    def wait_engine(self) -> None:
+        """Echo the engine's log until /health answers 200; fail if it exits or takes too long."""
+        say(f"waiting for the engine at {self.s.engine_url}/health (log: {self.s.engine_log})")
+        follower = procs.LogFollower(self.s.engine_log)
+        start = last_output = time.monotonic()
+        while True:
+            for line in follower.new_lines():
+                print(f"  [engine] {line}", flush=True)
+                last_output = time.monotonic()
+            if self.engine.poll() is not None:
+                for line in follower.new_lines():
+                    print(f"  [engine] {line}", flush=True)
+                raise RuntimeError(f"the engine exited with code {self.engine.returncode} while starting; "
+                                   f"see {self.s.engine_log}")
+            if procs.http_status(self.s.engine_url + "/health", timeout=1.0) == 200:
+                say(f"engine ready after {time.monotonic() - start:.1f}s")
+                return
+            waited = time.monotonic() - start
+            if waited > self.s.engine_start_timeout:
+                raise RuntimeError(f"the engine was not ready after {waited:.0f}s (ENGINE_START_TIMEOUT)")
+            if time.monotonic() - last_output > 15:
+                say(f"… still loading ({waited:.0f}s)")
+                last_output = time.monotonic()
+            time.sleep(POLL_S)
+
+    def start_proxy(self) -> None:
+        procs.rotate(self.s.proxy_log)
+        cmd = [self.s.python, "-m", "proxy", "--host", self.s.proxy_host, "--port", str(self.s.proxy_port),
+               "--engine-url", self.s.engine_url, "--static-dir", str(self.s.static_dir)]
+        env = {"ENGINE_API_KEY": self.api_key} if self.api_key else {}
+        self.proxy = procs.spawn(cmd, self.s.proxy_log, env=env, cwd=REPO)
+        procs.write_pid(control.pid_file(self.s, "proxy"), self.proxy.pid, "proxy")
+        deadline = time.monotonic() + 30
+        # Any answer from /api/health (200, or 503 if the engine just died) means the proxy is listening.
+        while procs.http_status(self.s.proxy_url + "/api/health", timeout=1.0) is None:
+            if self.proxy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not start; see {self.s.proxy_log}:\n  "
+                                   + "\n  ".join(procs.tail(self.s.proxy_log, 15)))
+            time.sleep(POLL_S)
+
+    def supervise(self) -> str:
+        """Block until a child exits; return why."""
+        while True:
+            for role, proc, log in self._children():
+                if proc.poll() is not None:
+                    lines = "\n  ".join(procs.tail(log, 15))
+                    return f"the {role} exited unexpectedly (code {proc.returncode}); last lines of {log}:\n  {lines}"
+            time.sleep(POLL_S)
+
+    def stop_all(self) -> None:
+        for role, proc, _ in self._children():  # proxy first: no new requests reach a stopping engine
+            if proc is not None and proc.poll() is None:
+                say(f"stopping {role} (pid {proc.pid})…")
+                procs.stop_tree(proc.pid)
+            elif proc is not None:
+                procs.stop_tree(proc.pid, timeout=2)  # its own children may outlive it
+            procs.remove(control.pid_file(self.s, role))
+
+
+def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None) -> int:
+    for role, host, port, var in (("engine", s.engine_host, s.engine_port, "ENGINE_PORT"),
+                                  ("proxy", s.proxy_host, s.proxy_port, "PROXY_PORT")):
+        if not procs.port_free(host, port):
+            say(f"port {port} ({role}) is already in use; stop what uses it or set {var}.")
+            return 1
+    sup = Supervisor(s, model, engine_args, api_key)
+    procs.write_pid(control.pid_file(s, "supervisor"), os.getpid(), "supervisor")
+    control.write_state(s, status="starting", model=model.describe(), pid=os.getpid())
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    code = 0
+    try:
+        say(f"model: {model.describe()}")
+        if model.demo:
+            demo_notice(model)
+        sup.start_engine()
+        sup.wait_engine()
+        sup.start_proxy()
+        control.write_state(s, status="ready", url=s.proxy_url + "/", model=model.describe(), pid=os.getpid())
+        say("=" * 78)
+        say(f"Ready. Open {s.proxy_url}/ in your browser.")
+        if s.proxy_host in ("0.0.0.0", "::"):
+            say(f"(listening on all interfaces, port {s.proxy_port})")
+        say(f"Engine API: {s.engine_url}/v1  ·  KV stats: curl {s.engine_url}/stats")
+        say(f"Logs: {s.engine_log}, {s.proxy_log}.  Stop: Ctrl-C or ./start_all.sh stop")
+        if model.demo:
+            say(f"(demo model: text only; for images run ./run_app.sh --model /path/to/{TARGET_NAME})")
+        say("=" * 78)
+        reason = sup.supervise()
+        say(reason)
+        code = 1
+    except StopRequested as sig:
+        say(f"{sig} received, shutting down.")
+    except RuntimeError as err:
+        say(f"error: {err}")
+        code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        control.write_state(s, status="stopping", pid=os.getpid())
+        sup.stop_all()
+        control.clear_run_dir(s)
+        say("stopped.")
+    return code
+
+
+def start_detached(s: Settings, argv: list[str]) -> int:
+    """Run the supervisor in the background (its output in launcher.log); return once the app is ready."""
+    procs.rotate(s.launcher_log)
+    procs.remove(control.state_file(s))
+    child = procs.spawn([s.python, "-m", "app", "start", *argv], s.launcher_log, cwd=REPO, tie_to_parent=False)
+    follower = procs.LogFollower(s.launcher_log)
+    try:
+        while True:
+            for line in follower.new_lines():
+                print(line, flush=True)
+            if control.read_state(s).get("status") == "ready" and child.poll() is None:
+                print(f"[app] running in the background (pid {child.pid}); stop with ./start_all.sh stop", flush=True)
+                return 0
+            if child.poll() is not None:
+                for line in follower.new_lines():
+                    print(line, flush=True)
+                return child.returncode or 1
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        child.terminate()
+        child.wait(60)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    s = Settings.from_env()
+    command = argv.pop(0) if argv else "help"
+    if command == "stop":
+        return control.stop(s)
+    if command == "status":
+        return control.status(s)
+    if command != "start":
+        print(__doc__)
+        return 0 if command in ("help", "-h", "--help") else 2
+    detach = "--detach" in argv
+    argv = [a for a in argv if a != "--detach"]
+    alive = control.running(s)
+    if alive:
+        say(f"already running ({', '.join(f'{r} pid {p.pid}' for r, p in alive.items())}); "
+            "stop it first: ./start_all.sh stop")
+        return 1
+    control.clear_run_dir(s)  # stale files of a run that was killed
+    model_arg, rest = None, []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--model":
+            model_arg = next(it, None)
+        elif arg.startswith("--model="):
+            model_arg = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    try:
+        model = resolve_model(model_arg)
+    except ModelNotFound as err:
+        say(f"error: {err}")
+        return 2
+    if detach:
+        return start_detached(s, argv)  # the background launcher resolves the same model again
+    engine_args, key = split_engine_args(rest)
+    key = key or os.environ.get("ENGINE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return start(s, model, engine_args, key)

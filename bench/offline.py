@@ -1,0 +1,113 @@
+"""Offline engine benchmark (no HTTP): TTFT, batch-1 decode, throughput at 64 and 256 requests, and GPU memory
+growth over 10 chat rounds. Random token-id prompts, fixed output lengths (ignore_eos).
+
+    python bench/offline.py --model DIR [--load-format dummy] [--out results.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    """`vocab`: the tokenizer's base vocabulary (no special tokens, so no stray image placeholders)."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(vocab // 10, vocab) for _ in range(length)]} for _ in range(n)]
+
+
+def timed_generate(llm: LLM, prompts, params) -> float:
+    sync()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    sync()
+    return time.perf_counter() - start
+
+
+def ttft(llm: LLM, length: int, vocab: int, repeats: int = 5) -> float:
+    """Median time to the first token of a single request (one prefill step + sampling)."""
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = [timed_generate(llm, random_prompts(1, length, vocab, seed=s), one) for s in range(repeats)]
+    return sorted(times)[len(times) // 2]
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, new: int, vocab: int) -> dict:
+    """Decode speed at a batch size: (time for `new` tokens - time for 1 token) / (new - 1) per step."""
+    prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
+    t1 = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    tn = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    step = (tn - t1) / (new - 1)
+    return {"batch": batch, "prompt": prompt_len, "new": new, "ms_per_step": step * 1e3,
+            "decode_tok_s": batch / step, "total_s": tn}
+
+
+def throughput(llm: LLM, n: int, prompt_len: int, new: int, vocab: int) -> dict:
+    """All requests submitted at once; output tokens / wall time, prefill included."""
+    prompts = random_prompts(n, prompt_len, vocab, seed=7 + n)
+    t = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    return {"requests": n, "prompt": prompt_len, "new": new, "seconds": t, "output_tok_s": n * new / t}
+
+
+def memory_growth(llm: LLM, rounds: int = 10) -> dict:
+    """Chat for `rounds` rounds re-sending the history; device memory allocated after each round."""
+    history, readings = [], []
+    params = SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True, seed=1)
+    for i in range(rounds):
+        history.append({"role": "user", "content": f"Round {i}: tell me more about paged attention."})
+        [out] = llm.chat(history, params)
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+        sync()
+        readings.append(torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
+    return {"rounds": rounds, "allocated_bytes": readings, "growth_bytes": readings[-1] - readings[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke test of this script)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=10240)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=256,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.85,
+              **({"num_gpu_blocks_override": 512} if args.quick else {}))
+    vocab = llm.get_tokenizer().vocab_size
+    res = {"startup_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+           else "cpu", "num_gpu_blocks": llm.engine.num_gpu_blocks}
+    small = args.quick
+    timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    res["ttft_512_ms"] = ttft(llm, 64 if small else 512, vocab) * 1e3
+    res["ttft_8192_ms"] = ttft(llm, 256 if small else 8192, vocab, repeats=3) * 1e3
+    res["decode"] = [decode_rate(llm, b, 64 if small else 512, 16 if small else 128, vocab)
+                     for b in ((1, 4) if small else (1, 8, 64, 256))]
+    res["throughput"] = [throughput(llm, n, 64 if small else 512, 16 if small else 256, vocab)
+                         for n in ((4, 8) if small else (64, 256))]
+    res["memory"] = memory_growth(llm, 3 if small else 10)
+    print(json.dumps(res, indent=1))
+    print(f"\n| metric | value |\n|---|---|\n| TTFT 512 | {res['ttft_512_ms']:.1f} ms |"
+          f"\n| TTFT 8192 | {res['ttft_8192_ms']:.1f} ms |")
+    for d in res["decode"]:
+        print(f"| decode batch {d['batch']} | {d['ms_per_step']:.2f} ms/step, {d['decode_tok_s']:.0f} tok/s |")
+    for t in res["throughput"]:
+        print(f"| {t['requests']} x {t['prompt']}/{t['new']} | {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.2f} s) |")
+    print(f"| memory growth over {res['memory']['rounds']} rounds | {res['memory']['growth_bytes']} bytes |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

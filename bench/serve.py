@@ -1,0 +1,144 @@
+"""Serving benchmark over HTTP against the real server, reported as `vllm bench serve` does: TTFT, TPOT, ITL and
+end-to-end latency (p50/p99) and output tok/s at several concurrency levels; plus time to first token of a chat
+request carrying one 1024x1024 PNG as a data URL.
+
+    python bench/serve.py --url http://127.0.0.1:3001 --concurrency 1 8 64 256 --out serve.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import statistics
+import time
+
+import aiohttp
+import numpy as np
+from PIL import Image
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+async def stream_request(session, url: str, payload: dict) -> dict:
+    """One streamed request: arrival times of every content chunk, and the completion token count."""
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"ttft": stamps[0] - start, "itl": np.diff(stamps).tolist(), "e2e": end - start, "tokens": tokens}
+
+
+async def run_level(base: str, model: str, concurrency: int, num_prompts: int, prompt_len: int, out_len: int,
+                    vocab: int) -> dict:
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(vocab // 10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(p):
+            async with sem:
+                return await stream_request(session, f"{base}/v1/completions", {
+                    "model": model, "prompt": p, "max_tokens": out_len, "ignore_eos": True, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}})
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] * 1e3 for r in results]
+    itl = [x * 1e3 for r in results for x in r["itl"]]
+    tpot = [(r["e2e"] - r["ttft"]) / max(r["tokens"] - 1, 1) * 1e3 for r in results]
+    e2e = [r["e2e"] * 1e3 for r in results]
+    out_tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "num_prompts": num_prompts, "prompt_len": prompt_len, "output_len": out_len,
+            "wall_s": wall, "output_tok_s": out_tokens / wall, "completed_tokens": out_tokens,
+            **{f"{name}_{stat}_ms": fn(vals) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl),
+                                                                 ("e2e", e2e))
+               for stat, fn in (("p50", lambda v: pct(v, 50)), ("p99", lambda v: pct(v, 99)),
+                                ("mean", lambda v: statistics.fmean(v) if v else float("nan")))}}
+
+
+def png_data_url(size: int = 1024, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def image_ttft(base: str, model: str, repeats: int) -> dict:
+    """Chat with one 1024x1024 PNG (a fresh image each time: no encoder-cache hits) + a short question."""
+    urls = [png_data_url(1024, seed) for seed in range(repeats + 1)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        times = []
+        for i, url in enumerate(urls):
+            r = await stream_request(session, f"{base}/v1/chat/completions", {
+                "model": model, "max_tokens": 1, "stream": True, "temperature": 0.0,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": "What is in this image?"}]}]})
+            if i:   # the first one is a warm-up
+                times.append(r["ttft"] * 1e3)
+    return {"repeats": repeats, "ttft_p50_ms": pct(times, 50), "ttft_min_ms": min(times), "all_ms": times}
+
+
+async def main_async(args) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{args.url}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+    res = {"model": model, "levels": []}
+    if args.image:
+        res["image"] = await image_ttft(args.url, model, args.image_repeats)
+        print("image TTFT", json.dumps(res["image"]))
+    await run_level(args.url, model, 4, 4, 64, 8, args.vocab)   # warm-up
+    for c in args.concurrency:
+        n = args.num_prompts or max(4, 2 * c if c < 256 else c)
+        level = await run_level(args.url, model, c, n, args.prompt_len, args.output_len, args.vocab)
+        res["levels"].append(level)
+        print(json.dumps(level))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", default="http://127.0.0.1:3001")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
+    ap.add_argument("--image", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--image-repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res = asyncio.run(main_async(args))
+    print("\n| concurrency | output tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for lv in res["levels"]:
+        print(f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | "
+              f"{lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | {lv['itl_p50_ms']:.2f} / {lv['itl_p99_ms']:.2f} | "
+              f"{lv['e2e_p50_ms']:.0f} / {lv['e2e_p99_ms']:.0f} |")
+    if "image" in res:
+        print(f"| image 1024x1024 TTFT p50 | {res['image']['ttft_p50_ms']:.1f} ms |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

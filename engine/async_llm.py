@@ -1,0 +1,165 @@
+"""AsyncLLM: the engine loop on its own thread, fed and drained by an asyncio server.
+
+Requests are validated (and their images decoded) in the caller's executor, so a bad request fails with a
+clear error before any stream starts; only valid requests cross to the engine thread, through a command
+queue that the loop drains between steps. Each step's outputs go back to the owning coroutine's queue via
+call_soon_threadsafe. A client that goes away aborts its request at the next step boundary, freeing its
+blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.args import EngineArgs
+from engine.errors import EngineError, EngineOverloadedError
+from engine.inputs.types import ProcessedPrompt
+from engine.llm_engine import LLMEngine
+from engine.logger import init_logger
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, max_pending: int = 4096):
+        self.engine = LLMEngine(args)
+        self.model_name = self.engine.model_name
+        self.max_pending = max_pending
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    def stats(self) -> dict:
+        return self.engine.get_stats()
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None) -> ProcessedPrompt:
+        """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError)."""
+        ip = self.engine.input_processor
+        return await asyncio.get_running_loop().run_in_executor(
+            None, ip.process_chat, messages, add_generation_prompt, chat_template_kwargs)
+
+    async def process_prompt(self, prompt) -> ProcessedPrompt:
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.process_prompt, prompt)
+
+    def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
+        """Raise PromptTooLongError etc. now, not after the stream has begun. Returns the resolved max_tokens."""
+        return self.engine._check_lengths(prompt, params)
+
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs (one per step that produced text). Cancelling the consumer, or leaving
+        the loop early, aborts the request in the engine."""
+        if not self.is_healthy:
+            raise EngineOverloadedError("the engine loop is not running", code="engine_dead")
+        if len(self._streams) >= self.max_pending:
+            raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)}); retry shortly",
+                                        code="overloaded")
+        self.check_request(prompt, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, priority, time.time()))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt, params, priority, arrival = command
+                if rid not in self._streams:       # the client left before the request reached the engine
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
+                except EngineError as e:
+                    self._deliver(rid, e)
+            else:
+                out = self.engine.abort_request(command[1])
+                if out is not None:
+                    self._deliver(command[1], out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                for out in self._step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:   # noqa: BLE001 - the loop must never die silently
+            self.dead_error = e
+            logger.exception("engine loop died")
+            for rid in list(self._streams):
+                self._deliver(rid, EngineOverloadedError(f"the engine failed: {e}", code="engine_dead"))
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:   # noqa: BLE001 - fail the requests of this step, keep serving the others
+            logger.exception("engine step failed; aborting the running requests")
+            failed = [r.request_id for r in list(self.engine.scheduler.running)]
+            for rid in failed:
+                self.engine.abort_request(rid)
+                self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
+            return []

