@@ -132,6 +132,10 @@ class AsyncLLM:
                     self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
                 except EngineError as e:
                     self._deliver(rid, e)
+                except Exception as e:   # noqa: BLE001 - a bug in one request must not stop the loop
+                    logger.exception("could not add request %s", rid)
+                    self._deliver(rid, EngineError(f"could not start the request: {type(e).__name__}: {e}",
+                                                   code="add_failed"))
             else:
                 out = self.engine.abort_request(command[1])
                 if out is not None:

@@ -92,10 +92,14 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already running", param="request_id")
         max_tokens = self._check_lengths(processed, params)
+        bad = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+        if bad:
+            raise InvalidInputError(f"stop_token_ids {bad} are outside the vocabulary (size "
+                                    f"{self.model_config.vocab_size})", param="stop_token_ids")
         req = Request(request_id, processed, params, self.model_config.eos_token_ids, max_tokens, priority,
                       arrival_time)
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
         self.outputs.add(req)
         self.scheduler.add_request(req)
         return req

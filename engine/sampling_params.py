@@ -30,6 +30,10 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise InvalidInputError("stop must be a string or a list of strings", param="stop")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidInputError("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -41,6 +45,17 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def _validate(self) -> None:
+        numbers = [("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
+                   ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                   ("repetition_penalty", self.repetition_penalty)]
+        for param, value in numbers:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidInputError(f"{param} must be a number", param=param)
+        ints = [("top_k", self.top_k), ("n", self.n), ("min_tokens", self.min_tokens)]
+        ints += [(name, v) for name, v in (("max_tokens", self.max_tokens), ("logprobs", self.logprobs)) if v is not None]
+        for param, value in ints:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInputError(f"{param} must be an integer", param=param)
         checks = [
             (self.n == 1, "n", "only n=1 is supported"),
             (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be in [0, 100]"),
@@ -59,7 +74,8 @@ class SamplingParams:
             (len(self.stop_strings) <= 16, "stop", "at most 16 stop strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative integers"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
+             "seed must be a 64-bit integer"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -1,0 +1,28 @@
+"""The engine's HTTP server: an OpenAI-compatible API (chat, completions, models) plus /health, /stats,
+/metrics and /version, on aiohttp, in front of AsyncLLM.
+
+| file            | holds                                                                       |
+|-----------------|-----------------------------------------------------------------------------|
+| cli.py          | the flags: EngineArgs' vLLM flags plus --host/--port/--api-key/...         |
+| serve.py        | start-up: logging, the engine, the listening socket, signals, shutdown      |
+| app.py          | the aiohttp app: routes, middlewares, shared state; the small GET routes    |
+| middleware.py   | access log and errors -> OpenAI-shaped JSON                                 |
+| auth.py         | the Bearer API key on /v1                                                   |
+| errors.py       | the OpenAI error body and the HTTP-only errors (401, 404 model)             |
+| protocol.py     | request bodies -> typed fields and SamplingParams                           |
+| defaults.py     | default sampling parameters (generation_config.json, as vLLM's auto mode)   |
+| state.py        | ServerState: what every handler shares; the shutdown drain                  |
+| serving.py      | one generation: admission, streaming or collecting, metrics                 |
+| chat.py         | POST /v1/chat/completions                                                   |
+| completions.py  | POST /v1/completions                                                        |
+| logprobs.py     | engine logprobs -> the two OpenAI logprobs shapes                           |
+| sse.py          | the Server-Sent Events writer                                               |
+| metrics.py      | Prometheus text for /metrics                                                |
+"""
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Imported here so that `python -m engine --help` parses flags without importing torch.
+    from engine.server.serve import run
+    run(argv)

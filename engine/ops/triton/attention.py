@@ -4,12 +4,13 @@ encoder's non-causal varlen attention. Semantics: engine/ops/attention.py (the `
 All three share `_attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
 scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
 (token n of a sequence lives at block_tables[n // block_size], row n % block_size) or contiguously. A token's
-head row (D contiguous elements) is the unit of coalescing either way, so any power-of-two block size, 1
-included, takes the same path at the same speed.
+head row (D contiguous elements) is the unit of coalescing either way, so every block size (1, 16, 32, ...;
+any positive integer works, powers of two turn // and % into shifts) takes the same code path.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -63,8 +64,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    DOT_PREC: tl.constexpr):
-    # Grid (decode seq, kv head, split). All GROUP query heads of a kv head share the program, so each K/V
-    # tile is read from memory once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows.
+    # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
+    # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
+    # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,11 +134,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    # Grid (query block, q head). Query block b of prefill sequence i has the global id
+    # Grid (q head, query block); the head varies fastest, so the heads sharing a kv head run side by side
+    # and reuse its K/V from L2. Query block b of prefill sequence i has the global id
     # qsl[i] // BLOCK_M + i + b: ids increase with i and each sequence owns at least cdiv(q_len, BLOCK_M)
     # of them, so a binary search over query_start_loc finds the owner on the device (no host work list).
     # Ids are taken in reverse so the last blocks of long prompts (the most keys) start first.
-    target = tl.load(qsl_ptr + num_decodes) // BLOCK_M + num_decodes + (tl.num_programs(0) - 1 - tl.program_id(0))
+    head = tl.program_id(0)
+    target = tl.load(qsl_ptr + num_decodes) // BLOCK_M + num_decodes + (tl.num_programs(1) - 1 - tl.program_id(1))
     lo: tl.int32 = num_decodes
     hi: tl.int32 = num_seqs
     while lo < hi:  # first sequence whose first id is > target; the owner is the one before it
@@ -146,7 +150,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
         else:
             hi = mid
     seq = lo - 1
-    head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     m0 = (target - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query row of this block in the sequence
@@ -186,11 +189,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
     # Grid (query block, segment, head); max_seqlen sizes axis 0, so blocks past a short segment exit idle.
     m0 = tl.program_id(0) * BLOCK_M
     seg = tl.program_id(1)
     head = tl.program_id(2)
+    # Head offsets are multiples of ALIGN elements (host-checked). With head_dim 72 the head stride (72) is
+    # no multiple of 16, so without the hint the compiler cannot prove 16-byte alignment and falls back to
+    # narrow, unpipelined loads.
+    q_head = tl.multiple_of(head * stride_qh, ALIGN)
+    k_head = tl.multiple_of(head * stride_kh, ALIGN)
+    o_head = tl.multiple_of(head * stride_oh, ALIGN)
     start = tl.load(cu_ptr + seg)
     seg_len = tl.load(cu_ptr + seg + 1) - start
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -198,14 +207,14 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
     m_mask = offs_m < seg_len
     d_mask = offs_d < HEAD_DIM  # head_dim 72 runs padded to 128: zero columns add nothing to q.k
     q_rows = (start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     kv_hi = tl.where(m0 < seg_len, seg_len, 0)
     full_hi = kv_hi // BLOCK_N * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kv_off = start.to(tl.int64) * stride_kt + head * stride_kh
+    kv_off = start.to(tl.int64) * stride_kt + k_head
     # Whole tiles without a mask, then the segment's ragged last tile with one.
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, 0, full_hi, offs_m,
                             qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
@@ -214,7 +223,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
                             qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
                             PAGED=False, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + o_head + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -234,10 +243,22 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(tiles), MAX_SPLITS))
 
 
-def _prefill_config(head_dim_padded: int, dtype: torch.dtype):
+def _decode_config(dtype: torch.dtype, device: torch.device):
+    """(BLOCK_N, num_warps, num_stages). fp32 (tests only) takes the FMA path of tl.dot, which at 4 warps
+    spills registers on sm_90; 8 warps and half the tile keep it spill-free. The CPU interpreter runs the
+    production tiles whatever the dtype (fewer, larger tiles are also what make it fast)."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return DECODE_BLOCK_N // 2, 8, 2
+    return DECODE_BLOCK_N, 4, 3
+
+
+def _prefill_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128x64 tiles, 8 warps for D=128 (two warpgroups for
-    Hopper's wgmma, ~128 KB of shared memory at 3 stages); smaller tiles for fp32 and wide heads."""
-    if dtype == torch.float32 or head_dim_padded > 128:
+    Hopper's wgmma; ~186 registers, ~98 KB of shared memory at 3 stages, no spills when built for sm_90).
+    fp32 (tests only) runs tl.dot on FMAs: 32x32 tiles, unpipelined, is the spill-free point there."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return 32, 32, 8, 1
+    if head_dim_padded > 128:
         return 64, 32, 4, 2
     return 128, 64, (4 if head_dim_padded <= 64 else 8), 3
 
@@ -252,7 +273,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
-    assert q.dtype == k_cache.dtype == v_cache.dtype and num_q_heads % num_kv_heads == 0
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
+    assert num_q_heads % num_kv_heads == 0
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
@@ -271,13 +293,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_lse = torch.empty((num_decodes, num_q_heads, splits), dtype=torch.float32, device=q.device)
         else:
             part_o = part_lse = out  # unused: the kernel writes the output directly
-        fp32 = q.dtype == torch.float32
+        block_n, warps, stages = _decode_config(q.dtype, q.device)
         _decode_kernel[(num_decodes, num_kv_heads, splits)](
             q, k_cache, v_cache, bt, md.seq_lens, out, part_o, part_lse, qk_scale,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N // 2 if fp32 else DECODE_BLOCK_N,
-            NUM_SPLITS=splits, DOT_PREC=prec, num_warps=4, num_stages=2 if fp32 else 3)
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec,
+            num_warps=warps, num_stages=stages)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
@@ -285,10 +307,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:
-        block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype)
+        block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype, q.device)
         # Number of query-block ids the prefill sequences own under the kernel's id scheme.
         blocks = (qsl[num_seqs] // block_m + num_seqs) - (qsl[num_decodes] // block_m + num_decodes)
-        _prefill_kernel[(blocks, num_q_heads)](
+        _prefill_kernel[(num_q_heads, blocks)](
             q, k_cache, v_cache, bt, md.seq_lens, md.query_start_loc, out, qk_scale, num_decodes, num_seqs,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
@@ -312,10 +334,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if num_tokens == 0 or num_segments <= 0 or max_seqlen <= 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype)
+    block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype, q.device)
     _varlen_kernel[(triton.cdiv(max_seqlen, block_m), num_segments, num_heads)](
         q, k, v, cu_seqlens, out, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        ALIGN=math.gcd(16, q.stride(1), k.stride(1), out.stride(1)), DOT_PREC=_dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)
     return out

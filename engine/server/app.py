@@ -1,0 +1,108 @@
+"""The aiohttp application: routes, middlewares and the small read-only routes.
+
+| route                          | auth | answers                                                      |
+|--------------------------------|------|--------------------------------------------------------------|
+| GET  /health                   | no   | 200 "ok" while the engine loop runs, else 503 + error JSON   |
+| GET  /v1/models[/{model}]      | key  | the served model (OpenAI list / model object)               |
+| POST /v1/chat/completions      | key  | chat.completion, or SSE chunks with stream: true             |
+| POST /v1/completions           | key  | text_completion, or SSE chunks with stream: true             |
+| GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
+| GET  /metrics                  | no   | Prometheus text                                              |
+| GET  /version                  | no   | {"version": ...}                                             |
+"""
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine import __version__
+from engine.errors import EngineOverloadedError
+from engine.server.auth import api_key_middleware
+from engine.server.chat import create_chat_completion
+from engine.server.cli import ServerArgs
+from engine.server.completions import create_completion
+from engine.server.errors import dumps, error_response
+from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from engine.server.metrics import render_metrics
+from engine.server.middleware import access_log_middleware, error_middleware
+from engine.server.state import STATE, ServerState
+
+SHUTDOWN_GRACE_S = 5.0      # how long running generations may go on after SIGTERM/SIGINT
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine.is_healthy:
+        return web.Response(text="ok")
+    reason = f": {engine.dead_error}" if engine.dead_error else ""
+    return error_response(EngineOverloadedError(f"the engine loop is not running{reason}", code="engine_dead"))
+
+
+def _model_card(state: ServerState) -> dict:
+    stats = state.engine.stats()
+    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"]}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]}, dumps=dumps)
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_model(request.match_info["model"])
+    return web.json_response(_model_card(state), dumps=dumps)
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response({**request.app[STATE].engine.stats(), "version": __version__}, dumps=dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name)
+    return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__}, dumps=dumps)
+
+
+ROUTES = [
+    web.get("/health", health, allow_head=False),
+    web.get("/v1/models", list_models, allow_head=False),
+    web.get("/v1/models/{model:.+}", retrieve_model, allow_head=False),
+    web.post("/v1/chat/completions", create_chat_completion),
+    web.post("/v1/completions", create_completion),
+    web.get("/stats", stats, allow_head=False),
+    web.get("/metrics", metrics, allow_head=False),
+    web.get("/version", version, allow_head=False),
+]
+
+
+def build_app(state: ServerState, args: ServerArgs) -> web.Application:
+    middlewares = [error_middleware(args.max_request_body_mb)]
+    if not args.disable_access_log:
+        middlewares.insert(0, access_log_middleware())     # outermost: it sees the final status
+    if args.api_key:
+        middlewares.append(api_key_middleware(args.api_key))
+    # client_max_size: aiohttp refuses larger bodies with 413 while reading them (turned into JSON above).
+    app = web.Application(middlewares=middlewares, client_max_size=args.max_request_body_bytes)
+    app[STATE] = state
+    app.add_routes(ROUTES)
+    app.on_shutdown.append(_drain_generations)
+    return app
+
+
+async def _drain_generations(app: web.Application) -> None:
+    await app[STATE].drain(SHUTDOWN_GRACE_S)
+
+
+def route_table(app: web.Application) -> list[tuple[str, str]]:
+    """(path, methods) for the start-up log, as vLLM lists its routes."""
+    table: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource else {}
+        path = info.get("path") or info.get("formatter") or "?"
+        table.setdefault(path, set()).add(route.method)
+    return [(path, ", ".join(sorted(methods))) for path, methods in table.items()]

@@ -1,0 +1,77 @@
+"""Command-line flags of `python -m engine`: the engine's vLLM flags (engine.args) plus the server's own.
+
+Only the standard library and engine.args are imported here, so `--help` and flag errors answer at once,
+before torch is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from engine.args import EngineArgs, add_cli_args, api_key_from_env
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 3001
+DEFAULT_MAX_REQUEST_BODY_MB = 32.0
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str
+    port: int
+    api_key: str | None
+    log_file: str | None
+    max_request_body_mb: float
+    generation_config: str           # "auto" (the model's generation_config.json), "vllm", or a directory
+    disable_access_log: bool
+    disable_log_requests: bool
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 1024 * 1024)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m engine",
+        description="OpenAI-compatible server on the paged-KV engine (flags named as in `vllm serve`).")
+    add_cli_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 exposes the API to the network)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 route (default: env VLLM_API_KEY)")
+    s.add_argument("--log-file", default=None, help="also append the log to this file, e.g. vllm.log")
+    s.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_REQUEST_BODY_MB,
+                   help="larger request bodies are refused with 413 (images travel inside the body)")
+    s.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' reads the model's generation_config.json, 'vllm' "
+                        "uses vLLM's defaults, or a directory holding a generation_config.json")
+    s.add_argument("--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
+                   help="no access-log line per HTTP request")
+    s.add_argument("--disable-log-requests", action="store_true", help="no log line per finished generation")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
+    parser = make_parser()
+    ns = parser.parse_args(argv)
+    if not 0 <= ns.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], not {ns.port}")
+    if ns.max_request_body_mb <= 0:
+        parser.error("--max-request-body-mb must be positive")
+    try:
+        engine_args = EngineArgs.from_cli(ns)
+    except ValueError as e:            # EngineArgs checks ranges and choices: a usage error, not a crash
+        parser.error(str(e))
+    server_args = ServerArgs(
+        host=ns.host, port=ns.port, api_key=api_key_from_env(ns.api_key), log_file=ns.log_file,
+        max_request_body_mb=ns.max_request_body_mb, generation_config=ns.generation_config,
+        disable_access_log=ns.disable_access_log, disable_log_requests=ns.disable_log_requests)
+    return engine_args, server_args

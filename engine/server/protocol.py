@@ -1,0 +1,198 @@
+"""Request bodies of /v1/chat/completions and /v1/completions -> typed fields and SamplingParams.
+
+As OpenAI and vLLM do, fields this server does not know are ignored; fields it knows are type-checked here
+(a wrong type is a 400 naming the field) and range-checked by SamplingParams. A few known fields that would
+change the answer if silently ignored (n > 1, best_of, echo, logit_bias, tools) are refused instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.errors import InvalidInputError
+from engine.sampling_params import SamplingParams
+from engine.server.defaults import SamplingDefaults
+
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
+
+
+async def read_json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
+    raw = await request.read()
+    if not raw.strip():
+        raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
+                                code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(body, dict):
+        raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
+                                code="invalid_json")
+    return body
+
+
+def _reject_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity; they are not JSON, and NaN would slip through range checks.
+    raise InvalidInputError(f"the request body is not valid JSON: {name} is not a JSON value", code="invalid_json")
+
+
+@contextlib.contextmanager
+def renamed_params(aliases: dict[str, str]) -> Iterator[None]:
+    """Errors raised inside name the field as this request spelled it (SamplingParams says max_tokens where the
+    chat request sent max_completion_tokens; the engine says messages where a completion sent prompt)."""
+    try:
+        yield
+    except InvalidInputError as e:
+        if e.param in aliases:
+            e.param = aliases[e.param]
+        raise
+
+
+class Fields:
+    """Typed reads of a JSON object's fields. null means "not given", as in OpenAI's API."""
+
+    def __init__(self, body: dict[str, Any]):
+        self.body = body
+
+    def given(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def _get(self, name: str, ok: bool, what: str) -> Any:
+        if not ok:
+            value = self.body[name]
+            raise InvalidInputError(f"{name} must be {what}, got {_describe(value)}", param=name)
+        return self.body[name]
+
+    def boolean(self, name: str, default: bool) -> bool:
+        if not self.given(name):
+            return default
+        return self._get(name, isinstance(self.body[name], bool), "true or false")
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        if not self.given(name):
+            return default
+        value = self.body[name]
+        self._get(name, isinstance(value, int) and not isinstance(value, bool), "an integer")
+        if not _INT64_MIN <= value <= _INT64_MAX:     # torch tensors and generators hold 64-bit integers
+            raise InvalidInputError(f"{name} is out of range (it must fit in a 64-bit integer)", param=name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        if not self.given(name):
+            return default
+        value = self.body[name]
+        self._get(name, isinstance(value, (int, float)) and not isinstance(value, bool), "a number")
+        try:
+            return float(value)
+        except OverflowError:                          # an integer literal with hundreds of digits
+            raise InvalidInputError(f"{name} is out of range", param=name) from None
+
+    def string(self, name: str, default: str | None) -> str | None:
+        if not self.given(name):
+            return default
+        return self._get(name, isinstance(self.body[name], str), "a string")
+
+    def obj(self, name: str) -> dict[str, Any] | None:
+        if not self.given(name):
+            return None
+        return self._get(name, isinstance(self.body[name], dict), "an object")
+
+    def strings(self, name: str) -> str | list[str] | None:
+        if not self.given(name):
+            return None
+        value = self.body[name]
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        return self._get(name, ok, "a string or a list of strings")
+
+    def integers(self, name: str) -> list[int] | None:
+        if not self.given(name):
+            return None
+        value = self.body[name]
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return self._get(name, ok, "a list of integers")
+
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _describe(value: Any) -> str:
+    """`string "abc"`: the JSON type and a short excerpt of what was sent."""
+    text = json.dumps(value, ensure_ascii=False)
+    return f"{_JSON_TYPES.get(type(value), 'value')} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks of the server, beside the prompt and the sampling parameters."""
+    model: str | None
+    stream: bool
+    include_usage: bool          # stream_options.include_usage: a last chunk with the usage
+    priority: int
+
+
+def parse_options(f: Fields) -> RequestOptions:
+    stream = f.boolean("stream", False)
+    stream_options = f.obj("stream_options") or {}
+    if stream_options and not stream:
+        raise InvalidInputError("stream_options is only allowed when stream is true", param="stream_options")
+    with renamed_params({"include_usage": "stream_options.include_usage"}):
+        include_usage = Fields(stream_options).boolean("include_usage", False)
+    return RequestOptions(model=f.string("model", None), stream=stream, include_usage=include_usage,
+                          priority=f.integer("priority", 0))
+
+
+def refuse_unsupported(f: Fields) -> None:
+    """Known OpenAI/vLLM fields whose effect this server does not implement: refused rather than ignored."""
+    if f.integer("best_of", 1) != 1:
+        raise InvalidInputError("best_of > 1 is not supported; send n=1 requests", param="best_of")
+    if f.boolean("echo", False):
+        raise InvalidInputError("echo is not supported", param="echo")
+    if f.given("logit_bias") and f.body["logit_bias"] != {}:
+        raise InvalidInputError("logit_bias is not supported", param="logit_bias")
+    if f.given("tools") and f.body["tools"] != []:
+        raise InvalidInputError("tools (function calling) are not supported by this server", param="tools")
+
+
+def sampling_params(f: Fields, defaults: SamplingDefaults, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the body; max_tokens and logprobs come resolved from the endpoint's own fields."""
+    return SamplingParams(
+        n=f.integer("n", 1),
+        temperature=f.number("temperature", defaults.temperature),
+        top_p=f.number("top_p", defaults.top_p),
+        top_k=f.integer("top_k", defaults.top_k),
+        min_p=f.number("min_p", defaults.min_p),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
+        repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty),
+        seed=f.integer("seed", None),
+        stop=f.strings("stop"),
+        stop_token_ids=f.integers("stop_token_ids"),
+        ignore_eos=f.boolean("ignore_eos", False),
+        max_tokens=max_tokens,
+        min_tokens=f.integer("min_tokens", 0),
+        logprobs=logprobs,
+        skip_special_tokens=f.boolean("skip_special_tokens", True),
+        include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
+    )
+
+
+def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """SamplingParams cannot know the vocabulary; an id past it would fail inside the engine's step."""
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidInputError(f"stop_token_ids: token id {bad} is out of the vocabulary [0, {vocab_size})",
+                                param="stop_token_ids")
+
+
+def fit_default_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """A max_tokens the server chose (completions' 16, generation_config's max_new_tokens) is cut to the room
+    left after the prompt; only a max_tokens the client asked for is an error when it does not fit."""
+    if params.max_tokens is not None:
+        params.max_tokens = max(1, min(params.max_tokens, max_model_len - prompt_len))

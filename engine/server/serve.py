@@ -1,0 +1,91 @@
+"""Start-up and shutdown of `python -m engine`: flags, log file, the engine (model load, KV pool), then the
+socket. The port is bound only once the engine is ready, so a 200 from /health always means "serving"; SIGINT
+and SIGTERM stop accepting, give in-flight responses a few seconds, then stop the engine loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import MISSING, Field, asdict, fields
+
+from aiohttp import web
+
+from engine import __version__
+from engine.args import EngineArgs
+from engine.errors import ModelLoadError
+from engine.logger import add_log_file, init_logger
+from engine.server.cli import ServerArgs, parse_args
+
+logger = init_logger(__name__)
+
+
+def run(argv: list[str] | None = None) -> None:
+    engine_args, server_args = parse_args(argv)
+    if server_args.log_file:
+        add_log_file(server_args.log_file)
+    logger.info("engine server version %s", __version__)
+    logger.info("non-default args: %s", _describe_args(engine_args, server_args))
+
+    from engine.async_llm import AsyncLLM            # torch and the model code: only after the flags are good
+    from engine.server.app import build_app
+    from engine.server.defaults import load_sampling_defaults
+    from engine.server.state import ServerState
+
+    try:
+        engine = AsyncLLM(engine_args)
+    except ModelLoadError as e:
+        logger.error("cannot load the model: %s", e.message)
+        sys.exit(1)
+    defaults = load_sampling_defaults(engine_args.model, server_args.generation_config)
+    state = ServerState(engine=engine, served_model_name=engine.model_name, model_path=engine_args.model,
+                        sampling_defaults=defaults, log_requests=not server_args.disable_log_requests)
+    try:
+        code = asyncio.run(_serve(build_app(state, server_args), server_args))
+    finally:
+        engine.shutdown()
+    sys.exit(code)
+
+
+async def _serve(app: web.Application, args: ServerArgs) -> int:
+    from engine.server.app import route_table
+
+    # handler_cancellation: when a client disconnects, aiohttp cancels its handler at once, which closes the
+    # engine's output iterator and aborts the request, even while it is still waiting for its first token.
+    # Running generations get their grace period from the app's on_shutdown hook (ServerState.drain).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port, reuse_address=True).start()
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
+        await runner.cleanup()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("Available routes are:")
+    for path, methods in route_table(app):
+        logger.info("Route: %s, Methods: %s", path, methods)
+    logger.info("Started server process [%d]", os.getpid())
+    logger.info("Serving on %s (Press CTRL+C to quit)", args.url)
+    await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):     # a second Ctrl-C stops at once, without the grace period
+        loop.remove_signal_handler(sig)
+    logger.info("Shutting down")
+    await runner.cleanup()
+    return 0
+
+
+def _describe_args(engine_args: EngineArgs, server_args: ServerArgs) -> dict:
+    """Flags that differ from their defaults, for the start-up log; the API key itself is never logged."""
+    changed = {f.name: getattr(engine_args, f.name) for f in fields(EngineArgs)
+               if f.name == "model" or getattr(engine_args, f.name) != _default(f)}
+    server = asdict(server_args)
+    server["api_key"] = "(set)" if server_args.api_key else None
+    return {**changed, **server}
+
+
+def _default(f: Field):
+    return f.default_factory() if f.default_factory is not MISSING else f.default

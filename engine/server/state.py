@@ -1,0 +1,66 @@
+"""What every handler shares: the engine, the served model's name, the sampling defaults, the metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.async_llm import AsyncLLM
+from engine.logger import init_logger
+from engine.server.defaults import SamplingDefaults
+from engine.server.errors import NotFoundError
+from engine.server.logprobs import TokenText
+from engine.server.metrics import ServerMetrics
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_name: str
+    model_path: str
+    sampling_defaults: SamplingDefaults
+    log_requests: bool = True
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    token_text: TokenText = field(init=False)
+    generations: set[asyncio.Task] = field(default_factory=set)   # handler tasks inside serve_generation
+
+    def __post_init__(self) -> None:
+        self.token_text = TokenText(self.engine.engine.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    def check_model(self, requested: str | None) -> None:
+        """An omitted model means the served one (as vLLM); the model's path is accepted as an alias."""
+        if requested is None or requested in (self.served_model_name, self.model_path):
+            return
+        raise NotFoundError(f"the model `{requested}` does not exist; this server serves "
+                            f"`{self.served_model_name}` (see GET /v1/models)", param="model",
+                            code="model_not_found")
+
+    async def drain(self, grace_s: float) -> None:
+        """At shutdown: let running generations finish for up to grace_s, then cancel the rest, which aborts
+        them in the engine. (aiohttp itself only stops waiting for a handler; it does not cancel it.)"""
+        running = {task for task in self.generations if not task.done()}
+        if not running:
+            return
+        logger.info("Waiting up to %.0fs for %d running request(s) to finish", grace_s, len(running))
+        _, pending = await asyncio.wait(running, timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            logger.info("Cancelled %d request(s) still running at shutdown", len(pending))
+            await asyncio.wait(pending, timeout=1.0)
+
+
+STATE = web.AppKey("state", ServerState)

@@ -1,0 +1,117 @@
+"""The server in-process: engine failures a real tiny model cannot be made to produce on demand (a step that
+crashes mid-stream, a dead engine loop, a bug), through the real aiohttp app with a scripted stand-in for
+AsyncLLM; and the sampling defaults read from generation_config.json."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine.errors import EngineError, EngineOverloadedError
+from engine.inputs.types import ProcessedPrompt
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.server.app import build_app
+from engine.server.cli import ServerArgs
+from engine.server.defaults import SamplingDefaults, load_sampling_defaults
+from engine.server.state import ServerState
+
+MODEL = "scripted"
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def output(text: str, finished: bool = False, reason: str | None = None) -> RequestOutput:
+    completion = CompletionOutput(index=0, text=text, token_ids=[7], finish_reason=reason, text_delta=text,
+                                  token_ids_delta=[7])
+    return RequestOutput("r", None, [1, 2, 3], [completion], finished, RequestMetrics(arrival_time=0.0))
+
+
+class ScriptedLLM:
+    """Plays back `script` (outputs, or an exception to raise) for every request."""
+
+    def __init__(self, script: list, healthy: bool = True):
+        self.script = script
+        self.is_healthy = healthy
+        self.dead_error = None if healthy else RuntimeError("CUDA error: an illegal memory access")
+        self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x"), max_model_len=64,
+                                      model_config=SimpleNamespace(vocab_size=100))
+
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None):
+        return ProcessedPrompt(prompt_token_ids=[1, 2, 3])
+
+    def check_request(self, prompt, params) -> int:
+        return params.max_tokens
+
+    def stats(self) -> dict:
+        return {"multimodal": False, "demo_model": False}
+
+    async def generate(self, request_id, prompt, params, priority=0):
+        for item in self.script:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def call(llm: ScriptedLLM, method: str, path: str, body: dict | None = None) -> tuple[int, str, str]:
+    """(status, content type, body text) of one request to a fresh app around `llm`."""
+    async def run():
+        server_args = ServerArgs(host="127.0.0.1", port=0, api_key=None, log_file=None, max_request_body_mb=1.0,
+                                 generation_config="vllm", disable_access_log=False, disable_log_requests=False)
+        state = ServerState(engine=llm, served_model_name=MODEL, model_path=MODEL,
+                            sampling_defaults=SamplingDefaults())
+        async with TestClient(TestServer(build_app(state, server_args))) as client:
+            resp = await client.request(method, path, json=body)
+            return resp.status, resp.headers["Content-Type"], await resp.text()
+    return asyncio.run(run())
+
+
+def test_error_after_the_stream_began_is_an_event_then_done():
+    llm = ScriptedLLM([output("Hel"), EngineError("generation failed: RuntimeError: boom", code="step_failed")])
+    status, ctype, text = call(llm, "POST", "/v1/chat/completions", {**CHAT_BODY, "stream": True})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    error = json.loads(events[1])["error"]
+    assert error["code"] == "step_failed" and "boom" in error["message"]
+    assert events[2:] == ["[DONE]"]
+
+
+def test_a_dead_engine_answers_503():
+    llm = ScriptedLLM([EngineOverloadedError("the engine loop is not running", code="engine_dead")],
+                      healthy=False)
+    status, _, text = call(llm, "GET", "/health")
+    assert status == 503 and "illegal memory access" in json.loads(text)["error"]["message"]
+    for stream in (False, True):     # the first output is awaited before the stream starts: a real status
+        status, ctype, text = call(llm, "POST", "/v1/chat/completions", {**CHAT_BODY, "stream": stream})
+        assert status == 503 and ctype.startswith("application/json")
+        assert json.loads(text)["error"]["type"] == "service_unavailable"
+
+
+def test_a_bug_is_a_json_500_not_a_traceback():
+    status, ctype, text = call(ScriptedLLM([RuntimeError("a bug")]), "POST", "/v1/chat/completions", CHAT_BODY)
+    assert status == 500 and ctype.startswith("application/json")
+    error = json.loads(text)["error"]
+    assert error["code"] == "internal_error" and "a bug" in error["message"]
+
+
+def test_a_finished_stream_ends_with_done():
+    llm = ScriptedLLM([output("Hi"), output("!", finished=True, reason="stop")])
+    status, _, text = call(llm, "POST", "/v1/chat/completions",
+                           {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:2]] == [None, "stop"]
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 1
+    assert events[-1] == "[DONE]"
+
+
+def test_sampling_defaults_follow_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_new_tokens": 512,
+         "repetition_penalty": "high"}))
+    auto = load_sampling_defaults(str(tmp_path), "auto")
+    assert (auto.temperature, auto.top_k, auto.top_p, auto.max_tokens) == (0.7, 20, 0.8, 512)
+    assert auto.repetition_penalty == 1.0            # a malformed value is ignored, not fatal
+    assert load_sampling_defaults(str(tmp_path), "vllm") == SamplingDefaults()
+    assert load_sampling_defaults(str(tmp_path / "model.gguf"), "auto") == SamplingDefaults()

@@ -1,0 +1,181 @@
+"""Bad requests against a real engine process: each gets the right status and an OpenAI-shaped error whose message
+says what to fix, never a 500 or a hang; afterwards the engine still serves normally.
+
+The server runs with an API key, a 1 MB body limit, at most 2 images per prompt and a 1 Mpx image limit, so
+every limit can be hit with small requests.
+"""
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+
+import pytest
+from PIL import Image
+
+from engine_helpers import noise_image
+from engine_server import http, start_engine_server, wait_blocks_free
+
+API_KEY = "sk-errors-test"
+SERVED = "tiny-vl"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_vl_dir, tmp_path_factory):
+    srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-errors"), "--max-request-body-mb", "1",
+                              "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
+                              api_key=API_KEY, served_name=SERVED)
+    yield srv
+    srv.stop()
+
+
+def data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_chat(*urls: str) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"model": SERVED, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}]}
+
+
+def chat(**fields) -> dict:
+    return {"model": SERVED, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": SERVED, "prompt": "Hello", "max_tokens": 2, **fields}
+
+
+SMALL_IMAGE = data_url(noise_image(32, 32, seed=3))
+IMAGE_PARAM = "messages[0].content[0].image_url"
+
+
+@dataclass
+class Case:
+    name: str
+    path: str
+    body: dict | bytes | None
+    status: int
+    param: str | None = None
+    says: str = ""                       # a piece of the message that tells the client what to fix
+    method: str = "POST"
+    headers: dict | None = field(default=None)   # None: the right API key
+
+
+CASES = [
+    # the body itself
+    Case("malformed JSON", CHAT, b'{"model": "tiny-vl", ', 400, None, "not valid JSON"),
+    Case("empty body", CHAT, b"", 400, None, "empty"),
+    Case("body is a JSON array", CHAT, b"[1, 2]", 400, None, "JSON object"),
+    Case("NaN is not JSON", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+         None, "NaN"),
+    Case("body over --max-request-body-mb", CHAT, b'{"pad": "' + b"x" * (1_200_000) + b'"}', 413, None,
+         "--max-request-body-mb"),
+    # messages
+    Case("messages missing", CHAT, {"model": SERVED}, 400, "messages", "non-empty list"),
+    Case("messages not a list", CHAT, chat(messages="hello"), 400, "messages", "non-empty list"),
+    Case("messages empty", CHAT, chat(messages=[]), 400, "messages", "non-empty list"),
+    Case("unknown role", CHAT, chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role",
+         "must be one of"),
+    Case("content a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content",
+         "string or a list"),
+    Case("prompt over max_model_len (chat)", CHAT, chat(messages=[{"role": "user", "content": "a " * 3000}]),
+         400, "messages", f"maximum context length is {MAX_MODEL_LEN}"),
+    # images
+    Case("image URL with an unknown scheme", CHAT, image_chat("ftp://example.com/a.png"), 400, IMAGE_PARAM,
+         "data:image"),
+    Case("http image URL refused", CHAT, image_chat("http://example.com/a.png"), 400, IMAGE_PARAM,
+         "--allow-remote-media"),
+    Case("data URL that is not an image", CHAT, image_chat("data:text/plain;base64,aGVsbG8="), 400, IMAGE_PARAM,
+         "image/png"),
+    Case("broken base64", CHAT, image_chat("data:image/png;base64,!!not*base64!!"), 400, IMAGE_PARAM,
+         "not valid base64"),
+    Case("bytes that are not an image", CHAT,
+         image_chat("data:image/png;base64," + base64.b64encode(b"hello, not a png").decode()), 400, IMAGE_PARAM,
+         "could not decode image"),
+    Case("image over the pixel limit", CHAT, image_chat(data_url(Image.new("RGB", (1100, 1000), "red"))), 400,
+         IMAGE_PARAM, "over the limit of 1000000"),
+    Case("too many images", CHAT, image_chat(SMALL_IMAGE, SMALL_IMAGE, SMALL_IMAGE), 400, "messages",
+         "over the limit of 2"),
+    # model and sampling parameters
+    Case("unknown model", CHAT, chat(model="gpt-4o"), 404, "model", "GET /v1/models"),
+    Case("max_tokens 0", CHAT, chat(max_tokens=0), 400, "max_tokens", "at least 1"),
+    Case("max_tokens -1", CHAT, chat(max_tokens=-1), 400, "max_tokens", "at least 1"),
+    Case("max_tokens a string", CHAT, chat(max_tokens="abc"), 400, "max_tokens", "must be an integer"),
+    Case("max_completion_tokens 0", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens",
+         "at least 1"),
+    Case("max_tokens over the room left", CHAT, chat(max_tokens=MAX_MODEL_LEN), 400, "max_tokens", "at most"),
+    Case("temperature -1", CHAT, chat(temperature=-1), 400, "temperature", "[0, 100]"),
+    Case("temperature 101", CHAT, chat(temperature=101), 400, "temperature", "[0, 100]"),
+    Case("top_p 0", CHAT, chat(top_p=0), 400, "top_p", "(0, 1]"),
+    Case("top_p 1.5", CHAT, chat(top_p=1.5), 400, "top_p", "(0, 1]"),
+    Case("top_k -5", CHAT, chat(top_k=-5), 400, "top_k", "top_k"),
+    Case("presence_penalty 3", CHAT, chat(presence_penalty=3), 400, "presence_penalty", "[-2, 2]"),
+    Case("n 2", CHAT, chat(n=2), 400, "n", "n=1"),
+    Case("stop a number", CHAT, chat(stop=5), 400, "stop", "string or a list of strings"),
+    Case("stop_token_ids outside the vocabulary", CHAT, chat(stop_token_ids=[10_000_000]), 400, "stop_token_ids",
+         "vocabulary"),
+    Case("seed beyond 64 bits", CHAT, chat(seed=2 ** 70), 400, "seed", "64-bit"),
+    Case("top_logprobs over 20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "[0, 20]"),
+    Case("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "logprobs: true"),
+    Case("priority not an integer", CHAT, chat(priority="high"), 400, "priority", "must be an integer"),
+    Case("stream not a boolean", CHAT, chat(stream="yes"), 400, "stream", "true or false"),
+    Case("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400,
+         "stream_options", "stream is true"),
+    Case("chat_template_kwargs not an object", CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs",
+         "an object"),
+    Case("a streaming request fails before the stream starts", CHAT, chat(stream=True, max_tokens=0), 400,
+         "max_tokens", "at least 1"),
+    # completions
+    Case("prompt missing", COMPLETIONS, {"model": SERVED}, 400, "prompt", "required"),
+    Case("several prompts", COMPLETIONS, completion(prompt=["a", "b"]), 400, "prompt", "one prompt per request"),
+    Case("token id outside the vocabulary", COMPLETIONS, completion(prompt=[1, 99_999_999]), 400, "prompt",
+         "out of the vocabulary"),
+    Case("prompt over max_model_len (token ids)", COMPLETIONS, completion(prompt=[5] * (MAX_MODEL_LEN + 10)), 400,
+         "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
+    Case("logprobs over 20", COMPLETIONS, completion(logprobs=21), 400, "logprobs", "[0, 20]"),
+    Case("echo refused", COMPLETIONS, completion(echo=True), 400, "echo", "not supported"),
+    # auth and routing
+    Case("missing API key", CHAT, chat(), 401, None, "Authorization: Bearer", headers={}),
+    Case("wrong API key", CHAT, chat(), 401, None, "incorrect API key",
+         headers={"Authorization": "Bearer sk-wrong"}),
+    Case("not a Bearer header", "/v1/models", None, 401, None, "Bearer", method="GET",
+         headers={"Authorization": API_KEY}),
+    Case("GET on a POST route", CHAT, None, 405, None, "use POST", method="GET"),
+    Case("unknown route", "/v1/embeddings", {"input": "x"}, 404, None, "no route"),
+    Case("unknown model in /v1/models/{id}", "/v1/models/nope", None, 404, "model", "does not exist",
+         method="GET"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_request(server, case: Case):
+    headers = server.auth if case.headers is None else case.headers
+    reply = http(case.method, server.url + case.path, case.body, headers, timeout=30)
+    assert reply.status == case.status, reply.text
+    assert reply.headers["Content-Type"].startswith("application/json"), reply.headers
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert error["param"] == case.param, error
+    assert case.says in error["message"], error["message"]
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_engine_still_serves_after_the_bad_requests(server):
+    # Runs after the table (pytest keeps file order): nothing broke, nothing leaked, nothing answered 500.
+    assert http("GET", server.url + "/health").text == "ok"
+    reply = http("POST", server.url + CHAT, chat(max_tokens=3, ignore_eos=True), server.auth)
+    assert reply.status == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
+    wait_blocks_free(server, timeout=2.0)
+    log = server.log_text()
+    assert '" 500 ' not in log and "Traceback" not in log and "unhandled error" not in log
