@@ -49,6 +49,11 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
 
+    @property
+    def batched_tokens_budget(self) -> int:
+        """max_num_batched_tokens, or its default: 8192 tokens (never fewer than max_num_seqs)."""
+        return self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in fields(cls)}

@@ -73,7 +73,7 @@ def _worst_case_step(engine, max_len: int) -> None:
     from engine.sampler import SamplingMetadata, sample
 
     args, cfg, dev, bs = engine.args, engine.model_config, engine.device, engine.args.block_size
-    tokens = min(args.max_num_batched_tokens or max(8192, args.max_num_seqs), max_len)
+    tokens = min(args.batched_tokens_budget, max_len)
     blocks = -(-tokens // bs)
     scratch = CacheEngine(cfg, blocks, 0, bs, engine.dtype, dev)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=dev)

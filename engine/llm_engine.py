@@ -56,7 +56,7 @@ class LLMEngine:
         if self.max_model_len < max_len:
             logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens", max_len,
                            self.max_model_len, self.num_gpu_blocks * args.block_size)
-        self.max_num_batched_tokens = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
+        self.max_num_batched_tokens = args.batched_tokens_budget
         self.cache = CacheEngine(self.model_config, self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
                                  self.dtype, self.device)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,

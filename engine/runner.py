@@ -96,9 +96,7 @@ class ModelRunner:
                 sample_reqs.append(req)
         num_decodes = sum(1 for r in reqs if so.num_scheduled_tokens[r.request_id] == 1)
         width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         dev = self.device
         if mrope:
             pos = torch.cat(positions, dim=1)

@@ -15,8 +15,8 @@ from engine.core.request import Request
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor                      # [B] fp32, 1.0 on greedy rows
-    greedy: torch.Tensor                           # [B] bool
+    temperature: torch.Tensor | None               # [B] fp32, 1.0 on greedy rows (None when all greedy)
+    greedy: torch.Tensor | None                    # [B] bool
     all_greedy: bool
     top_k: torch.Tensor | None                     # [B] int64, vocab size where off
     top_p: torch.Tensor | None                     # [B] fp32, 1.0 where off
@@ -43,6 +43,8 @@ class SamplingMetadata:
         banned = [(i, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
                   for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling_params.min_tokens]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
+        if all(greedy) and not banned and not lp and all(_no_penalty(p) for p in ps):
+            return cls.greedy_only()   # the common decode case: no per-step host-to-device copies
         return cls(
             temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)],
                                      dtype=torch.float32, device=device),
@@ -60,6 +62,16 @@ class SamplingMetadata:
             generators={i: r.generator for i, r in enumerate(reqs) if r.generator is not None},
             max_logprobs=max(lp) if lp else None,
         )
+
+    @classmethod
+    def greedy_only(cls) -> "SamplingMetadata":
+        return cls(temperature=None, greedy=None, all_greedy=True, top_k=None, top_p=None, min_p=None,
+                   presence=None, frequency=None, repetition=None, output_ids=[], prompt_ids=[], banned=[],
+                   generators={}, max_logprobs=None)
+
+
+def _no_penalty(p) -> bool:
+    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
 
 
 @dataclass

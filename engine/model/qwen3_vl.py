@@ -14,7 +14,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
-        self.visual = Qwen3VLVisionModel(config.vision)
+        self.visual = Qwen3VLVisionModel(config.vision, dtype=torch.get_default_dtype())  # set by build_model
         self.language_model = TextDecoder(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
+# Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
+#   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose)
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"ops engine offline"}
+stage() { echo "=== $1 ($(date +%T))"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee "$OUT/env.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt"
+
+for s in $STAGES; do
+  case $s in
+    ops)
+      stage "kernel tests"
+      timeout "${OPS_T:-180}" python3 -m pytest -m gpu tests/test_ops_triton.py -q -x -n 8 -p no:cacheprovider \
+        > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
+    engine)
+      stage "GPU engine tests"
+      timeout "${ENG_T:-150}" python3 -m pytest -m gpu tests/test_gpu_engine.py -q -x -p no:cacheprovider \
+        > "$OUT/engine_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/engine_tests.txt" | tail -25 ;;
+    opsbench)
+      stage "kernel benchmark"
+      timeout "${OPSB_T:-150}" python3 bench/bench_ops.py --quick --json "$OUT/bench_ops.json" \
+        > "$OUT/bench_ops.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_ops.txt" ;;
+    offline)
+      stage "offline benchmark (Qwen3-VL-8B shapes, dummy weights)"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${BENCH_T:-240}" python3 bench/offline.py --model /tmp/q8 --load-format dummy \
+        --out "$OUT/offline.json" > "$OUT/offline.txt" 2>&1; echo "rc=$?"
+      grep -E 'Memory profile|Total blocks|Captured|Engine ready|Loading model|Error|error' "$OUT/offline.txt" | head
+      grep -v -E '^(INFO|WARNING)' "$OUT/offline.txt" | tail -14 ;;
+  esac
+done
+stage done

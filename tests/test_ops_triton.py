@@ -1,0 +1,309 @@
+"""Every Triton kernel (engine/ops/triton/) against its torch reference (`*_ref`), on fresh random inputs.
+
+Two ways to run the same tests:
+  GPU, compiled kernels:        pytest -m gpu tests/test_ops_triton.py
+  CPU, Triton's interpreter:    TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_triton.py
+TRITON_INTERPRET must be set before triton decorates the kernels (at import), so it is an environment variable of
+the whole run; the GPU cases skip themselves when it is set, the CPU cases when it is not. The interpreter is slow
+and runs no bf16 matmul (it multiplies bf16's raw bits), so CPU attention runs in fp32/fp16 on small shapes.
+The seed of each test is printed; OPS_TEST_SEED=N reproduces a failure.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.ops.activation import silu_and_mul_ref  # noqa: E402
+from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
+from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
+from engine.ops.norm import rms_norm_ref  # noqa: E402
+from engine.ops.rotary import apply_rotary_ref, qk_norm_rope_ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# Max error relative to the reference's largest magnitude. Elementwise kernels reproduce torch's rounding
+# points, so on the GPU they are within an ulp; the interpreter truncates to bf16 instead of rounding (~2 ulp).
+TOL = {F32: 1e-5, F16: 2e-3, BF16: 1e-2}
+INTERP_BF16_TOL = 3e-2
+ATTN_TOL = {F32: 2e-5, F16: 5e-3, BF16: 2e-2}
+
+
+def elementwise_tol(dtype, device):
+    return INTERP_BF16_TOL if device == "cpu" and dtype == BF16 else TOL[dtype]
+
+
+if INTERPRET:
+    # Triton 3.6's interpreter loads a scalar as a 1-element array, and numpy >= 2.4 refuses int() on that, so
+    # `range(0, loaded_scalar)` fails in the interpreter only. Make __index__ take the single element.
+    from triton.runtime import interpreter as _interp
+
+    if not getattr(_interp, "_ops_test_patched", False):
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _interp._patch_lang_tensor = _patch_lang_tensor
+        _interp._ops_test_patched = True
+
+
+def device_cases(cpu_dtypes, gpu_dtypes):
+    """(device, dtype) params: CUDA ones marked gpu, interpreter ones marked triton_interpret."""
+    gpu_skip = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA and TRITON_INTERPRET unset")
+    cpu_skip = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run in Triton's interpreter")
+    cases = [pytest.param("cuda", d, marks=[pytest.mark.gpu, gpu_skip], id=f"cuda-{str(d)[6:]}") for d in gpu_dtypes]
+    cases += [pytest.param("cpu", d, marks=[pytest.mark.triton_interpret, cpu_skip], id=f"interp-{str(d)[6:]}")
+              for d in cpu_dtypes]
+    return cases
+
+
+@pytest.fixture
+def gen():
+    seed = int(os.environ.get("OPS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(gen, *shape, dtype=F32, device="cpu", std=1.0):
+    return (torch.randn(*shape, generator=gen) * std).to(device=device, dtype=dtype)
+
+
+def assert_close(out, ref, tol, what=""):
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err, scale = (out - ref).abs().max().item(), max(ref.abs().max().item(), 1e-6)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} vs max |ref| {scale:.3g} (tolerance {tol} relative)"
+
+
+def fused_qkv(gen, t, hq, hk, d, dtype, device):
+    """q, k, v as the strided views of one fused qkv projection output, as the model produces them."""
+    qkv = randn(gen, t, (hq + 2 * hk) * d, dtype=dtype, device=device)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------- kv cache
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("hk,d", [(1, 64), (8, 128), (3, 72)])
+def test_store_kvcache(device, dtype, block_size, hk, d, gen):
+    from engine.ops.triton.kv_cache import store_kvcache
+    t = 37
+    num_blocks = 80 // block_size + 1  # room for t distinct slots
+    _, k, v = fused_qkv(gen, t, 2 * hk, hk, d, dtype, device)
+    k_cache = randn(gen, num_blocks, block_size, hk, d, dtype=dtype, device=device)
+    v_cache = randn(gen, num_blocks, block_size, hk, d, dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots = torch.cat([slots, torch.full((t,), -1)])[torch.randperm(2 * t, generator=gen)[:t]]  # ~half skipped
+    slots = slots.to(device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# ---------------------------------------------------------------------------------------------- rms norm
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16, F16]))
+@pytest.mark.parametrize("t,h", [(1, 4096), (7, 1000), (33, 128)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_2d(device, dtype, t, h, with_residual, gen):
+    from engine.ops.triton.norm import rms_norm
+    x = randn(gen, t, h, dtype=dtype, device=device, std=3.0)
+    w = (torch.rand(h, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    res = randn(gen, t, h, dtype=dtype, device=device) if with_residual else None
+    x_before = x.clone()
+    out, ref = rms_norm(x, w, 1e-6, res), rms_norm_ref(x, w, 1e-6, res)
+    assert torch.equal(x, x_before), "inputs must not be modified"
+    if with_residual:
+        assert_close(out[1], ref[1], elementwise_tol(dtype, device), "residual stream")
+        out, ref = out[0], ref[0]
+    assert_close(out, ref, elementwise_tol(dtype, device), "normed")
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("weight_dtype", [None, F32])
+def test_rms_norm_per_head_strided(device, dtype, weight_dtype, gen):
+    """A 3-D [T, heads, D] strided view (q of the fused qkv), weight possibly fp32 (type promotion)."""
+    from engine.ops.triton.norm import rms_norm
+    q, _, _ = fused_qkv(gen, 11, 8, 2, 128, dtype, device)
+    w = (torch.rand(128, generator=gen) + 0.5).to(device=device, dtype=weight_dtype or dtype)
+    assert_close(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), elementwise_tol(dtype, device), "per-head norm")
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+def rope_cos_sin(gen, t, d, device):
+    pos = torch.randint(0, 5000, (t,), generator=gen).float()
+    inv_freq = 5e6 ** (-torch.arange(0, d, 2).float() / d)
+    angles = pos[:, None] * inv_freq[None, :]
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 32, 8, 128), (17, 4, 1, 64), (5, 16, 16, 72)])
+def test_apply_rotary(device, dtype, t, hq, hk, d, gen):
+    from engine.ops.triton.rotary import apply_rotary
+    q, k, _ = fused_qkv(gen, t, hq, hk, d, dtype, device)
+    cos, sin = rope_cos_sin(gen, t, d, device)
+    for out, ref, name in zip(apply_rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin), "qk"):
+        assert_close(out, ref, elementwise_tol(dtype, device), name)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 32, 8, 128), (19, 4, 2, 64), (3, 8, 1, 128)])
+def test_qk_norm_rope(device, dtype, t, hq, hk, d, gen):
+    from engine.ops.triton.rotary import qk_norm_rope
+    q, k, _ = fused_qkv(gen, t, hq, hk, d, dtype, device)
+    qw = (torch.rand(d, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    kw = (torch.rand(d, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    cos, sin = rope_cos_sin(gen, t, d, device)
+    outs = qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    refs = qk_norm_rope_ref(q, k, qw, kw, 1e-6, cos, sin)
+    for out, ref, name in zip(outs, refs, "qk"):
+        assert_close(out, ref, elementwise_tol(dtype, device), name)
+
+
+# ---------------------------------------------------------------------------------------------- activation
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16, F16]))
+@pytest.mark.parametrize("shape", [(1, 2 * 64), (7, 2 * 1000), (2, 3, 2 * 12288)])
+def test_silu_and_mul(device, dtype, shape, gen):
+    from engine.ops.triton.activation import silu_and_mul
+    x = randn(gen, *shape, dtype=dtype, device=device, std=3.0)
+    assert_close(silu_and_mul(x), silu_and_mul_ref(x), elementwise_tol(dtype, device), "silu_and_mul")
+
+
+# ---------------------------------------------------------------------------------------------- attention
+BORDER_CONTEXTS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 600]
+
+
+def make_batch(gen, decode_ctx, prefills, hq, hk, d, block_size, dtype, device, extra_tokens=0):
+    """decode_ctx: context lengths of the decodes (0 = padding); prefills: (q_len, context) chunks whose
+    queries are the last q_len tokens. Builds q, random caches behind shuffled block tables, and metadata."""
+    seqs = [(1, c) for c in decode_ctx] + list(prefills)
+    nblocks = [-(-c // block_size) for _, c in seqs]
+    width = max(1, max(nblocks)) + 2  # spare columns: the kernels must not read past a sequence's blocks
+    num_blocks = sum(nblocks) + 3
+    k_cache = randn(gen, num_blocks + 1, block_size, hk, d, dtype=dtype, device=device)
+    v_cache = randn(gen, num_blocks + 1, block_size, hk, d, dtype=dtype, device=device)
+    # Table entries past a sequence's blocks point at a poison block (the last one): an unmasked read of it
+    # would show in the output. (A valid id rather than garbage, because the reference may gather the tail.)
+    k_cache[num_blocks] = 100.0
+    v_cache[num_blocks] = 100.0
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_tables = torch.full((len(seqs), width), num_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(nblocks):
+        block_tables[i, :n] = perm[used:used + n]
+        used += n
+    qsl = [0]
+    for q_len, _ in seqs:
+        qsl.append(qsl[-1] + q_len)
+    q = randn(gen, qsl[-1] + extra_tokens, hq, d, dtype=dtype, device=device, std=2.0)  # std 2: peakier softmax
+    seq_lens = [c for _, c in seqs]
+    md = AttentionMetadata(
+        slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device), num_decodes=len(decode_ctx), num_decode_tokens=len(decode_ctx),
+        max_query_len=max(q_len for q_len, _ in seqs), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    return q, k_cache, v_cache, md
+
+
+def check_paged(q, k_cache, v_cache, md, dtype):
+    from engine.ops.triton.attention import paged_attention
+    scale = q.shape[-1] ** -0.5
+    out = paged_attention(q, k_cache, v_cache, md, scale)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, scale), ATTN_TOL[dtype], "paged attention")
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16]))
+@pytest.mark.parametrize("hq,hk", [(2, 2), (8, 2), (8, 1)])  # GQA groups 1, 4, 8
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_attention_mixed(device, dtype, hq, hk, d, block_size, gen):
+    """Decodes (with padding entries) then prefill chunks: a fresh prompt, chunks after cached prefixes,
+    a one-token chunk, lengths on and around block and tile borders."""
+    ctx = BORDER_CONTEXTS
+    pick = torch.randint(0, len(ctx), (5,), generator=gen).tolist()
+    decodes = [ctx[i] for i in pick[:3]] + [0, 600]
+    prefills = [(ctx[pick[3]], ctx[pick[3]]),                      # whole prompt, no prefix
+                (129, 600), (64, 64 + ctx[pick[4]]), (1, 17),      # chunks after cached prefixes
+                (int(torch.randint(1, 200, (1,), generator=gen)), 333)]
+    check_paged(*make_batch(gen, decodes, prefills, hq, hk, d, block_size, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [BF16, F16]))
+@pytest.mark.parametrize("splits", [None, 1, 2, 16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_splits(device, dtype, splits, block_size, gen, monkeypatch):
+    """Decode only, with forced split counts: empty splits, padding sequences (seq_len 0), long contexts."""
+    import engine.ops.triton.attention as attn
+    if splits is not None:
+        monkeypatch.setattr(attn, "decode_num_splits", lambda *args: splits)
+    decodes = [0, 1, 65, 600, 0, int(torch.randint(1, 600, (1,), generator=gen))]
+    check_paged(*make_batch(gen, decodes, [], 8, 2, 128, block_size, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [BF16, F16]))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_paged_prefill_only(device, dtype, block_size, gen):
+    """Prefill chunks alone (num_decodes 0), several per batch, plus trailing tokens outside any sequence."""
+    prefills = [(300, 300), (1, 1), (200, 457), (129, 129)]
+    check_paged(*make_batch(gen, [], prefills, 4, 1, 64, block_size, dtype, device, extra_tokens=3), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [F32, BF16, F16]))
+@pytest.mark.parametrize("h,d", [(2, 72), (3, 64), (1, 128)])
+def test_varlen_attention(device, dtype, h, d, gen):
+    from engine.ops.triton.attention import varlen_attention
+    lens = [1, 17, 64, 65, 200, int(torch.randint(1, 300, (1,), generator=gen))]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    n = int(sum(lens))
+    qkv = randn(gen, n, 3, h, d, dtype=dtype, device=device)  # strided views, as the ViT's fused qkv gives
+    q, k, v = qkv.unbind(1)
+    scale = d ** -0.5
+    out = varlen_attention(q, k, v, cu, max(lens), scale)
+    assert_close(out, varlen_attention_ref(q, k, v, cu, max(lens), scale), ATTN_TOL[dtype], "varlen attention")
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
+def test_paged_attention_qwen_shapes(device, dtype, gen):
+    """Qwen3-VL-8B's heads (32 q / 8 kv, D 128), block 16, long contexts, a busy mixed batch."""
+    decodes = torch.randint(1, 4000, (40,), generator=gen).tolist() + [0, 0, 8192]
+    prefills = [(512, 512), (2048, 6000), (777, 1500), (1, 4097)]
+    check_paged(*make_batch(gen, decodes, prefills, 32, 8, 128, 16, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
+def test_decode_cuda_graph_replay(device, dtype, gen):
+    """Capture the decode attention once, replay it with new seq_lens (incl. padding) and new q values."""
+    from engine.ops.triton.attention import paged_attention
+    batch, width, block_size = 8, 64, 16
+    q, k_cache, v_cache, md = make_batch(gen, [width * block_size] * batch, [], 32, 8, 128, block_size, dtype,
+                                         device)
+    scale = 128 ** -0.5
+    paged_attention(q, k_cache, v_cache, md, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, k_cache, v_cache, md, scale)
+    for _ in range(4):
+        lens = torch.randint(0, width * block_size + 1, (batch,), generator=gen)
+        lens[0], lens[1] = 0, width * block_size  # a padding entry and a full block table every time
+        md.seq_lens.copy_(lens)
+        md.seq_lens_cpu = lens.tolist()
+        q.copy_(randn(gen, *q.shape, dtype=dtype, device=device, std=2.0))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, scale), ATTN_TOL[dtype], f"replay {lens}")
