@@ -35,6 +35,26 @@ for s in $STAGES; do
         --out "$OUT/offline.json" > "$OUT/offline.txt" 2>&1; echo "rc=$?"
       grep -E 'Memory profile|Total blocks|Captured|Engine ready|Loading model|Error|error' "$OUT/offline.txt" | head
       grep -v -E '^(INFO|WARNING)' "$OUT/offline.txt" | tail -14 ;;
+    profile)
+      stage "step profile"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${PROF_T:-200}" python3 bench/step_profile.py --model /tmp/q8 --load-format dummy \
+        --out "$OUT/step_profile.json" --kernel-tables "$OUT/kernels.txt" > "$OUT/step_profile.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/step_profile.txt" | tail -8 ;;
+    hf)
+      stage "transformers baseline"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${HF_T:-240}" python3 bench/hf_baseline.py --model /tmp/q8 --out "$OUT/hf.json" \
+        > "$OUT/hf.txt" 2>&1; echo "rc=$?"; grep -E '^\{"batch|ttft|image' "$OUT/hf.txt" | tail -8 ;;
+    serve)
+      stage "serving benchmark over HTTP"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      python3 -m engine --model /tmp/q8 --load-format dummy --port 3001 --max-model-len 10240 \
+        --gpu-memory-utilization 0.85 --disable-log-requests > "$OUT/server.log" 2>&1 &
+      spid=$!
+      for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
+      timeout "${SERVE_T:-240}" python3 bench/serve.py --out "$OUT/serve.json" > "$OUT/serve.txt" 2>&1
+      echo "rc=$?"; tail -9 "$OUT/serve.txt"; kill $spid; wait $spid 2>/dev/null ;;
   esac
 done
 stage done

@@ -98,7 +98,9 @@ def _worst_case_step(engine, max_len: int) -> None:
     sample(logits, fake)
     processor = engine.input_processor.image_processor
     if processor is not None:
-        side = int((min(processor.max_pixels, tokens * processor.factor ** 2)) ** 0.5) // processor.factor
+        # The largest image a request may carry is encoded in one piece (chunked prefill splits only its
+        # placeholder tokens): profile the vision encoder on it.
+        side = int(min(processor.max_pixels, max_len * processor.factor ** 2) ** 0.5) // processor.factor
         side = max(side, 1) * processor.factor
         h, w = processor.resized_size(side, side)
         t, gh, gw = processor.grid_thw(h, w)

@@ -1,8 +1,6 @@
 """Assembling the input processor for a model from the engine's settings."""
 from __future__ import annotations
 
-import dataclasses
-
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.inputs.chat_template import load_chat_template
@@ -19,10 +17,6 @@ def build_input_processor(args: EngineArgs, config: ModelConfig) -> InputProcess
         kw = args.mm_processor_kwargs or {}
         image_processor = ImageProcessor.from_model_dir(args.model, min_pixels=kw.get("min_pixels"),
                                                         max_pixels=kw.get("max_pixels"))
-        # One image is encoded in one piece: it must fit in one step's token budget (as vLLM's encoder budget).
-        cap = args.batched_tokens_budget * image_processor.factor ** 2
-        if image_processor.max_pixels > cap:
-            image_processor = dataclasses.replace(image_processor, max_pixels=cap)
     limits = InputLimits(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                          limit_images_per_prompt=int((args.limit_mm_per_prompt or {}).get("image", 8)),
                          allow_remote_media=args.allow_remote_media,
