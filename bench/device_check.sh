@@ -39,7 +39,7 @@ for s in $STAGES; do
       stage "step profile"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
       timeout "${PROF_T:-200}" python3 bench/step_profile.py --model /tmp/q8 --load-format dummy \
-        --out "$OUT/step_profile.json" --kernel-tables "$OUT/kernels.txt" > "$OUT/step_profile.txt" 2>&1
+        --out "$OUT/step_profile.json" > "$OUT/step_profile.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/step_profile.txt" | tail -8 ;;
     hf)
       stage "transformers baseline"

@@ -19,7 +19,7 @@ from engine.logger import init_logger
 from engine.model.loader import build_model, load_model_config, load_weights
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.runner import ModelRunner
+from engine.runner import InflightStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
 
@@ -73,6 +73,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = StatLogger(self)
         self._next_id = 0
+        self._inflight: InflightStep | None = None      # launched step whose tokens are not yet on the host
         logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
 
     # ---- requests ------------------------------------------------------------------------------------------
@@ -128,28 +129,46 @@ class LLMEngine:
         return self.outputs.finish(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then finish the previous one (wait for its tokens, update, detokenize) while
+        the device computes. Returns the outputs of the previous step."""
+        outputs = []
+        if self._inflight is not None and _needs_host_tokens(self._inflight):
+            outputs = self._finish(self._inflight)       # penalties read every token id: no overlap
+            self._inflight = None
         so = self.scheduler.schedule()
-        if so.is_empty:
-            return []
-        num_decode = sum(1 for r in so.scheduled if so.num_scheduled_tokens[r.request_id] == 1
-                         and r.num_computed_tokens >= r.num_prompt_tokens)
-        result = self.runner.execute_model(so)
-        updated = self.scheduler.update_from_output(so, result.sampled)
+        launched = None
+        if not so.is_empty:
+            self.stats.on_schedule(so)
+            launched = self.runner.launch(so, self._inflight)
+        if self._inflight is not None:
+            outputs += self._finish(self._inflight)
+        self._inflight = launched
+        return outputs
+
+    def _finish(self, step: InflightStep) -> list[RequestOutput]:
+        sampled, logprobs = step.result()
+        updated = self.scheduler.update_from_output(step.so, sampled)
         outputs = []
         for req in updated:
-            out = self.outputs.on_token(req, result.logprobs.get(req.request_id))
+            out = self.outputs.on_token(req, logprobs.get(req.request_id))
             if out.finished and not req.is_finished:       # a stop string ended it
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
             outputs.append(out)
-        self.stats.on_step(so, num_decode, len(updated))
+        self.stats.on_tokens(len(updated))
         return outputs
 
     def get_stats(self) -> dict:
         return self.stats.snapshot()
+
+
+def _needs_host_tokens(step: InflightStep) -> bool:
+    """Penalties are computed from every earlier token id, so the next step must wait for these."""
+    return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
+               or r.sampling_params.repetition_penalty != 1.0 for r in step.requests)
 
 
 def _resolve_device(name: str) -> torch.device:

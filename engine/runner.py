@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cache_engine import CacheEngine
@@ -15,6 +16,7 @@ from engine.encoder_cache import EncoderCache, EncoderOutput
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.transfer import to_device
 
 
 @dataclass
@@ -27,10 +29,35 @@ class ModelInput:
     mm: MultimodalEmbeds | None
 
 
-@dataclass
-class StepResult:
-    sampled: dict[str, int]                              # request id -> new token
-    logprobs: dict[str, dict[int, float]]                # request id -> {token: logprob} (when asked)
+class InflightStep:
+    """A launched step: its sampled token ids are on their way to a host buffer. result() waits only for this
+    step's work (an event), never for a later step queued behind it."""
+
+    def __init__(self, so: SchedulerOutput, requests: list[Request], token_ids: torch.Tensor | None,
+                 logprobs: list | None):
+        self.so = so
+        self.requests = requests                  # the requests that sampled, in row order
+        self.rows = {r.request_id: i for i, r in enumerate(requests)}
+        self.token_ids = token_ids                # [S] on the device (the next step's pending inputs)
+        self.logprobs = logprobs
+        self._host = None
+        self._event = None
+        if token_ids is not None and token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+        if self.token_ids is None:
+            return {}, {}
+        if self._event is not None:
+            self._event.synchronize()
+            tokens = self._host.tolist()
+        else:
+            tokens = self.token_ids.tolist()
+        ids = [r.request_id for r in self.requests]
+        return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
 
 
 class ModelRunner:
@@ -48,72 +75,92 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> StepResult:
+    def launch(self, so: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
+        """Queue step `so` on the device and return at once. Tokens still pending from `prev` (the step in
+        flight) are read from its device output, so this does not wait for it."""
         self.cache.swap_out(so.blocks_to_swap_out)     # before any freed GPU block is written again
         self.cache.swap_in(so.blocks_to_swap_in)
         if not so.scheduled:
-            return StepResult({}, {})
-        inp = self.prepare_inputs(so)
+            return InflightStep(so, [], None, None)
+        inp = self.prepare_inputs(so, prev)
         if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
         if not inp.sample_requests:
-            return StepResult({}, {})
+            return InflightStep(so, [], None, None)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         smd = SamplingMetadata.from_requests(inp.sample_requests, logits.shape[-1], self.device)
         out = sample(logits, smd)
-        ids = [r.request_id for r in inp.sample_requests]
-        sampled = dict(zip(ids, out.token_ids.tolist()))
-        logprobs = dict(zip(ids, out.logprobs)) if out.logprobs else {}
-        return StepResult(sampled, logprobs)
+        return InflightStep(so, inp.sample_requests, out.token_ids, out.logprobs)
 
     # ---- batch construction --------------------------------------------------------------------------------
-    def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
+    def prepare_inputs(self, so: SchedulerOutput, prev: InflightStep | None = None) -> ModelInput:
         # Decodes (one token) first: the attention op runs them through its decode kernel.
         reqs = sorted(so.scheduled, key=lambda r: so.num_scheduled_tokens[r.request_id] != 1)
+        pending_flat, pending_rows = [], []      # batch rows whose input token is still on the device
         bs = self.block_size
         ids: list[int] = []
-        positions: list = []
+        positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
+        mrope_chunks = []
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
         logits_rows, sample_reqs, chunks = [], [], []
         mrope = self.config.mrope_section is not None
         for req in reqs:
             n = so.num_scheduled_tokens[req.request_id]
-            start = req.num_computed_tokens
+            start = so.chunk_start[req.request_id]
             end = start + n
             blocks = self.kv.block_ids(req.request_id)
             ids.extend(req.all_token_ids[start:end])
-            positions.append(req.positions(start, end) if mrope else range(start, end))
+            if end > req.num_tokens:              # its last input was sampled by the step in flight
+                pending_flat.append(len(ids))
+                pending_rows.append(prev.rows[req.request_id])
+                ids.append(0)
+            if mrope and start < req.num_prompt_tokens:
+                mrope_chunks.append((query_start[-1], req, start, end))
+                positions.extend(range(n))
+            elif mrope:   # generated tokens: the same position n + delta on all three axes
+                delta = req.prompt.mrope_position_delta
+                positions.extend(range(start + delta, end + delta))
+            else:
+                positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append((req, query_start[-1], start, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if end == req.num_tokens:
+            if req.request_id in so.sampling:
                 logits_rows.append(query_start[-1] - 1)
                 sample_reqs.append(req)
         num_decodes = sum(1 for r in reqs if so.num_scheduled_tokens[r.request_id] == 1)
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        table = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        table = torch.from_numpy(table)
         dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64)
         if mrope:
-            pos = torch.cat(positions, dim=1)
-        else:
-            pos = torch.tensor([p for r in positions for p in r], dtype=torch.int64)
+            pos = pos.repeat(3, 1)
+            for flat, req, start, end in mrope_chunks:
+                pos[:, flat:flat + end - start] = req.positions(start, end)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(table, torch.int32, dev),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             max_query_len=max(so.num_scheduled_tokens.values()), max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start, seq_lens_cpu=seq_lens)
+        input_ids = to_device(ids, torch.int64, dev)
+        if pending_flat:
+            rows = to_device(pending_rows, torch.int64, dev)
+            input_ids[to_device(pending_flat, torch.int64, dev)] = prev.token_ids[rows]
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=pos.to(dev, non_blocking=True), md=md,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=input_ids,
+            positions=to_device(pos, torch.int64, dev), md=md,
+            logits_indices=to_device(logits_rows, torch.int64, dev),
             sample_requests=sample_reqs, mm=self._multimodal_embeds(chunks))
 
     # ---- vision --------------------------------------------------------------------------------------------
@@ -145,11 +192,12 @@ class ModelRunner:
             if enc.deepstack is not None:
                 deep.append(enc.deepstack[:, lo - image.offset: hi - image.offset])
             indices.append(torch.arange(flat + lo - start, flat + hi - start))
-        return MultimodalEmbeds(token_indices=torch.cat(indices).to(self.device), embeds=torch.cat(rows),
+        return MultimodalEmbeds(token_indices=to_device(torch.cat(indices), torch.int64, self.device),
+                                embeds=torch.cat(rows),
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        pixels = torch.cat([i.pixel_values for i in images]).to(self.device, non_blocking=True)
+        pixels = to_device(torch.cat([i.pixel_values for i in images]), torch.float32, self.device)
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.int64)
         embeds, deepstack = self.model.encode_images(pixels, grid)
         out, row = {}, 0

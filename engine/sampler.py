@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.request import Request
+from engine.transfer import to_device
 
 
 @dataclass
@@ -37,18 +38,19 @@ class SamplingMetadata:
         def column(values, dtype, neutral):
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         greedy = [p.greedy for p in ps]
+        # Outputs before the token sampled now: those on the host plus those still in flight (this one excluded).
         banned = [(i, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
-                  for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling_params.min_tokens]
+                  for i, r in enumerate(reqs)
+                  if r.num_output_tokens + r.num_pending_tokens - 1 < r.sampling_params.min_tokens]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
         if all(greedy) and not banned and not lp and all(_no_penalty(p) for p in ps):
             return cls.greedy_only()   # the common decode case: no per-step host-to-device copies
         return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)],
-                                     dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=to_device([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in ps], torch.int64, vocab_size),
             top_p=column([p.top_p for p in ps], torch.float32, 1.0),

@@ -23,14 +23,18 @@ class StatLogger:
         self.last_prompt_throughput = 0.0
         self.last_generation_throughput = 0.0
 
-    def on_step(self, so: SchedulerOutput, num_decode_tokens: int, num_generated: int) -> None:
-        """num_decode_tokens: scheduled tokens that were decode steps; the rest of the batch was prefill."""
-        prompt = so.total_num_scheduled_tokens - num_decode_tokens
+    def on_schedule(self, so: SchedulerOutput) -> None:
+        """Prefill tokens are every scheduled token except single-token steps past the prompt (decodes)."""
+        decode = sum(1 for r in so.scheduled if so.num_scheduled_tokens[r.request_id] == 1
+                     and so.chunk_start[r.request_id] >= r.num_prompt_tokens)
+        prompt = so.total_num_scheduled_tokens - decode
         self.num_prompt_tokens += prompt
-        self.num_generation_tokens += num_generated
         self._interval_prompt += prompt
-        self._interval_gen += num_generated
         self.num_steps += 1
+
+    def on_tokens(self, num_generated: int) -> None:
+        self.num_generation_tokens += num_generated
+        self._interval_gen += num_generated
         now = time.time()
         if now - self._last_log >= LOG_INTERVAL_S:
             self._log(now)

@@ -79,7 +79,8 @@ def test_gpu_engine_modes_match_cpu(qwen3_vl_dir, cpu_reference, mode):
 
 
 def test_gpu_memory_does_not_grow_over_chat_rounds(qwen3_vl_dir):
-    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", enable_prefix_caching=True)
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", enable_prefix_caching=True,
+                   limit_mm_per_prompt={"image": 16})
     history, readings = [], []
     for i in range(10):
         history.append({"role": "user", "content": [image_part(noise_image(64, 64, i % 3)),

@@ -30,6 +30,7 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}   # the same as ids, read every step by the runner
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
         self.num_cached_of: dict[str, int] = {}      # how many leading blocks of a request are hashed
         self.prefix_stats = PrefixCacheStats()
@@ -44,7 +45,8 @@ class KVCacheManager:
         return len(self.free_cpu_blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table (physical block ids in order); kept in step with its blocks."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / max(self.pool.num_blocks, 1)
@@ -74,11 +76,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        request.update_block_hashes(self.block_size)
+        # Full blocks whose tokens are all known on the host (a pending token cannot be hashed yet). Their KV
+        # may still be in flight on the device; any request that hits them runs in a later step on the same
+        # stream, after the writes.
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks), len(request.block_hashes))
         done = self.num_cached_of.get(request.request_id, 0)
         if num_full <= done:
             return
-        request.update_block_hashes(self.block_size)
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_of[request.request_id] = num_full
@@ -88,6 +93,10 @@ class KVCacheManager:
                        new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus cached blocks the request
         takes over). False, changing nothing, when the pool has too few free blocks."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks and \
+                request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return True                                    # the common decode step: room in the last block
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -101,6 +110,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if needed > 0:
             blocks.extend(self.pool.get_new_blocks(needed))
+        self.req_to_block_ids[request.request_id] = [b.block_id for b in blocks]
         if new_computed_blocks:
             self.num_cached_of[request.request_id] = len(blocks) - max(needed, 0)
         return True
@@ -109,6 +119,7 @@ class KVCacheManager:
         """Release every block (GPU and CPU) of a finished or recompute-preempted request. Tail blocks go to
         the free queue first so that shared prefixes are evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
         self.free_cpu_blocks.extend(self.req_to_cpu_blocks.pop(request.request_id, []))
         self.num_cached_of.pop(request.request_id, None)
@@ -122,6 +133,7 @@ class KVCacheManager:
         """Move the request's blocks to CPU blocks; returns (gpu_block, cpu_block) copies to run before the
         GPU blocks are reused. The GPU blocks keep their hashes, so they stay prefix-cache hits until reused."""
         blocks = self.req_to_blocks.pop(request.request_id)
+        self.req_to_block_ids.pop(request.request_id, None)
         cpu = [self.free_cpu_blocks.pop() for _ in blocks]
         self.req_to_cpu_blocks[request.request_id] = cpu
         self.num_cached_of.pop(request.request_id, None)
@@ -138,5 +150,6 @@ class KVCacheManager:
         cpu = self.req_to_cpu_blocks.pop(request.request_id)
         blocks = self.pool.get_new_blocks(len(cpu))
         self.req_to_blocks[request.request_id] = blocks
+        self.req_to_block_ids[request.request_id] = [b.block_id for b in blocks]
         self.free_cpu_blocks.extend(cpu)
         return [(c, b.block_id) for c, b in zip(cpu, blocks)]

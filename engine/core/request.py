@@ -44,7 +44,8 @@ class Request:
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.num_computed_tokens = 0                     # tokens whose KV is in the cache
+        self.num_computed_tokens = 0                     # tokens whose KV is in the cache (or being written)
+        self.num_pending_tokens = 0                      # sampled on the device, id not yet on the host
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -70,13 +71,14 @@ class Request:
         return self.status.finished
 
     @property
-    def is_prefill(self) -> bool:
-        """True until every known token has KV (a resumed request re-prefills its outputs too)."""
-        return self.num_computed_tokens < self.num_tokens - 1
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     def append_output_token(self, token_id: int) -> None:
+        """A token sampled by an earlier step has reached the host."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_pending_tokens -= 1
 
     # ---- positions (M-RoPE for Qwen3-VL, plain indices otherwise) -----------------------------------------
     def positions(self, start: int, end: int) -> torch.Tensor:

@@ -1,6 +1,11 @@
 """Continuous batching: each step picks which requests run and how many tokens each computes.
 
-One step = one forward. Order: running requests (decodes and unfinished prefill chunks), then swapped-out
+One step = one forward. The engine schedules step N+1 while step N still runs on the GPU: scheduling a request
+advances its num_computed_tokens at once, and a request that will sample gets a pending token whose id the
+runner takes from step N's output on the device. So the next step never waits for the host to learn the
+sampled ids; stop conditions are applied when they arrive (a request that stopped wastes at most one slot).
+
+Order: running requests (decodes and unfinished prefill chunks), then swapped-out
 requests coming back, then waiting ones, all within max_num_batched_tokens and max_num_seqs. A prompt longer
 than the remaining budget is split across steps (chunked prefill), so decodes keep flowing beside it.
 When the pool runs dry the least important running request is preempted: swapped to the CPU pool when
@@ -23,6 +28,8 @@ logger = init_logger(__name__)
 class SchedulerOutput:
     scheduled: list[Request]                          # in batch order
     num_scheduled_tokens: dict[str, int]
+    chunk_start: dict[str, int] = field(default_factory=dict)   # num_computed_tokens before this step
+    sampling: set[str] = field(default_factory=set)             # requests whose chunk ends in a new token
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu), run first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu), run second
     preempted: list[Request] = field(default_factory=list)
@@ -92,13 +99,22 @@ class Scheduler:
         for req in out.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+            n = out.num_scheduled_tokens[req.request_id]
+            out.chunk_start[req.request_id] = req.num_computed_tokens
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens_with_pending:
+                req.num_pending_tokens += 1           # this step samples its next token
+                out.sampling.add(req.request_id)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+                i += 1                                 # its last token is in flight: nothing more to compute
+                continue
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]          # least important; never one already scheduled this step
                 self._preempt(victim, out)
@@ -115,6 +131,8 @@ class Scheduler:
         """Bring in swapped-out and waiting requests in policy order, stopping at the first that does not fit
         (so nothing overtakes a more important request that is still waiting for room)."""
         for req in sorted(self.swapped + self.waiting, key=self._key):
+            if req.num_pending_tokens:
+                continue                               # preempted this very step; back once its token lands
             budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -197,16 +215,19 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed-token counts, append sampled tokens, cache full blocks, finish on token-level stop
-        conditions. Returns the requests that received a new token."""
+        """Step `out` finished: append its sampled tokens, cache the full blocks it computed, finish requests
+        on token-level stop conditions. Requests finished meanwhile (abort, stop string) are skipped.
+        Returns the requests that received a new token."""
         updated = []
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            if req.is_finished:
+                continue
             token = sampled.get(req.request_id)
             if token is not None:
                 req.append_output_token(token)
                 updated.append(req)
-            self.kv.cache_computed_blocks(req)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(req)
             if token is not None:
                 status = self._check_stop(req, token)
                 if status is not None:

@@ -82,6 +82,10 @@ def _decode_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> tor
         return torch.zeros_like(q)
     k, v = _gather(k_cache, v_cache, md.block_tables[:md.num_decodes], longest)
     seq_lens = torch.tensor(lens)
+    # Rows shorter than the longest read past their context: whatever is there (the pool is never cleared,
+    # it may hold NaN bit patterns) must not reach the output through 0 * NaN.
+    past = (torch.arange(longest)[None, :] >= seq_lens[:, None]).to(q.device)[:, :, None, None]
+    k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
     out = _attend(q.unsqueeze(1), k, v, scale, seq_lens.clamp(min=1), causal=False)[:, 0]
     return torch.where((seq_lens > 0).to(q.device)[:, None, None], out, torch.zeros_like(out))
 
