@@ -1,7 +1,12 @@
-"""CUDA graphs for decode steps: the whole decoder forward for a batch of single-token sequences is captured
-once per batch size of a ladder, then replayed with the step's inputs copied into static buffers. A decode
-step is ~300 kernel launches; replaying them as one graph removes the CPU launch cost that otherwise
-dominates small batches. Padded rows have seq_len 0 and slot -1: they write no KV and read none.
+"""CUDA graphs: each step of ~400 kernel launches is replayed from a graph captured once, so the host pays one
+launch instead of hundreds (on the device machine's CPU a Triton launch costs ~50 us, more than the kernel).
+
+- Decode steps (every sequence has one query token): one graph per batch size of a ladder. Padded rows have
+  seq_len 0 and slot -1: they write no KV and read none.
+- Single-sequence prefill chunks (the time to first token of one prompt): one graph per token-count bucket.
+  The bucket's unused tail rows form a second, dummy sequence whose K/V go to scratch blocks outside the
+  pool, so the attention kernel's launch grid (fixed by the bucket) is valid for any real length.
+Both run on static buffers that each step's inputs are copied into.
 """
 from __future__ import annotations
 
@@ -12,8 +17,11 @@ import torch
 from engine.logger import init_logger
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
+from engine.transfer import to_device
 
 logger = init_logger(__name__)
+# Every 64 tokens up to 1024, every 128 up to 2048: padding (computed, then dropped) stays under ~12%.
+PREFILL_BUCKETS = tuple(range(64, 1025, 64)) + tuple(range(1152, 2049, 128))
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -22,9 +30,14 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
+def scratch_blocks_needed(block_size: int) -> int:
+    """KV blocks kept out of the pool: the dummy sequence's region, and a second one for the capture check."""
+    return 2 * -(-PREFILL_BUCKETS[-1] // block_size)
+
+
 class CUDAGraphRunner:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int,
-                 mrope: bool, device: torch.device):
+                 mrope: bool, device: torch.device, scratch_blocks: list[int]):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = batch_size_ladder(max_num_seqs)
@@ -32,67 +45,150 @@ class CUDAGraphRunner:
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.mrope = mrope
-        n = self.max_bs
+        self.device = device
+        n = max(self.max_bs, PREFILL_BUCKETS[-1])
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # decode
+        self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        # prefill: row 0 the real sequence, row 1 the dummy one
+        self.pf_seq_lens = torch.zeros(2, dtype=torch.int32, device=device)
+        self.pf_qsl = torch.zeros(3, dtype=torch.int32, device=device)
+        self.pf_tables = torch.zeros(2, max(self.max_blocks, len(scratch_blocks)), dtype=torch.int32, device=device)
+        half = len(scratch_blocks) // 2
+        self.dummy_blocks, self.check_blocks = scratch_blocks[:half], scratch_blocks[half:]
+        self.pf_tables[1, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
+        self.dummy_slots = self._slots(self.dummy_blocks)
+        self.check_slots = self._slots(self.check_blocks)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        j = torch.arange(len(blocks) * self.block_size)
+        return (torch.tensor(blocks)[j // self.block_size] * self.block_size + j % self.block_size).to(self.device)
+
+    def _positions(self, n: int) -> torch.Tensor:
+        return self.positions[:, :n] if self.mrope else self.positions[:n]
+
+    # ---- forward passes over the static buffers ------------------------------------------------------------
+    def _decode_forward(self, bs: int) -> torch.Tensor:
+        md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs,
             num_decode_tokens=bs, max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[0] * bs)
+        return self.model(self.input_ids[:bs], self._positions(bs), self.kv_caches, md)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        positions = self.positions[:, :bs] if self.mrope else self.positions[:bs]
-        return self.model(self.input_ids[:bs], positions, self.kv_caches, self._metadata(bs))
+    def _prefill_forward(self, bucket: int) -> torch.Tensor:
+        # Host-side lengths are placeholders: the kernels read the device copies; the grid depends only on
+        # query_start_loc_cpu[-1] (the bucket) and the number of sequences (2).
+        md = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.pf_qsl, seq_lens=self.pf_seq_lens,
+            block_tables=self.pf_tables, num_decodes=0, num_decode_tokens=0, max_query_len=bucket,
+            max_seq_len=self.pf_tables.shape[1] * self.block_size,
+            query_start_loc_cpu=[0, bucket // 2, bucket], seq_lens_cpu=[bucket // 2, bucket - bucket // 2])
+        return self.model(self.input_ids[:bucket], self._positions(bucket), self.kv_caches, md)
+
+    def _set_prefill(self, n: int, bucket: int, ctx: int, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Real sequence: n query tokens ending a context of ctx; the dummy fills the bucket's other rows."""
+        self.slot_mapping[:n].copy_(slots, non_blocking=True)
+        self.slot_mapping[n:bucket].copy_(self.dummy_slots[:bucket - n], non_blocking=True)
+        self.pf_seq_lens.copy_(to_device([ctx, bucket - n], torch.int32, self.device), non_blocking=True)
+        self.pf_qsl.copy_(to_device([0, n, bucket], torch.int32, self.device), non_blocking=True)
+        self.pf_tables[0, :table.shape[0]].copy_(table, non_blocking=True)
+
+    # ---- capture -------------------------------------------------------------------------------------------
+    def _capture(self, key: tuple[str, int], forward) -> None:
+        forward()                        # warm-up: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[key] = forward()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = graph
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.mem_get_info()[0]
-        for bs in reversed(self.sizes):      # largest first, so smaller graphs fit in its memory pool
-            self._forward(bs)                # warm-up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+        check_table = torch.tensor(self.check_blocks, dtype=torch.int32, device=self.device)
+        for bucket in reversed(PREFILL_BUCKETS):      # largest first, so smaller graphs fit in its pool
+            n = bucket // 2
+            self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
+            self._capture(("prefill", bucket), lambda b=bucket: self._prefill_forward(b))
+        for bs in reversed(self.sizes):
+            self._capture(("decode", bs), lambda b=bs: self._decode_forward(b))
         torch.cuda.synchronize()
-        used = before - torch.cuda.mem_get_info()[0]
-        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s, using %.2f GiB",
-                    len(self.sizes), self.max_bs, time.perf_counter() - start, used / 2**30)
+        self._check_prefill(check_table)
+        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) and %d prefill sizes (up to %d "
+                    "tokens) in %.1f s, using %.2f GiB", len(self.sizes), self.max_bs,
+                    sum(1 for k in self.graphs if k[0] == "prefill"), PREFILL_BUCKETS[-1],
+                    time.perf_counter() - start, (before - torch.cuda.mem_get_info()[0]) / 2**30)
 
+    def _check_prefill(self, check_table: torch.Tensor) -> None:
+        """Replay one prefill graph against the eager forward on random tokens; drop prefill graphs on a
+        mismatch rather than serve wrong answers."""
+        n, bucket = 40, 64
+        ids = torch.randint(0, self.model.config.vocab_size, (n,), device=self.device)
+        md = AttentionMetadata(
+            slot_mapping=self.check_slots[:n], query_start_loc=torch.tensor([0, n], dtype=torch.int32,
+                                                                             device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device), block_tables=check_table[None],
+            num_decodes=0, num_decode_tokens=0, max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n])
+        positions = torch.arange(n, device=self.device)
+        positions = positions.expand(3, -1) if self.mrope else positions
+        eager = self.model(ids, positions, self.kv_caches, md)
+        self.input_ids[:n].copy_(ids)
+        self._positions(n).copy_(positions)
+        self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
+        self.graphs[("prefill", bucket)].replay()
+        graph = self.outputs[("prefill", bucket)][:n]
+        err = ((graph.float() - eager.float()).norm() / eager.float().norm().clamp(min=1e-6)).item()
+        if not err < 2e-2:
+            for key in [k for k in self.graphs if k[0] == "prefill"]:
+                del self.graphs[key]
+            logger.warning("prefill CUDA graphs disabled: replay differs from eager by %.3g (relative)", err)
+
+    # ---- replay --------------------------------------------------------------------------------------------
     def can_run(self, inp) -> bool:
         md = inp.md
-        return (inp.mm is None and md.max_query_len == 1 and md.num_decodes == md.num_seqs
-                and md.num_seqs <= self.max_bs and md.block_tables.shape[1] <= self.max_blocks)
+        if inp.mm is not None or md.block_tables.shape[1] > self.max_blocks:
+            return False
+        if md.max_query_len == 1 and md.num_decodes == md.num_seqs:
+            return md.num_seqs <= self.max_bs
+        n = inp.input_ids.shape[0]
+        return md.num_seqs == 1 and md.num_decodes == 0 and ("prefill", _bucket(n)) in self.graphs
 
     def run(self, inp) -> torch.Tensor:
-        n = inp.md.num_seqs
-        bs = next(s for s in self.sizes if s >= n)
         md = inp.md
+        n = inp.input_ids.shape[0]
         self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
-        if self.mrope:
-            self.positions[:, :n].copy_(inp.positions, non_blocking=True)
+        self._positions(n).copy_(inp.positions, non_blocking=True)
+        if md.max_query_len == 1 and md.num_decodes == md.num_seqs:
+            bs = next(s for s in self.sizes if s >= n)
+            self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+            self.seq_lens[n:bs].zero_()
+            self.block_tables[:n, :md.block_tables.shape[1]].copy_(md.block_tables, non_blocking=True)
+            key = ("decode", bs)
         else:
-            self.positions[:n].copy_(inp.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
-        self.seq_lens[n:bs].zero_()
-        self.block_tables[:n, :md.block_tables.shape[1]].copy_(md.block_tables, non_blocking=True)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+            bucket = _bucket(n)
+            self._set_prefill(n, bucket, md.seq_lens_cpu[0], md.block_tables[0], md.slot_mapping)
+            key = ("prefill", bucket)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
+
+
+def _bucket(n: int) -> int:
+    """The smallest prefill bucket with room for n tokens plus at least one dummy row (0 if none)."""
+    return next((b for b in PREFILL_BUCKETS if b > n), 0)
 
 
 def enable_cuda_graphs(engine) -> None:
@@ -102,6 +198,7 @@ def enable_cuda_graphs(engine) -> None:
         return
     runner = CUDAGraphRunner(engine.model, engine.runner.kv_caches, engine.args.max_num_seqs,
                              engine.max_model_len, engine.args.block_size,
-                             engine.model_config.mrope_section is not None, engine.device)
+                             engine.model_config.mrope_section is not None, engine.device,
+                             engine.scratch_blocks)
     runner.capture()
     engine.runner.graphs = runner

@@ -10,12 +10,14 @@ import torch
 from engine.args import EngineArgs
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
+from engine.cuda_graphs import enable_cuda_graphs, scratch_blocks_needed
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
+from engine.ops.dispatch import triton_available
 from engine.model.loader import build_model, load_model_config, load_weights
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -52,24 +54,33 @@ class LLMEngine:
         from engine.kv_sizing import plan_kv_cache
         plan = plan_kv_cache(self, max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager and triton_available()
+        # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool.
+        # (Taken from the profiled budget; an explicit num_gpu_blocks_override gets them on top.)
+        num_scratch = scratch_blocks_needed(args.block_size) if use_graphs else 0
+        if num_scratch and not args.num_gpu_blocks_override:
+            if self.num_gpu_blocks > 2 * num_scratch:
+                self.num_gpu_blocks -= num_scratch
+            else:
+                use_graphs, num_scratch = False, 0
+        self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
         if self.max_model_len < max_len:
             logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens", max_len,
                            self.max_model_len, self.num_gpu_blocks * args.block_size)
         self.max_num_batched_tokens = args.batched_tokens_budget
-        self.cache = CacheEngine(self.model_config, self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
-                                 self.dtype, self.device)
+        self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
+                                 args.block_size, self.dtype, self.device)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
         self.runner = ModelRunner(self.model, self.model_config, self.cache, self.kv, args.block_size, self.device,
                                   args.encoder_cache_size)
         plan.log(self)
-        if self.device.type == "cuda" and not args.enforce_eager:
-            from engine.cuda_graphs import enable_cuda_graphs
+        if use_graphs:
             enable_cuda_graphs(self)
         elif self.device.type == "cuda":
-            logger.info("CUDA graphs disabled (--enforce-eager): every step runs eagerly")
+            logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = StatLogger(self)
         self._next_id = 0

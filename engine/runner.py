@@ -197,7 +197,7 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        pixels = to_device(torch.cat([i.pixel_values for i in images]), torch.float32, self.device)
+        pixels = torch.cat([i.pixels_on(self.device) for i in images])
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.int64)
         embeds, deepstack = self.model.encode_images(pixels, grid)
         out, row = {}, 0

@@ -118,16 +118,25 @@ class ImageProcessor:
     # ---- pixels ---------------------------------------------------------------------------------------------
     def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """pixel_values [h*w, C*T*P*P] float32 in merge-block order, and grid_thw (1, h, w) in patches."""
+        raw, grid = self.resize(image)
+        return self.to_pixel_values(raw), grid
+
+    def resize(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The image resized to the patch grid as uint8 [H, W, 3], and grid_thw (1, h, w)."""
         image = to_rgb(image)
         height, width = self.resized_size(image.height, image.width)
-        image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-        x = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
+        if (width, height) != image.size:
+            image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+        raw = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
+        return raw, (1, height // self.patch_size, width // self.patch_size)
+
+    def to_pixel_values(self, raw: torch.Tensor) -> torch.Tensor:
+        """uint8 [H, W, 3] -> rescaled, normalized, patch rows; runs on the tensor's device (CPU or GPU)."""
         # The reference rescales in float64 and rounds to float32 once, then normalizes in float32.
-        x = (x.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
-        mean = torch.tensor(self.image_mean, dtype=torch.float32).view(-1, 1, 1)
-        std = torch.tensor(self.image_std, dtype=torch.float32).view(-1, 1, 1)
-        x = (x - mean) / std
-        return self._patchify(x), (1, height // self.patch_size, width // self.patch_size)
+        x = (raw.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
+        mean = torch.tensor(self.image_mean, dtype=torch.float32, device=raw.device).view(-1, 1, 1)
+        std = torch.tensor(self.image_std, dtype=torch.float32, device=raw.device).view(-1, 1, 1)
+        return self._patchify((x - mean) / std)
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
         c, height, width = x.shape

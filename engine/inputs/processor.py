@@ -115,11 +115,12 @@ class InputProcessor:
         items: list[ImageItem] = []
         prev = 0
         for slot, image in zip(slots, images):
-            pixel_values, grid = self.image_processor(image)
+            raw, grid = self.image_processor.resize(image)
             length = grid[0] * grid[1] * grid[2] // merge ** 2
             ids += token_ids[prev:slot]
-            items.append(ImageItem(pixel_values=pixel_values, grid_thw=grid, offset=len(ids), length=length,
-                                   content_hash=self._content_hash(image)))
+            items.append(ImageItem(raw=raw, grid_thw=grid, offset=len(ids), length=length,
+                                   content_hash=self._content_hash(raw),
+                                   to_pixels=self.image_processor.to_pixel_values))
             ids += [mc.image_token_id] * length
             prev = slot + 1
         ids += token_ids[prev:]
@@ -188,11 +189,12 @@ class InputProcessor:
             raise InvalidInputError(f"{n} images in one prompt, over the limit of "
                                     f"{self.limits.limit_images_per_prompt}", param=param)
 
-    def _content_hash(self, image: Image.Image) -> str:
-        """Identifies the image's pixels and how they were processed: the prefix-cache and encoder-cache key."""
+    def _content_hash(self, raw) -> str:
+        """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
+        prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
         h = hashlib.blake2b(digest_size=32)
-        h.update(f"{image.mode}:{image.width}x{image.height}:{self.image_processor.cache_key}\0".encode())
-        h.update(image.tobytes())
+        h.update(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode())
+        h.update(raw.numpy().data)
         return h.hexdigest()
 
     def _text_only_error(self, param: str) -> InvalidInputError:
