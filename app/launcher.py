@@ -57,6 +57,9 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
         cmd += ["--served-model-name", model.served_name]
     if model.demo:
         cmd.append("--demo-model")  # the engine reports demo_model: true in /stats; the page shows a banner
+    if not any(a.endswith("enable-prefix-caching") for a in extra):
+        # A chat re-sends its whole history every turn: the cache skips the turns already computed.
+        cmd.append("--enable-prefix-caching")
     return cmd + extra
 
 

@@ -106,6 +106,9 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     cmd = engine_command(Settings.from_env(), resolved, ["--block-size", "16"])
     assert cmd[cmd.index("--model") + 1] == str(smollm2_gguf)
     assert "--demo-model" in cmd and cmd[-2:] == ["--block-size", "16"]
+    assert "--enable-prefix-caching" in cmd           # chats re-send their history: on by default in the app
+    off = engine_command(Settings.from_env(), resolved, ["--no-enable-prefix-caching"])
+    assert "--enable-prefix-caching" not in off
 
 
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():

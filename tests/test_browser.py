@@ -100,7 +100,8 @@ def delta(text):
 
 def test_send_message_streams_answer(page, proxy, tmp_path):
     open_chat(page, proxy)
-    sent = extend_chat_requests(page, max_tokens=48, ignore_eos=True, temperature=0)
+    # Long enough (~0.5 s on the tiny model) that the stream cannot arrive in one network read.
+    sent = extend_chat_requests(page, max_tokens=400, ignore_eos=True, temperature=0)
     # Record the answer's length at every DOM change: a streamed answer grows in several steps.
     page.evaluate("""() => {
         window.__lengths = [];
