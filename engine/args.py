@@ -13,7 +13,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 class EngineArgs:
     model: str
     served_model_name: str | None = None
-    dtype: str = "auto"                          # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"                          # auto: checkpoint's dtype on CUDA; CPU: float32 (GGUF: bf16)
     device: str = "auto"                         # auto: cuda when available, else cpu
     max_model_len: int | None = None             # default: the model's context, capped by the KV pool
     block_size: int = 16

@@ -58,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     torch_dtype: str = "float32"
+    source_format: str = "safetensors"                  # or "gguf"
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     vision: VisionConfig | None = None

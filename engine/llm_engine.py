@@ -176,6 +176,11 @@ class LLMEngine:
         return self.stats.snapshot()
 
 
+def _cpu_has_bf16() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
 def _needs_host_tokens(step: InflightStep) -> bool:
     """Penalties are computed from every earlier token id, so the next step must wait for these."""
     return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
@@ -194,7 +199,10 @@ def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torc
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32      # CPU matmuls are fastest and exact in fp32
+        # fp32 on CPU (exact), except a GGUF, whose weights are already quantized: bf16 halves the bytes each
+        # token reads, and on CPUs with AVX512-BF16 both prefill and decode run ~1.7x faster than fp32 (fp16
+        # decodes faster still but prefills 3x slower: its matrix products have no fast CPU path).
+        return torch.bfloat16 if config.source_format == "gguf" and _cpu_has_bf16() else torch.float32
     dtype = _DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
     return torch.bfloat16 if dtype == torch.float32 else dtype
 

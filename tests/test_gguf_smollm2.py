@@ -19,7 +19,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf):
-    return LLM(str(smollm2_gguf), max_model_len=1024, num_gpu_blocks_override=256, swap_space=0.01)
+    """fp32, to compare with transformers' fp32 token for token (the CPU default for GGUF may be bf16)."""
+    return LLM(str(smollm2_gguf), dtype="float32", max_model_len=1024, num_gpu_blocks_override=256,
+               swap_space=0.01)
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,7 +57,9 @@ def test_greedy_tokens_match_transformers_gguf_loading(smol, smollm2_gguf, index
     assert_pool_idle(smol)
 
 
-def test_answers_the_capital_of_france(smol):
-    [out] = smol.chat(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_answers_the_capital_of_france(smol, smollm2_gguf, dtype):
+    llm = smol if dtype == "float32" else LLM(str(smollm2_gguf), max_model_len=1024, num_gpu_blocks_override=64)
+    [out] = llm.chat(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"

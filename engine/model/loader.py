@@ -101,7 +101,9 @@ def _gguf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"unsupported GGUF architecture {cfg.get('model_type')!r} "
                              f"(supported: {', '.join(_GGUF_ARCHITECTURES)})", code="unsupported_architecture")
     cfg["architectures"] = [arch]
-    return ModelConfig.from_dict(cfg)
+    config = ModelConfig.from_dict(cfg)
+    config.source_format = "gguf"
+    return config
 
 
 def _gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

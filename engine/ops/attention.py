@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.ops.dispatch import use_triton
 
@@ -57,21 +58,19 @@ def _gather(k_cache, v_cache, block_tables, ctx: int):
 
 
 def _attend(q, k, v, scale, seq_lens, causal: bool):
-    """q: [B, n, Hq, D] (the last n positions of each context), k/v: [B, N, Hk, D] -> [B, n, Hq, D].
-    Query heads are grouped by their KV head, so GQA needs no copy of K or V."""
-    b, n, hq, d = q.shape
-    hk, kv_len = k.shape[2], k.shape[1]
-    qg = q.float().reshape(b, n, hk, hq // hk, d).permute(0, 2, 3, 1, 4)         # [B, Hk, G, n, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale        # [B, Hk, G, n, N]
-    k_pos = torch.arange(kv_len, device=q.device)
+    """q: [B, n, Hq, D] (the last n positions of each context), k/v: [B, N, Hk, D] -> [B, n, Hq, D], via
+    torch's fused attention in fp32 (GQA without copying K or V)."""
+    b, n = q.shape[:2]
+    kv_len = k.shape[1]
     lens = seq_lens.to(q.device)
-    mask = k_pos[None, None, :] >= lens[:, None, None]                           # past this sequence's context
+    k_pos = torch.arange(kv_len, device=q.device)
+    mask = k_pos[None, None, :] < lens[:, None, None]                              # inside this context
     if causal:
         q_pos = lens[:, None] - n + torch.arange(n, device=q.device)[None, :]
-        mask = mask | (k_pos[None, None, :] > q_pos[:, :, None])
-    scores = scores.masked_fill(mask[:, None, None], float("-inf"))
-    o = torch.matmul(scores.softmax(-1), v.permute(0, 2, 1, 3).unsqueeze(2))     # [B, Hk, G, n, D]
-    return o.permute(0, 3, 1, 2, 4).reshape(b, n, hq, d).to(q.dtype)
+        mask = mask & (k_pos[None, None, :] <= q_pos[:, :, None])
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).to(q.dtype)
 
 
 def _decode_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -82,10 +81,11 @@ def _decode_ref(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> tor
         return torch.zeros_like(q)
     k, v = _gather(k_cache, v_cache, md.block_tables[:md.num_decodes], longest)
     seq_lens = torch.tensor(lens)
-    # Rows shorter than the longest read past their context: whatever is there (the pool is never cleared,
-    # it may hold NaN bit patterns) must not reach the output through 0 * NaN.
-    past = (torch.arange(longest)[None, :] >= seq_lens[:, None]).to(q.device)[:, :, None, None]
-    k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
+    if min(lens) < longest:
+        # Rows shorter than the longest read past their context: whatever is there (the pool is never
+        # cleared, it may hold NaN bit patterns) must not reach the output through 0 * NaN.
+        past = (torch.arange(longest)[None, :] >= seq_lens[:, None]).to(q.device)[:, :, None, None]
+        k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
     out = _attend(q.unsqueeze(1), k, v, scale, seq_lens.clamp(min=1), causal=False)[:, 0]
     return torch.where((seq_lens > 0).to(q.device)[:, None, None], out, torch.zeros_like(out))
 
