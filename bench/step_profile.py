@@ -10,7 +10,6 @@ import argparse
 import json
 import random
 import time
-from collections import defaultdict
 
 import torch
 

@@ -135,21 +135,24 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ModelConfig":
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory",
-                                 code="model_not_found")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
-        mc = cls.from_dict(cfg)
+        mc = cls.from_dict(read_model_json(path, "config.json", "not a Hugging Face model directory"))
         gen_path = Path(path) / "generation_config.json"
         if gen_path.is_file():
             # generation_config.json's eos list (Qwen: <|im_end|> and <|endoftext|>) is what generation stops on.
             gen_eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))
             mc.eos_token_ids = list(dict.fromkeys(mc.eos_token_ids + gen_eos))
         return mc
+
+
+def read_model_json(model_dir: str | Path, name: str, why: str) -> dict:
+    """A JSON file of a model directory; a clear ModelLoadError (saying `why` it is needed) if missing or bad."""
+    path = Path(model_dir) / name
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no {name}: {why}", code="model_not_found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
 
 
 def _as_list(x) -> list[int]:

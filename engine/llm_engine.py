@@ -1,5 +1,6 @@
-"""LLMEngine: the synchronous engine core. add_request() queues work; each step() schedules one batch, runs one
-forward, samples, detokenizes and returns what changed. The offline LLM and the server's async loop drive it."""
+"""LLMEngine: the engine core. add_request() queues work; each step() schedules and launches one batch (one
+forward + sampling on the device), then finishes the previous one (its tokens, stop checks, detokenization)
+while the device computes, and returns what changed. The offline LLM and the server's engine thread drive it."""
 from __future__ import annotations
 
 import time
@@ -17,8 +18,10 @@ from engine.core.scheduler import Scheduler
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
-from engine.ops.dispatch import triton_available
+from engine.inputs.setup import build_input_processor
+from engine.kv_sizing import plan_kv_cache
 from engine.model.loader import build_model, load_model_config, load_weights
+from engine.ops.dispatch import triton_available
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.runner import InflightStep, ModelRunner
@@ -43,7 +46,6 @@ class LLMEngine:
                     "prefix_caching=%s, scheduling_policy=%s", args.model, self.model_config.architecture,
                     str(self.dtype).removeprefix("torch."), self.device, args.block_size,
                     args.enable_prefix_caching, args.scheduling_policy)
-        from engine.inputs.setup import build_input_processor   # tokenizer + template + image processor
         self.input_processor = build_input_processor(args, self.model_config)
         self.tokenizer = self.input_processor.tokenizer
 
@@ -51,7 +53,6 @@ class LLMEngine:
         self.model = build_model(self.model_config, max_len, self.dtype, self.device)
         load_weights(self.model, args.model, args.load_format)
 
-        from engine.kv_sizing import plan_kv_cache
         plan = plan_kv_cache(self, max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and triton_available()

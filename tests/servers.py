@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,8 +17,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
+
+from app.procs import stop_tree
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -66,29 +66,8 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 20) -> None:
-        stop_process_tree(self.proc.pid, timeout)
+        stop_tree(self.proc.pid, timeout)
         self.proc.wait(5)
-
-
-def stop_process_tree(pid: int, timeout: float = 20) -> None:
-    """SIGTERM the process and all its descendants, SIGKILL what is left after `timeout`."""
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [root] + root.children(recursive=True)
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
 
 
 def spawn(name: str, cmd: list[str], log_path: Path, url: str, env: dict | None = None) -> Server:

@@ -51,7 +51,6 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
-        self.output_queue = None                         # set by the async front end
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property

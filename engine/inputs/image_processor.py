@@ -8,7 +8,6 @@ Each arithmetic step happens in the dtype the reference uses, so pixel_values ma
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.errors import ImageError, ModelLoadError
+from engine.config import read_model_json
+from engine.errors import ImageError
 from engine.inputs.image_io import to_rgb
 
 MAX_ASPECT_RATIO = 200  # the vision encoder's limit; smart_resize refuses more elongated images
@@ -63,14 +63,7 @@ class ImageProcessor:
     @classmethod
     def from_model_dir(cls, path: str | Path, min_pixels: int | None = None,
                        max_pixels: int | None = None) -> "ImageProcessor":
-        cfg_path = Path(path) / "preprocessor_config.json"
-        if not cfg_path.is_file():
-            raise ModelLoadError(f"{path} has no preprocessor_config.json, which a vision model needs",
-                                 code="model_not_found")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
+        cfg = read_model_json(path, "preprocessor_config.json", "a vision model needs it")
         return cls.from_config(cfg, min_pixels=min_pixels, max_pixels=max_pixels)
 
     # ---- sizes ----------------------------------------------------------------------------------------------

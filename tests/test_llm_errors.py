@@ -1,0 +1,74 @@
+"""Bad input to the offline API is refused with an error that says what is wrong, never a crash or a hang, and
+leaves the engine usable."""
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.errors import ImageError, InvalidInputError, ModelLoadError, PromptTooLongError
+from engine_helpers import assert_pool_idle, make_llm
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_vl_dir):
+    return make_llm(qwen3_vl_dir, max_model_len=256, num_gpu_blocks_override=64)
+
+
+def test_unknown_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture(qwen3_dir, tmp_path):
+    d = shutil.copytree(qwen3_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture .*GPT2LMHeadModel"):
+        LLM(str(d))
+
+
+def test_missing_tensor_is_named(qwen3_dir, tmp_path):
+    d = shutil.copytree(qwen3_dir, tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj.weight"):
+        LLM(str(d))
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(InvalidInputError, match="empty"):
+        llm.generate("")
+    with pytest.raises(InvalidInputError, match="empty"):
+        llm.generate({"prompt_token_ids": []})
+
+
+def test_prompt_too_long_says_the_lengths(llm):
+    with pytest.raises(PromptTooLongError, match="256 tokens.*300 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 300})
+    with pytest.raises(PromptTooLongError, match="max_tokens"):
+        llm.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=200))
+
+
+def test_bytes_that_are_not_an_image(llm):
+    url = "data:image/png;base64," + base64.b64encode(b"certainly not a png").decode()
+    with pytest.raises(ImageError, match="decode"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+
+
+def test_out_of_range_sampling_values():
+    with pytest.raises(InvalidInputError) as e:
+        SamplingParams(top_p=1.5)
+    assert e.value.param == "top_p"
+
+
+def test_engine_still_serves_after_refusals(llm):
+    [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4
+    assert_pool_idle(llm)
