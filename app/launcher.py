@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from app import control, procs
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
@@ -50,6 +51,9 @@ def split_engine_args(args: list[str]) -> tuple[list[str], str | None]:
     return out, key
 
 
+DEMO_GENERATION_DIR = Path(__file__).resolve().parent / "demo_generation"
+
+
 def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[str]:
     cmd = [s.python, "-m", "engine", "--model", str(model.path), "--host", s.engine_host,
            "--port", str(s.engine_port)]
@@ -57,6 +61,8 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
         cmd += ["--served-model-name", model.served_name]
     if model.demo:
         cmd.append("--demo-model")  # the engine reports demo_model: true in /stats; the page shows a banner
+        if not any(a.startswith("--generation-config") for a in extra):
+            cmd += ["--generation-config", str(DEMO_GENERATION_DIR)]   # the GGUF has no sampling defaults
     if not any(a.endswith("enable-prefix-caching") for a in extra):
         # A chat re-sends its whole history every turn: the cache skips the turns already computed.
         cmd.append("--enable-prefix-caching")
