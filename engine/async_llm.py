@@ -70,7 +70,7 @@ class AsyncLLM:
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Raise PromptTooLongError etc. now, not after the stream has begun. Returns the resolved max_tokens."""
-        return self.engine._check_lengths(prompt, params)
+        return self.engine.check_lengths(prompt, params)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

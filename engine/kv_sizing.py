@@ -51,7 +51,7 @@ def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     elif engine.device.type == "cuda":
         weights = torch.cuda.memory_allocated(engine.device)
-        profile = profile_cuda(engine.model, lambda: _worst_case_step(engine, max_len), weights,
+        profile = profile_cuda(lambda: _worst_case_step(engine, max_len), weights,
                                args.gpu_memory_utilization, engine.device)
         num_gpu, source = profile.kv_budget_bytes // per_block, "gpu_memory_utilization"
     else:

@@ -104,7 +104,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already running", param="request_id")
-        max_tokens = self._check_lengths(processed, params)
+        max_tokens = self.check_lengths(processed, params)
         bad = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
         if bad:
             raise InvalidInputError(f"stop_token_ids {bad} are outside the vocabulary (size "
@@ -117,7 +117,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
-    def _check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
+    def check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
+        """Refuse a prompt that cannot run (empty, too long for max_model_len); returns the resolved max_tokens."""
         n = len(processed.prompt_token_ids)
         if n == 0:
             raise InvalidInputError("the prompt is empty", param="prompt")

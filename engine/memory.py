@@ -32,7 +32,7 @@ def cpu_kv_budget(space_gib: float | None) -> int:
     return budget
 
 
-def profile_cuda(model: torch.nn.Module, run_worst_case_step, weights_bytes: int,
+def profile_cuda(run_worst_case_step, weights_bytes: int,
                  gpu_memory_utilization: float, device: torch.device) -> MemoryProfile:
     """Run `run_worst_case_step()` (a forward over max_num_batched_tokens plus sampling for max_num_seqs rows),
     record the peak, and give the KV pool what remains of `utilization * total` after weights and that peak."""

@@ -1,5 +1,6 @@
 """The model runner: turns a SchedulerOutput into one flat varlen batch, runs the model over the paged KV cache
-(eagerly, or by replaying a captured CUDA graph for decode-only steps), and samples the next tokens."""
+(eagerly, or by replaying a captured CUDA graph for decode steps and single-sequence prefill chunks), and samples
+the next tokens on the device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,7 +103,6 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
-        mrope_chunks = []
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
         logits_rows, sample_reqs, chunks = [], [], []
@@ -118,8 +118,7 @@ class ModelRunner:
                 pending_rows.append(prev.rows[req.request_id])
                 ids.append(0)
             if mrope and start < req.num_prompt_tokens:
-                mrope_chunks.append((query_start[-1], req, start, end))
-                positions.extend(range(n))
+                positions.extend(range(n))        # placeholder: the prompt's 3-axis positions are copied below
             elif mrope:   # generated tokens: the same position n + delta on all three axes
                 delta = req.prompt.mrope_position_delta
                 positions.extend(range(start + delta, end + delta))
@@ -143,8 +142,9 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64)
         if mrope:
             pos = pos.repeat(3, 1)
-            for flat, req, start, end in mrope_chunks:
-                pos[:, flat:flat + end - start] = req.positions(start, end)
+            for req, flat, start, end in chunks:
+                if start < req.num_prompt_tokens:
+                    pos[:, flat:flat + end - start] = req.positions(start, end)
         md = AttentionMetadata(
             slot_mapping=to_device(slots, torch.int64, dev),
             query_start_loc=to_device(query_start, torch.int32, dev),
@@ -172,18 +172,18 @@ class ModelRunner:
         if not wanted:
             return None
         outputs: dict[str, EncoderOutput] = {}
-        to_encode = []
+        to_encode: dict[str, object] = {}                  # content hash -> one image with that content
         for _, image, *_ in wanted:
             key = image.content_hash
-            if key in outputs or any(key == i.content_hash for i in to_encode):
+            if key in outputs or key in to_encode:
                 continue
             hit = self.encoder_cache.get(key)
             if hit is not None:
                 outputs[key] = hit
             else:
-                to_encode.append(image)
+                to_encode[key] = image
         if to_encode:
-            outputs.update(self._encode(to_encode))
+            outputs.update(self._encode(list(to_encode.values())))
         indices, rows, deep = [], [], []
         for _, image, flat, start, end in wanted:
             lo, hi = max(start, image.offset), min(end, image.end)

@@ -75,12 +75,3 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every hash (only when no block is in use, as vLLM does)."""
-        if len(self.free_queue) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True

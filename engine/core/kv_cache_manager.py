@@ -48,9 +48,6 @@ class KVCacheManager:
         """The request's block table (physical block ids in order); kept in step with its blocks."""
         return self.req_to_block_ids.get(request_id, [])
 
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / max(self.pool.num_blocks, 1)
-
     # ---- prefix cache --------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks at the start of the request, and the tokens they cover.
