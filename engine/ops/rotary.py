@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops.dispatch import use_triton
+from engine.ops.kv_cache import store_kvcache_ref
 from engine.ops.norm import rms_norm_ref
 
 
@@ -31,6 +32,21 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     return apply_rotary_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), cos, sin)
 
 
+def rope_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                          eps: float = 0.0) -> torch.Tensor:
+    """The decoder's attention prologue in one op: rotary for q and k (after Qwen3's q/k RMSNorm when the
+    weights are given), then this step's rotated k and v written into the paged cache (store_kvcache_ref).
+    Returns the rotated q; attention reads k and v back from the cache."""
+    if q_weight is not None:
+        q, k = qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin)
+    else:
+        q, k = apply_rotary_ref(q, k, cos, sin)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def apply_rotary(q, k, cos, sin):
     if use_triton(q):
         from engine.ops.triton import rotary
@@ -43,3 +59,28 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
         from engine.ops.triton import rotary
         return rotary.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin)
+
+
+def rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None, eps=0.0):
+    if use_triton(q):
+        from engine.ops.triton import rotary
+        return rotary.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps)
+    return rope_and_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps)
+
+
+def vision_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The vision encoder's rotary: qkv [N, 3, H, D] (the fused projection) -> (q, k, v), each [N, H, D], with
+    q and k rotated in fp32 (as transformers' apply_rotary_pos_emb_vision does with cos = cat(c, c)) and cast
+    back to qkv's dtype. cos/sin: [N, D/2] fp32."""
+    half = qkv.shape[-1] // 2
+    c, s = cos[:, None, None, :], sin[:, None, None, :]
+    x1, x2 = qkv[:, :2, :, :half].float(), qkv[:, :2, :, half:].float()
+    q, k = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype).unbind(1)
+    return q, k, qkv[:, 2]
+
+
+def vision_qkv_rope(qkv, cos, sin):
+    if use_triton(qkv):
+        from engine.ops.triton import rotary
+        return rotary.vision_qkv_rope(qkv, cos, sin)
+    return vision_qkv_rope_ref(qkv, cos, sin)

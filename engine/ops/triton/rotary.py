@@ -4,6 +4,10 @@ Each program takes one token and every head of either q (axis 1 == 0) or k (axis
 as its two halves x1 = x[:D/2], x2 = x[D/2:], which is exactly the pair the rotation mixes, so no lane
 shuffles are needed, and the RMS over the head is the sum over both halves. q and k may be strided views of
 the fused qkv projection; the outputs are new contiguous [T, H, D] tensors, as the reference returns.
+
+`rope_and_store_kv` is the decoder's form: the k program writes its rotated heads, and this token's v
+heads, straight into the paged cache at the token's slot instead of returning k, which saves a kernel per
+layer (a batch-1 decode step is ~250 kernels of a few microseconds each).
 """
 from __future__ import annotations
 
@@ -13,17 +17,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_heads(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, t, stride_xt, stride_xh, stride_ct, stride_st, eps,
-                NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                NORM: tl.constexpr):
+def _rope_heads(x_ptr, out_ptr, out_off, stride_oh, valid, w_ptr, cos_ptr, sin_ptr, t, stride_xt, stride_xh,
+                stride_ct, stride_st, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """Rotate (after the per-head RMSNorm if NORM) token t's heads of x; head h goes to out_ptr + out_off +
+    h * stride_oh. Nothing is read or written unless `valid`."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < HALF
-    mask = (heads[:, None] < NUM_HEADS) & col_mask[None, :]
+    mask = valid & (heads[:, None] < NUM_HEADS) & col_mask[None, :]
     src = x_ptr + t.to(tl.int64) * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty  # the dtype the reference's rotation computes in
+    dtype = DTYPE   # the dtype the reference's rotation computes in (the output dtype of q or k)
     # Each product/sum below is rounded to `dtype` where torch rounds it (a no-op in fp32): the reference
     # computes in the tensor's dtype, so bf16 results match it bit for bit instead of within 1 ulp.
     if NORM:
@@ -38,36 +44,80 @@ def _rope_heads(x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, t, stride_xt, stride_xh
     s = tl.load(sin_ptr + t * stride_st + cols, mask=col_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
     o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
     o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    dst = out_ptr + (t.to(tl.int64) * NUM_HEADS + heads[:, None]) * (2 * HALF) + cols[None, :]
-    tl.store(dst, o1.to(dtype), mask=mask)
-    tl.store(dst + HALF, o2.to(dtype), mask=mask)
+    dst = out_ptr + out_off + heads[:, None] * stride_oh + cols[None, :]
+    tl.store(dst, o1.to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
                     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                    Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr):
     t = tl.program_id(0)
+    t64 = t.to(tl.int64)
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, qw_ptr, cos_ptr, sin_ptr, t, stride_qt, stride_qh, stride_ct, stride_st,
-                    eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF, NORM)
+        _rope_heads(q_ptr, q_out_ptr, t64 * NUM_Q_HEADS * 2 * HALF, 2 * HALF, True, qw_ptr, cos_ptr, sin_ptr, t,
+                    stride_qt, stride_qh, stride_ct, stride_st, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF,
+                    NORM, Q_DTYPE)
     else:
-        _rope_heads(k_ptr, k_out_ptr, kw_ptr, cos_ptr, sin_ptr, t, stride_kt, stride_kh, stride_ct, stride_st,
-                    eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF, NORM)
+        _rope_heads(k_ptr, k_out_ptr, t64 * NUM_K_HEADS * 2 * HALF, 2 * HALF, True, kw_ptr, cos_ptr, sin_ptr, t,
+                    stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
+                    NORM, K_DTYPE)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qw_ptr, kw_ptr,
+                       cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_ct, stride_st, stride_cb, stride_cs, stride_ch, eps,
+                       NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr):
+    # Grid (token, 2): program 0 rotates q into q_out; program 1 rotates k and copies v into the cache at the
+    # token's slot (slot -1: padding, or KV already cached, writes nothing).
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, q_out_ptr, t64 * NUM_Q_HEADS * 2 * HALF, 2 * HALF, True, qw_ptr, cos_ptr, sin_ptr, t,
+                    stride_qt, stride_qh, stride_ct, stride_st, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF,
+                    NORM, Q_DTYPE)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        _rope_heads(k_ptr, k_cache_ptr, dst, stride_ch, valid, kw_ptr, cos_ptr, sin_ptr, t,
+                    stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
+                    NORM, K_DTYPE)
+        heads = tl.arange(0, BLOCK_KH)
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        mask = valid & (heads[:, None] < NUM_K_HEADS) & (cols[None, :] < 2 * HALF)
+        v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
+        tl.store(v_cache_ptr + dst + heads[:, None] * stride_ch + cols[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _out_dtypes(q, k, q_weight, k_weight, norm: bool):
+    """The reference's type promotion: the norm weight may be fp32 with bf16 q."""
+    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if norm else q.dtype
+    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if norm else k.dtype
+    return q_dtype, k_dtype
 
 
 def _launch(q, k, q_weight, k_weight, eps, cos, sin, norm: bool):
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert head_dim % 2 == 0 and k.shape[0] == num_tokens and k.shape[2] == head_dim
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    # Output dtypes follow the reference's type promotion (the norm weight may be fp32 with bf16 q).
-    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if norm else q.dtype
-    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if norm else k.dtype
+    q, k, cos, sin = (_unit_stride(x) for x in (q, k, cos, sin))
+    q_dtype, k_dtype = _out_dtypes(q, k, q_weight, k_weight, norm)
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q_dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k_dtype, device=k.device)
     if num_tokens == 0:
@@ -78,7 +128,8 @@ def _launch(q, k, q_weight, k_weight, eps, cos, sin, norm: bool):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
         BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, Q_DTYPE=_TL_DTYPES[q_dtype],
+        K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
     )
     return q_out, k_out
 
@@ -92,3 +143,75 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  eps: float, cos: torch.Tensor, sin: torch.Tensor):
     """Per-head RMSNorm (q_norm / k_norm) then rotary, in one pass over q and k. Returns new (q, k)."""
     return _launch(q, k, q_weight, k_weight, eps, cos, sin, norm=True)
+
+
+def rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
+                      eps: float = 0.0) -> torch.Tensor:
+    """Rotary (after the q/k RMSNorm when weights are given) for q and k, and k (rotated) and v written into
+    the paged cache through slot_mapping. Returns the rotated q; see engine/ops/rotary.py for the reference."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    norm = q_weight is not None
+    assert head_dim % 2 == 0 and k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
+    assert slot_mapping.numel() == num_tokens
+    q, k, v, cos, sin = (_unit_stride(x) for x in (q, k, v, cos, sin))
+    q_dtype, k_dtype = _out_dtypes(q, k, q_weight, k_weight, norm)
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q_dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rope_store_kernel[(num_tokens, 2)](
+        q, k, v, q_out, k_cache, v_cache, slot_mapping, q_weight if norm else q, k_weight if norm else k, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, Q_DTYPE=_TL_DTYPES[q_dtype],
+        K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
+    )
+    return q_out
+
+
+@triton.jit
+def _vision_rope_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, stride_t, stride_c, stride_h,
+                        stride_ct, stride_st, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Grid (token, 3): q and k are rotated in fp32 (no intermediate rounding, as the reference), v copied;
+    # all three leave as contiguous [N, H, D] rows, which the varlen attention kernel reads with one stride.
+    t = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < NUM_HEADS) & (cols[None, :] < HALF)
+    src = qkv_ptr + t * stride_t + which * stride_c + heads[:, None] * stride_h + cols[None, :]
+    dst = (t * NUM_HEADS + heads[:, None]) * (2 * HALF) + cols[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if which == 2:
+        tl.store(v_ptr + dst, x1, mask=mask)
+        tl.store(v_ptr + dst + HALF, x2, mask=mask)
+    else:
+        c = tl.load(cos_ptr + t * stride_ct + cols, mask=cols < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + t * stride_st + cols, mask=cols < HALF, other=0.0)[None, :]
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (a * c - b * s).to(x1.dtype)
+        o2 = (b * c + a * s).to(x1.dtype)
+        out = q_ptr if which == 0 else k_ptr
+        tl.store(out + dst, o1, mask=mask)
+        tl.store(out + dst + HALF, o2, mask=mask)
+
+
+def vision_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """qkv [N, 3, H, D] -> (q, k, v) contiguous [N, H, D], q and k rotated (see vision_qkv_rope_ref)."""
+    num_tokens, three, num_heads, head_dim = qkv.shape
+    assert three == 3 and head_dim % 2 == 0 and qkv.stride(-1) == 1
+    cos, sin = _unit_stride(cos), _unit_stride(sin)
+    q, k, v = (torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    if num_tokens:
+        half = head_dim // 2
+        _vision_rope_kernel[(num_tokens, 3)](
+            qkv, q, k, v, cos, sin, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), sin.stride(0),
+            NUM_HEADS=num_heads, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q, k, v
