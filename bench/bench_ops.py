@@ -202,6 +202,22 @@ def elementwise_cases(quick: bool):
                4 * t * HK * D * E + 8 * t, 0, time_us(lambda: store_kvcache_ref(k, v, kc, vc, slots)), None)
 
 
+LINEAR_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
+                 "down_proj": (4096, 12288), "lm_head": (151936, 4096)}   # (N, K) of the 8B text model
+
+
+def linear_cases(quick: bool):
+    """One token through each weight of the decoder: the Triton GEMV against cuBLAS (torch's F.linear), both
+    replayed from a CUDA graph as in a decode step. Bytes: the weight, read once."""
+    from engine.ops.triton.linear import gemv
+    for name, (n, k) in LINEAR_SHAPES.items():
+        x = torch.randn(1, k, device=DEV, dtype=DT)
+        w = torch.randn(n, k, device=DEV, dtype=DT) * k ** -0.5
+        t = time_us(lambda: gemv(x, w), graph=True)
+        cublas = time_us(lambda: F.linear(x, w), graph=True)
+        yield f"linear 1x{k} -> {n} ({name})", t, n * k * E, 2 * n * k, cublas, None
+
+
 def sweep_splits():
     """Decode time against the split count, to tune attention.decode_num_splits on this GPU."""
     import engine.ops.triton.attention as attn
@@ -224,13 +240,17 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep-splits", action="store_true", help="also sweep the decode split count")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--groups", default="linear,decode,prefill,vision,elementwise",
+                    help="comma-separated case groups to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     rows = []
-    for group in (decode_cases, prefill_cases, vision_cases, elementwise_cases):
+    groups = {"linear": linear_cases, "decode": decode_cases, "prefill": prefill_cases, "vision": vision_cases,
+              "elementwise": elementwise_cases}
+    for group in (groups[g] for g in args.groups.split(",")):
         for name, t, nbytes, flops, ref, sd in group(args.quick):
             row = {"op": name, "triton_us": t, "gb_s": nbytes / t / 1e3, "tflop_s": flops / t / 1e6,
                    "ref_us": ref, "sdpa_us": sd}
@@ -248,7 +268,8 @@ def main():
         vs_ref = f"{r['ref_us'] / r['triton_us']:7.1f}" if r["ref_us"] else f"{'-':>7}"
         vs_sdpa = f"{r['sdpa_us'] / r['triton_us']:7.2f}" if r["sdpa_us"] else f"{'-':>7}"
         print(f"{r['op']:<34} {r['triton_us']:10.1f} {r['gb_s']:7.0f} {tflops} {vs_ref} {vs_sdpa}")
-    print("(x ref / x sdpa: how many times faster the Triton kernel is; decode timed as a CUDA graph replay)")
+    print("(x ref / x sdpa: how many times faster the Triton kernel is; decode and linear timed as CUDA graph "
+          "replays; for linear, ref is cuBLAS)")
 
 
 if __name__ == "__main__":

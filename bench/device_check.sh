@@ -14,9 +14,11 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`).
-if [ -d .whl ] && ! python3 -c "import pybase64" 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links .whl pybase64 2>&1 | tail -1
+if [ -d .whl ] && ! python3 -c "import pybase64, pyspng" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng 2>&1 | tail -1
 fi
+python3 -c "import PIL, pybase64, pyspng; print('pillow', PIL.__version__, 'pybase64', pybase64.__version__, \
+'pyspng', pyspng.__version__)" | tee -a "$OUT/env.txt"
 
 for s in $STAGES; do
   case $s in
@@ -31,6 +33,7 @@ for s in $STAGES; do
     opsbench)
       stage "kernel benchmark"
       timeout "${OPSB_T:-150}" python3 bench/bench_ops.py --quick --json "$OUT/bench_ops.json" \
+        --groups "${OPSB_GROUPS:-linear,decode,prefill,vision,elementwise}" \
         > "$OUT/bench_ops.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_ops.txt" ;;
     offline)
       stage "offline benchmark (Qwen3-VL-8B shapes, dummy weights)"

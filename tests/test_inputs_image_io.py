@@ -147,6 +147,44 @@ def test_undecodable_bytes_are_an_image_error(data, message):
         load_image(data)
 
 
+ROTATE_90 = Image.Exif()
+ROTATE_90[0x0112] = 6   # Orientation: rotate 90 degrees clockwise to display
+
+
+def noise_rgb(width: int, height: int, seed: int = 0) -> Image.Image:
+    import numpy as np
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_plain_rgb_png_takes_the_fast_decoder_with_the_same_pixels(monkeypatch):
+    import engine.inputs.image_io as image_io
+    calls = []
+    real = image_io.pyspng.load
+    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
+    image = noise_rgb(67, 45)
+    out = load_image(encode(image))
+    assert calls == [1]
+    assert out.mode == "RGB" and out.tobytes() == image.tobytes()
+
+
+@pytest.mark.parametrize("image, save_args", [
+    (noise_rgb(20, 10).convert("RGBA"), {}),                     # alpha: composited on white by Pillow's path
+    (noise_rgb(20, 10), {"transparency": (0, 0, 0)}),            # tRNS colour key
+    (noise_rgb(20, 10).convert("L"), {}),
+    (noise_rgb(20, 10), {"exif": ROTATE_90}),                    # an eXIf chunk may rotate the image
+])
+def test_other_pngs_go_through_pillow(image, save_args, monkeypatch):
+    import engine.inputs.image_io as image_io
+    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
+    assert load_image(encode(image, **save_args)).mode == "RGB"
+
+
+def test_corrupt_plain_rgb_png_is_an_image_error():
+    data = encode(noise_rgb(64, 64))
+    with pytest.raises(ImageError, match="could not decode image"):
+        load_image(data[:len(data) // 2])
+
+
 # ---- http(s) and file:// URLs ---------------------------------------------------------------------------------
 class _Server(http.server.ThreadingHTTPServer):
     routes: dict[str, tuple[int, dict[str, str], bytes]]

