@@ -202,28 +202,12 @@ def elementwise_cases(quick: bool):
                4 * t * HK * D * E + 8 * t, 0, time_us(lambda: store_kvcache_ref(k, v, kc, vc, slots)), None)
 
 
-LINEAR_SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
-                 "down_proj": (4096, 12288), "lm_head": (151936, 4096)}   # (N, K) of the 8B text model
-
-
-def linear_cases(quick: bool):
-    """One token through each weight of the decoder: the Triton GEMV against cuBLAS (torch's F.linear), both
-    replayed from a CUDA graph as in a decode step. Bytes: the weight, read once."""
-    from engine.ops.triton.linear import gemv
-    for name, (n, k) in LINEAR_SHAPES.items():
-        x = torch.randn(1, k, device=DEV, dtype=DT)
-        w = torch.randn(n, k, device=DEV, dtype=DT) * k ** -0.5
-        t = time_us(lambda: gemv(x, w), graph=True)
-        cublas = time_us(lambda: F.linear(x, w), graph=True)
-        yield f"linear 1x{k} -> {n} ({name})", t, n * k * E, 2 * n * k, cublas, None
-
-
 def sweep_splits():
     """Decode time against the split count, to tune attention.decode_num_splits on this GPU."""
     import engine.ops.triton.attention as attn
     chosen = attn.decode_num_splits
     print("\ndecode split sweep (us; * = the heuristic's choice)")
-    for batch, ctx in ((1, 2048), (1, 8192), (8, 8192), (32, 4096), (64, 2048)):
+    for batch, ctx in ((1, 512), (1, 2048), (1, 8192), (8, 8192), (32, 4096), (64, 2048)):
         q, kc, vc, md = paged_batch([ctx] * batch, [])
         pick = chosen(batch, HK, md.block_tables.shape[1] * BS, q.device)
         row = []
@@ -235,12 +219,36 @@ def sweep_splits():
         print(f"  B={batch:<3} ctx={ctx:<5} " + "  ".join(row))
 
 
+def sweep_attention_tiles():
+    """Prefill (8192 causal tokens, paged) and vision (4096 patches, head 72) attention against the tile
+    config (BLOCK_M, BLOCK_N, num_warps, num_stages), to tune attention._prefill_config on this GPU."""
+    import engine.ops.triton.attention as attn
+    chosen = attn._prefill_config
+    configs = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
+               (128, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]
+    q, kc, vc, md = paged_batch([], [(8192, 8192)])
+    qkv = torch.randn(4096, 3, V_HEADS, V_D, device=DEV, dtype=DT)
+    vq, vk, vv = (x.contiguous() for x in qkv.unbind(1))
+    cu = torch.tensor([0, 4096], dtype=torch.int32, device=DEV)
+    print("\nattention tile sweep (us; first = current choice)")
+    for cfg in configs:
+        attn._prefill_config = lambda *a, cfg=cfg: cfg
+        try:
+            p = time_us(lambda: attn.paged_attention(q, kc, vc, md, D ** -0.5))
+            v = time_us(lambda: attn.varlen_attention(vq, vk, vv, cu, 4096, V_D ** -0.5))
+            print(f"  {cfg}: prefill 8192 {p:8.1f}   vision 4096 {v:7.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
+            print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+    attn._prefill_config = chosen
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep-splits", action="store_true", help="also sweep the decode split count")
+    ap.add_argument("--sweep-tiles", action="store_true", help="also sweep prefill/vision attention tiles")
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--groups", default="linear,decode,prefill,vision,elementwise",
+    ap.add_argument("--groups", default="decode,prefill,vision,elementwise",
                     help="comma-separated case groups to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -248,7 +256,7 @@ def main():
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     rows = []
-    groups = {"linear": linear_cases, "decode": decode_cases, "prefill": prefill_cases, "vision": vision_cases,
+    groups = {"decode": decode_cases, "prefill": prefill_cases, "vision": vision_cases,
               "elementwise": elementwise_cases}
     for group in (groups[g] for g in args.groups.split(",")):
         for name, t, nbytes, flops, ref, sd in group(args.quick):
@@ -259,6 +267,8 @@ def main():
                   + (f"  sdpa {sd:8.1f} us" if sd else ""), flush=True)
     if args.sweep_splits:
         sweep_splits()
+    if args.sweep_tiles:
+        sweep_attention_tiles()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
@@ -268,8 +278,7 @@ def main():
         vs_ref = f"{r['ref_us'] / r['triton_us']:7.1f}" if r["ref_us"] else f"{'-':>7}"
         vs_sdpa = f"{r['sdpa_us'] / r['triton_us']:7.2f}" if r["sdpa_us"] else f"{'-':>7}"
         print(f"{r['op']:<34} {r['triton_us']:10.1f} {r['gb_s']:7.0f} {tflops} {vs_ref} {vs_sdpa}")
-    print("(x ref / x sdpa: how many times faster the Triton kernel is; decode and linear timed as CUDA graph "
-          "replays; for linear, ref is cuBLAS)")
+    print("(x ref / x sdpa: how many times faster the Triton kernel is; decode timed as a CUDA graph replay)")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ for s in $STAGES; do
     opsbench)
       stage "kernel benchmark"
       timeout "${OPSB_T:-150}" python3 bench/bench_ops.py --quick --json "$OUT/bench_ops.json" \
-        --groups "${OPSB_GROUPS:-linear,decode,prefill,vision,elementwise}" \
+        --groups "${OPSB_GROUPS:-decode,prefill,vision,elementwise}" ${OPSB_ARGS:-} \
         > "$OUT/bench_ops.txt" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_ops.txt" ;;
     offline)
       stage "offline benchmark (Qwen3-VL-8B shapes, dummy weights)"

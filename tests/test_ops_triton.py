@@ -20,7 +20,6 @@ pytest.importorskip("triton")
 from engine.ops.activation import silu_and_mul_ref  # noqa: E402
 from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
 from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
-from engine.ops.linear import linear_ref  # noqa: E402
 from engine.ops.norm import rms_norm_ref  # noqa: E402
 from engine.ops.rotary import (apply_rotary_ref, qk_norm_rope_ref, rope_and_store_kv_ref,  # noqa: E402
                                vision_qkv_rope_ref)
@@ -207,22 +206,6 @@ def test_vision_qkv_rope(device, dtype, n, h, d, gen):
     for out, ref, name in zip(vision_qkv_rope(qkv, cos, sin), vision_qkv_rope_ref(qkv, cos, sin), "qkv"):
         assert out.is_contiguous(), name
         assert_close(out, ref.contiguous(), elementwise_tol(dtype, device), name)
-
-
-# ---------------------------------------------------------------------------------------------- linear
-@pytest.mark.parametrize("device,dtype", device_cases([F16], [BF16, F16]))
-@pytest.mark.parametrize("n,k,bias", [(1, 64, False), (100, 200, True), (6144, 4096, False), (4096, 12288, False),
-                                      (1000, 4096, True)])
-def test_gemv(device, dtype, n, k, bias, gen):
-    """The one-token linear: fp32 accumulation like cuBLAS, so within rounding of the fp32 product."""
-    if device == "cpu" and n * k > 10**6:
-        pytest.skip("large shapes only on the GPU (the interpreter runs every autotune config)")
-    from engine.ops.triton.linear import gemv
-    x = randn(gen, 1, k, dtype=dtype, device=device)
-    w = randn(gen, n, k, dtype=dtype, device=device, std=k ** -0.5)
-    b = randn(gen, n, dtype=dtype, device=device) if bias else None
-    ref = linear_ref(x.float(), w.float(), None if b is None else b.float()).to(dtype)
-    assert_close(gemv(x, w, b), ref, TOL[dtype], "gemv")
 
 
 # ---------------------------------------------------------------------------------------------- activation

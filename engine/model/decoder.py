@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import DecoderLayer, Linear, RMSNorm, RotaryEmbedding
+from engine.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from engine.ops import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer: (k_cache, v_cache)
@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextDecoder(config, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -7,7 +7,6 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.decoder import MultimodalEmbeds, TextDecoder
-from engine.model.layers import Linear
 from engine.model.qwen3_vl_vision import Qwen3VLVisionModel
 
 
@@ -17,7 +16,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         self.config = config
         self.visual = Qwen3VLVisionModel(config.vision, dtype=torch.get_default_dtype())  # set by build_model
         self.language_model = TextDecoder(config, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
