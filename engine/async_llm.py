@@ -118,6 +118,17 @@ class AsyncLLM:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one hand-over per event loop: call_soon_threadsafe wakes the loop (a pipe write)
+        each time, so 256 streams would cost 256 wake-ups and 256 GIL hand-offs per step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -149,8 +160,7 @@ class AsyncLLM:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for out in self._step():
-                    self._deliver(out.request_id, out)
+                self._deliver_step(self._step())
         except BaseException as e:   # noqa: BLE001 - the loop must never die silently
             self.dead_error = e
             logger.exception("engine loop died")
@@ -167,3 +177,8 @@ class AsyncLLM:
                 self.engine.abort_request(rid)
                 self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
             return []
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
