@@ -58,7 +58,10 @@ def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale,
     return acc, m_i, l_i
 
 
-@triton.jit
+# Integer arguments are specialized by Triton on divisibility by 16 unless listed in do_not_specialize. The
+# block-table stride is the widest sequence's block count in an eager batch: left specialized, a width not
+# seen before compiled a new variant (~1 s) in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, qk_scale,
                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -129,7 +132,7 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["num_decodes", "num_seqs"])
+@triton.jit(do_not_specialize=["num_decodes", "num_seqs", "stride_bt"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_decodes, num_seqs,
                     stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
