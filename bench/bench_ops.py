@@ -25,7 +25,7 @@ from engine.ops.activation import silu_and_mul_ref  # noqa: E402
 from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
 from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
 from engine.ops.norm import rms_norm_ref  # noqa: E402
-from engine.ops.rotary import qk_norm_rope_ref  # noqa: E402
+from engine.ops.rotary import qk_norm_rope_ref, rope_and_store_kv_ref  # noqa: E402
 
 HQ, HK, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 12288, 16   # Qwen3-VL-8B text model, block_size 16
 V_HEADS, V_D = 16, 72                                        # its vision encoder
@@ -171,7 +171,7 @@ def elementwise_cases(quick: bool):
     from engine.ops.triton.activation import silu_and_mul
     from engine.ops.triton.kv_cache import store_kvcache
     from engine.ops.triton.norm import rms_norm
-    from engine.ops.triton.rotary import qk_norm_rope
+    from engine.ops.triton.rotary import qk_norm_rope, rope_and_store_kv
     for t in (1, 256, 8192):
         x = torch.randn(t, HIDDEN, device=DEV, dtype=DT)
         res = torch.randn_like(x)
@@ -200,6 +200,11 @@ def elementwise_cases(quick: bool):
         slots = torch.randperm(kc.shape[0] * BS, device=DEV)[:t]
         yield (f"store_kvcache T={t}", time_us(lambda: store_kvcache(k, v, kc, vc, slots)),
                4 * t * HK * D * E + 8 * t, 0, time_us(lambda: store_kvcache_ref(k, v, kc, vc, slots)), None)
+        # the decoder's fused form of the two above: q rotated out, k rotated and v into the cache
+        yield (f"rope_and_store_kv T={t}",
+               time_us(lambda: rope_and_store_kv(q, k, v, cos, sin, kc, vc, slots, qw, kw, 1e-6)),
+               nbytes + 2 * t * HK * D * E + 8 * t, 0,
+               time_us(lambda: rope_and_store_kv_ref(q, k, v, cos, sin, kc, vc, slots, qw, kw, 1e-6)), None)
 
 
 def sweep_splits():
