@@ -42,11 +42,14 @@ def ttft(llm: LLM, length: int, vocab: int, repeats: int = 5) -> float:
 
 
 def decode_rate(llm: LLM, batch: int, prompt_len: int, new: int, vocab: int) -> dict:
-    """Decode speed at a batch size: (time for `new` tokens - time for 1 token) / (new - 1) per step."""
+    """Decode speed at a batch size: (time for `new` tokens - time for new/2) / (new/2) per step. Both runs
+    contain the same prefill and the same mixed prefill+decode steps (all prompts are in by step new/2 for
+    these sizes), so the difference is pure decode steps of the whole batch."""
     prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
-    t1 = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    half = new // 2
+    t_half = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=half, ignore_eos=True))
     tn = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    step = (tn - t1) / (new - 1)
+    step = (tn - t_half) / (new - half)
     return {"batch": batch, "prompt": prompt_len, "new": new, "ms_per_step": step * 1e3,
             "decode_tok_s": batch / step, "total_s": tn}
 
