@@ -153,7 +153,7 @@ def prefill_cases(quick: bool):
 
 
 def vision_cases(quick: bool):
-    from engine.ops.triton.attention import varlen_attention
+    from engine.ops.triton.varlen_attention import varlen_attention
     for n in (1024, 4096):  # patches of one image (4096 = a 1024x1024 image)
         qkv = torch.randn(n, 3, V_HEADS, V_D, device=DEV, dtype=DT)
         q, k, v = qkv.unbind(1)
@@ -226,9 +226,10 @@ def sweep_splits():
 
 def sweep_attention_tiles():
     """Prefill (8192 causal tokens, paged) and vision (4096 patches, head 72) attention against the tile
-    config (BLOCK_M, BLOCK_N, num_warps, num_stages), to tune attention._prefill_config on this GPU."""
+    config (BLOCK_M, BLOCK_N, num_warps, num_stages), to tune attention.tile_config on this GPU."""
     import engine.ops.triton.attention as attn
-    chosen = attn._prefill_config
+    from engine.ops.triton.varlen_attention import varlen_attention
+    chosen = attn.tile_config
     configs = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
                (128, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)]
     q, kc, vc, md = paged_batch([], [(8192, 8192)])
@@ -237,14 +238,14 @@ def sweep_attention_tiles():
     cu = torch.tensor([0, 4096], dtype=torch.int32, device=DEV)
     print("\nattention tile sweep (us; first = current choice)")
     for cfg in configs:
-        attn._prefill_config = lambda *a, cfg=cfg: cfg
+        attn.tile_config = lambda *a, cfg=cfg: cfg
         try:
             p = time_us(lambda: attn.paged_attention(q, kc, vc, md, D ** -0.5))
-            v = time_us(lambda: attn.varlen_attention(vq, vk, vv, cu, 4096, V_D ** -0.5))
+            v = time_us(lambda: varlen_attention(vq, vk, vv, cu, 4096, V_D ** -0.5))
             print(f"  {cfg}: prefill 8192 {p:8.1f}   vision 4096 {v:7.1f}", flush=True)
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is skipped
             print(f"  {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-    attn._prefill_config = chosen
+    attn.tile_config = chosen
 
 
 def main():

@@ -301,7 +301,7 @@ def test_paged_prefill_only(device, dtype, block_size, gen):
 @pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [F32, BF16, F16]))
 @pytest.mark.parametrize("h,d", [(2, 72), (3, 64), (1, 128), (2, 96), (1, 48)])   # 72, 96, 48: head split in two
 def test_varlen_attention(device, dtype, h, d, gen):
-    from engine.ops.triton.attention import varlen_attention
+    from engine.ops.triton.varlen_attention import varlen_attention
     lens = [1, 17, 64, 65, 200, int(torch.randint(1, 300, (1,), generator=gen))]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     n = int(sum(lens))

@@ -112,6 +112,6 @@ def varlen_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
     if use_triton(q):
-        from engine.ops.triton import attention
-        return attention.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        from engine.ops.triton import varlen_attention as triton_varlen
+        return triton_varlen.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale)

@@ -1,7 +1,8 @@
-"""Attention kernels: paged decode (flash-decoding), paged prefill over a cached prefix, and the vision
-encoder's non-causal varlen attention. Semantics: engine/ops/attention.py (the `*_ref` functions).
+"""Attention kernels over the paged KV cache: decode (flash-decoding) and prefill over a cached prefix. The vision
+encoder's non-causal varlen attention is in varlen_attention.py. Semantics: engine/ops/attention.py (the `*_ref`
+functions).
 
-All three share `_attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
+All of them share `attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
 scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
 (token n of a sequence lives at block_tables[n // block_size], row n % block_size) or contiguously. A token's
 head row (D contiguous elements) is the unit of coalescing either way, so every block size (1, 16, 32, ...;
@@ -10,7 +11,6 @@ any positive integer works, powers of two turn // and % into shifts) takes the s
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -24,7 +24,7 @@ MAX_SPLITS = 32   # H200 sweep (bench_ops --sweep-splits), batch 1: 32 splits be
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
+def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
             offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online softmax of q ([M, BLOCK_D]) against keys n_lo..n_hi-1. k_ptr/v_ptr already point at the kv
@@ -92,7 +92,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     head_off = kvh.to(tl.int64) * stride_h
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + head_off, v_ptr + head_off,
+    acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + head_off, v_ptr + head_off,
                             bt_ptr + seq.to(tl.int64) * stride_bt, n_lo, n_hi, offs_g, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
@@ -177,138 +177,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_head = (head // GROUP).to(tl.int64) * stride_h
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
+    acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
+    acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
                             qk_scale, stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (seq_len 0) stay 0, like the reference
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
-    # Grid (query block, segment, head); max_seqlen sizes axis 0, so blocks past a short segment exit idle.
-    m0 = tl.program_id(0) * BLOCK_M
-    seg = tl.program_id(1)
-    head = tl.program_id(2)
-    # Head offsets are multiples of ALIGN elements (host-checked). With head_dim 72 the head stride (72) is
-    # no multiple of 16, so without the hint the compiler cannot prove 16-byte alignment and falls back to
-    # narrow, unpipelined loads.
-    q_head = tl.multiple_of(head * stride_qh, ALIGN)
-    k_head = tl.multiple_of(head * stride_kh, ALIGN)
-    o_head = tl.multiple_of(head * stride_oh, ALIGN)
-    start = tl.load(cu_ptr + seg)
-    seg_len = tl.load(cu_ptr + seg + 1) - start
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < seg_len
-    d_mask = offs_d < HEAD_DIM  # head_dim 72 runs padded to 128: zero columns add nothing to q.k
-    q_rows = (start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
-    full_hi = kv_hi // BLOCK_N * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kv_off = start.to(tl.int64) * stride_kt + k_head
-    # Whole tiles without a mask, then the segment's ragged last tile with one.
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, 0, full_hi, offs_m,
-                            qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
-                            PAGED=False, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, full_hi, kv_hi, offs_m,
-                            qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
-                            PAGED=False, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + o_head + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _attend_split(acc0, acc1, m_i, l_i, q0, q1, k_ptr, v_ptr, n_lo, n_hi, qk_scale, stride_s, offs_d0, offs_d1,
-                  d1_mask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    """_attend for contiguous keys with the head dimension in two power-of-two parts, [0, D0) and [D0, D0 + D1)
-    (masked past HEAD_DIM): a head of 72 runs as 64 + 16 columns instead of padded to 128."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        pos = start_n + offs_n
-        n_mask = pos < n_hi
-        row = pos.to(tl.int64) * stride_s
-        k0 = tl.load(k_ptr + row[:, None] + offs_d0[None, :], mask=n_mask[:, None], other=0.0)
-        k1 = tl.load(k_ptr + row[:, None] + offs_d1[None, :], mask=n_mask[:, None] & d1_mask[None, :], other=0.0)
-        s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
-        s = tl.dot(q1, tl.trans(k1), s, input_precision=DOT_PREC) * qk_scale
-        if MASKED:
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v0 = tl.load(v_ptr + row[:, None] + offs_d0[None, :], mask=n_mask[:, None], other=0.0)
-        v1 = tl.load(v_ptr + row[:, None] + offs_d1[None, :], mask=n_mask[:, None] & d1_mask[None, :], other=0.0)
-        p = p.to(v0.dtype)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PREC)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PREC)
-        m_i = m_new
-    return acc0, acc1, m_i, l_i
-
-
-@triton.jit
-def _varlen_split_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
-    # _varlen_kernel with the head split in D0 + D1 columns (see _attend_split); same grid and masking.
-    m0 = tl.program_id(0) * BLOCK_M
-    seg = tl.program_id(1)
-    head = tl.program_id(2)
-    q_head = tl.multiple_of(head * stride_qh, ALIGN)
-    k_head = tl.multiple_of(head * stride_kh, ALIGN)
-    o_head = tl.multiple_of(head * stride_oh, ALIGN)
-    start = tl.load(cu_ptr + seg)
-    seg_len = tl.load(cu_ptr + seg + 1) - start
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d0 = tl.arange(0, D0)
-    offs_d1 = D0 + tl.arange(0, D1)
-    m_mask = offs_m < seg_len
-    d1_mask = offs_d1 < HEAD_DIM
-    q_rows = (start + offs_m).to(tl.int64)
-    q_base = q_ptr + q_rows[:, None] * stride_qt + q_head
-    q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
-    q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :], other=0.0)
-    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
-    full_hi = kv_hi // BLOCK_N * BLOCK_N
-    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kv_off = start.to(tl.int64) * stride_kt + k_head
-    acc0, acc1, m_i, l_i = _attend_split(acc0, acc1, m_i, l_i, q0, q1, k_ptr + kv_off, v_ptr + kv_off, 0, full_hi,
-                                         qk_scale, stride_kt, offs_d0, offs_d1, d1_mask, BLOCK_N,
-                                         MASKED=False, DOT_PREC=DOT_PREC)
-    acc0, acc1, m_i, l_i = _attend_split(acc0, acc1, m_i, l_i, q0, q1, k_ptr + kv_off, v_ptr + kv_off, full_hi,
-                                         kv_hi, qk_scale, stride_kt, offs_d0, offs_d1, d1_mask, BLOCK_N,
-                                         MASKED=True, DOT_PREC=DOT_PREC)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_base = out_ptr + q_rows[:, None] * stride_ot + o_head
-    tl.store(o_base + offs_d0[None, :], (acc0 / l_safe).to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-    tl.store(o_base + offs_d1[None, :], (acc1 / l_safe).to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d1_mask[None, :])
-
-
-def _head_split(head_dim: int) -> tuple[int, int] | None:
-    """(D0, D1) when a head that is not a power of two is cheaper as two power-of-two parts than padded to
-    the next one (72 -> 64 + 16 = 80 columns instead of 128); None otherwise."""
-    if head_dim & (head_dim - 1) == 0 or head_dim < 32:
-        return None
-    d0 = triton.next_power_of_2(head_dim) // 2
-    return d0, max(16, triton.next_power_of_2(head_dim - d0))
 
 
 @functools.cache
@@ -336,7 +213,7 @@ def _decode_config(dtype: torch.dtype, device: torch.device):
     return DECODE_BLOCK_N, 4, 3
 
 
-def _prefill_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device):
+def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128: 128x128 tiles, 8 warps (two warpgroups for Hopper's
     wgmma), 3 stages (~224 KB of shared memory): on the H200 sweep (bench_ops --sweep-tiles) 1.51 ms for an
     8192-token causal prefill against 1.73 ms with 128x64 tiles. A head split in two (vision, 64 + 16) runs
@@ -360,7 +237,7 @@ def _shared_memory(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32 on the GPU
 
 
@@ -376,7 +253,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    prec = _dot_precision(q.dtype)
+    prec = dot_precision(q.dtype)
     qk_scale = scale * LOG2E
     bt = md.block_tables
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
@@ -404,7 +281,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:
-        block_m, block_n, warps, stages = _prefill_config(block_d, q.dtype, q.device)
+        block_m, block_n, warps, stages = tile_config(block_d, q.dtype, q.device)
         # Number of query-block ids the prefill sequences own under the kernel's id scheme.
         blocks = (qsl[num_seqs] // block_m + num_seqs) - (qsl[num_decodes] // block_m + num_decodes)
         _prefill_kernel[(num_q_heads, blocks)](
@@ -414,34 +291,4 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, num_warps=warps, num_stages=stages)
     if qsl[num_seqs] < num_tokens:  # tokens outside every sequence: zeros, as the reference leaves them
         out[qsl[num_seqs]:].zero_()
-    return out
-
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment [cu_seqlens[i], cu_seqlens[i+1]). q, k, v: [N, H, D]."""
-    num_tokens, num_heads, head_dim = q.shape
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    if k.stride() != v.stride():  # the kernel addresses k and v with one set of strides
-        k, v = k.contiguous(), v.contiguous()
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    num_segments = cu_seqlens.numel() - 1
-    if num_tokens == 0 or num_segments <= 0 or max_seqlen <= 0:
-        return out
-    block_d = triton.next_power_of_2(head_dim)
-    split = _head_split(head_dim)
-    block_m, block_n, warps, stages = _prefill_config(sum(split) if split else block_d, q.dtype, q.device)
-    grid = (triton.cdiv(max_seqlen, block_m), num_segments, num_heads)
-    common = (q, k, v, cu_seqlens, out, scale * LOG2E,
-              q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1))
-    align = math.gcd(16, q.stride(1), k.stride(1), out.stride(1))
-    if split:
-        _varlen_split_kernel[grid](*common, HEAD_DIM=head_dim, D0=split[0], D1=split[1], BLOCK_M=block_m,
-                                   BLOCK_N=block_n, ALIGN=align, DOT_PREC=_dot_precision(q.dtype),
-                                   num_warps=warps, num_stages=stages)
-    else:
-        _varlen_kernel[grid](*common, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                             ALIGN=align, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out
