@@ -101,7 +101,7 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
             if _plain_rgb_png(image, data):
-                return Image.fromarray(pyspng.load(data, format="RGB"), "RGB")
+                return Image.fromarray(pyspng.load(data, format="RGB"))   # uint8 [H, W, 3]: RGB
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
