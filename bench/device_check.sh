@@ -13,7 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt"
-# The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`).
+# The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
+#   pip download pybase64 pyspng --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
 if [ -d .whl ] && ! python3 -c "import pybase64, pyspng" 2>/dev/null; then
   python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng 2>&1 | tail -1
 fi
