@@ -66,18 +66,11 @@ class CUDAGraphRunner:
         self.pf_tables[1, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
         self.dummy_slots = self._slots(self.dummy_blocks)
         self.check_slots = self._slots(self.check_blocks)
-        self.mm = self._dense_mm_buffers(model, PREFILL_BUCKETS[-1], device)
+        self.mm = (DenseMultimodalEmbeds.zeros(model, PREFILL_BUCKETS[-1], device) if model.config.is_multimodal
+                   else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
-
-    @staticmethod
-    def _dense_mm_buffers(model, rows: int, device) -> DenseMultimodalEmbeds | None:
-        config = model.config
-        if not config.is_multimodal:
-            return None
-        return DenseMultimodalEmbeds.zeros(rows, config.hidden_size, len(config.vision.deepstack_visual_indexes),
-                                           model.decoder.embed_tokens.weight.dtype, device)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         j = torch.arange(len(blocks) * self.block_size)
@@ -168,8 +161,6 @@ class CUDAGraphRunner:
             return False
         if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
-        if inp.mm is not None and (self.mm is None or _taps(inp.mm) > self.mm.deepstack.shape[0]):
-            return False
         n = inp.input_ids.shape[0]
         return md.num_seqs == 1 and md.num_decodes == 0 and ("prefill", _bucket(n)) in self.graphs
 
@@ -202,10 +193,6 @@ class CUDAGraphRunner:
         self.mm.scatter_(mm)
         self.graphs[key].replay()
         self.mm.clear_(mm)
-
-
-def _taps(mm: MultimodalEmbeds) -> int:
-    return 0 if mm.deepstack is None else mm.deepstack.shape[0]
 
 
 def _bucket(n: int) -> int:

@@ -22,10 +22,7 @@ def test_dense_image_rows_give_the_same_tokens_and_logprobs(qwen3_vl_dir, monkey
 
     def dense_forward(input_ids, positions, kv_caches, md, mm=None):
         if mm is not None:
-            cfg = model.config
-            dense = DenseMultimodalEmbeds.zeros(input_ids.shape[0], cfg.hidden_size,
-                                                len(cfg.vision.deepstack_visual_indexes),
-                                                model.decoder.embed_tokens.weight.dtype, input_ids.device)
+            dense = DenseMultimodalEmbeds.zeros(model, input_ids.shape[0], input_ids.device)
             dense.scatter_(mm)
             seen.append(int(dense.mask.sum()))
             out = eager_forward(input_ids, positions, kv_caches, md, dense)

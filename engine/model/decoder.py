@@ -43,7 +43,11 @@ class DenseMultimodalEmbeds:
     deepstack: torch.Tensor               # [num_deepstack, T, hidden]
 
     @classmethod
-    def zeros(cls, rows: int, hidden: int, taps: int, dtype: torch.dtype, device) -> "DenseMultimodalEmbeds":
+    def zeros(cls, model: nn.Module, rows: int, device) -> "DenseMultimodalEmbeds":
+        """All-text buffers of `rows` rows for a multimodal model (its hidden size, deepstack taps and dtype)."""
+        cfg = model.config
+        hidden, taps = cfg.hidden_size, len(cfg.vision.deepstack_visual_indexes)
+        dtype = model.decoder.embed_tokens.weight.dtype
         return cls(mask=torch.zeros(rows, dtype=torch.bool, device=device),
                    embeds=torch.zeros(rows, hidden, dtype=dtype, device=device),
                    deepstack=torch.zeros(taps, rows, hidden, dtype=dtype, device=device))

@@ -46,16 +46,22 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
             s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         elif MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every row sees at least one key of the first tile it meets (key 0, or the split's first key), so
-        # m_new is finite and no exp2(-inf - -inf) arises.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One tile of the online softmax: scores s (log2 units) against the running max m_i and sum l_i ->
+    (probabilities p, the factor alpha that rescales what was accumulated so far, new max, new sum).
+    Every row sees at least one key of the first tile it meets (key 0, or the split's first key), so the max
+    is finite and no exp2(-inf - -inf) arises."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 # Integer arguments are specialized by Triton on divisibility by 16 unless listed in do_not_specialize. The

@@ -50,52 +50,40 @@ def _rope_heads(x_ptr, out_ptr, out_off, stride_oh, valid, w_ptr, cos_ptr, sin_p
 
 
 @triton.jit
-def _qk_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
+def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr, qw_ptr, kw_ptr,
+                    cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ct, stride_st, stride_cb, stride_cs, stride_ch, eps,
                     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
                     Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr):
+    # Grid (token, 2): program 0 rotates q into q_out. Program 1 rotates k: into k_out (contiguous [T, Hk, D]),
+    # or with STORE into the paged cache k_out at the token's slot, copying v to v_out there too (slot -1:
+    # padding, or KV already cached, writes nothing).
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, q_out_ptr, t64 * NUM_Q_HEADS * 2 * HALF, 2 * HALF, True, qw_ptr, cos_ptr, sin_ptr, t,
                     stride_qt, stride_qh, stride_ct, stride_st, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF,
                     NORM, Q_DTYPE)
-    else:
-        _rope_heads(k_ptr, k_out_ptr, t64 * NUM_K_HEADS * 2 * HALF, 2 * HALF, True, kw_ptr, cos_ptr, sin_ptr, t,
-                    stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
-                    NORM, K_DTYPE)
-
-
-@triton.jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qw_ptr, kw_ptr,
-                       cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_ct, stride_st, stride_cb, stride_cs, stride_ch, eps,
-                       NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr):
-    # Grid (token, 2): program 0 rotates q into q_out; program 1 rotates k and copies v into the cache at the
-    # token's slot (slot -1: padding, or KV already cached, writes nothing).
-    t = tl.program_id(0)
-    t64 = t.to(tl.int64)
-    if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, t64 * NUM_Q_HEADS * 2 * HALF, 2 * HALF, True, qw_ptr, cos_ptr, sin_ptr, t,
-                    stride_qt, stride_qh, stride_ct, stride_st, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF,
-                    NORM, Q_DTYPE)
-    else:
+    elif STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        _rope_heads(k_ptr, k_cache_ptr, dst, stride_ch, valid, kw_ptr, cos_ptr, sin_ptr, t,
+        _rope_heads(k_ptr, k_out_ptr, dst, stride_ch, valid, kw_ptr, cos_ptr, sin_ptr, t,
                     stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
                     NORM, K_DTYPE)
         heads = tl.arange(0, BLOCK_KH)
         cols = tl.arange(0, 2 * BLOCK_HALF)
         mask = valid & (heads[:, None] < NUM_K_HEADS) & (cols[None, :] < 2 * HALF)
         v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
-        tl.store(v_cache_ptr + dst + heads[:, None] * stride_ch + cols[None, :],
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_out_ptr + dst + heads[:, None] * stride_ch + cols[None, :],
+                 v.to(v_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        _rope_heads(k_ptr, k_out_ptr, t64 * NUM_K_HEADS * 2 * HALF, 2 * HALF, True, kw_ptr, cos_ptr, sin_ptr, t,
+                    stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
+                    NORM, K_DTYPE)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -105,72 +93,55 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _out_dtypes(q, k, q_weight, k_weight, norm: bool):
-    """The reference's type promotion: the norm weight may be fp32 with bf16 q."""
-    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if norm else q.dtype
-    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if norm else k.dtype
-    return q_dtype, k_dtype
-
-
-def _launch(q, k, q_weight, k_weight, eps, cos, sin, norm: bool):
+def _launch(q, k, q_weight, k_weight, eps, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+    """Rotated q, and rotated k (returned, or with k_cache given written to the cache with v instead)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
+    norm, store = q_weight is not None, k_cache is not None
     assert head_dim % 2 == 0 and k.shape[0] == num_tokens and k.shape[2] == head_dim
     q, k, cos, sin = (_unit_stride(x) for x in (q, k, cos, sin))
-    q_dtype, k_dtype = _out_dtypes(q, k, q_weight, k_weight, norm)
+    # Output dtypes follow the reference's type promotion (the norm weight may be fp32 with bf16 q).
+    q_dtype = torch.promote_types(q_weight.dtype, q.dtype) if norm else q.dtype
+    k_dtype = torch.promote_types(k_weight.dtype, k.dtype) if norm else k.dtype
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q_dtype, device=q.device)
-    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k_dtype, device=k.device)
-    if num_tokens == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    _qk_rope_kernel[(num_tokens, 2)](
-        q, k, q_out, k_out, q_weight if norm else q, k_weight if norm else k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), eps,
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, Q_DTYPE=_TL_DTYPES[q_dtype],
-        K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
-    )
-    return q_out, k_out
+    if store:
+        assert v.shape == k.shape and slot_mapping.numel() == num_tokens
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one layout"
+        v, k_out, v_out, slots = _unit_stride(v), k_cache, v_cache, slot_mapping
+        cache_strides, block_size = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), k_cache.shape[1]
+    else:
+        k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k_dtype, device=k.device)
+        v, v_out, slots, cache_strides, block_size = k, k_out, q, (0, 0, 0), 1   # unused without STORE
+    if num_tokens:
+        half = head_dim // 2
+        _qk_rope_kernel[(num_tokens, 2)](
+            q, k, v, q_out, k_out, v_out, slots, q_weight if norm else q, k_weight if norm else k, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            sin.stride(0), *cache_strides, eps,
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=block_size,
+            BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, STORE=store, Q_DTYPE=_TL_DTYPES[q_dtype],
+            K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
+        )
+    return q_out, (None if store else k_out)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q: [T, Hq, D], k: [T, Hk, D], cos/sin: [T, D/2] -> new rotated (q, k)."""
-    return _launch(q, k, None, None, 0.0, cos, sin, norm=False)
+    return _launch(q, k, None, None, 0.0, cos, sin)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  eps: float, cos: torch.Tensor, sin: torch.Tensor):
     """Per-head RMSNorm (q_norm / k_norm) then rotary, in one pass over q and k. Returns new (q, k)."""
-    return _launch(q, k, q_weight, k_weight, eps, cos, sin, norm=True)
+    return _launch(q, k, q_weight, k_weight, eps, cos, sin)
 
 
 def rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight=None, k_weight=None,
                       eps: float = 0.0) -> torch.Tensor:
     """Rotary (after the q/k RMSNorm when weights are given) for q and k, and k (rotated) and v written into
     the paged cache through slot_mapping. Returns the rotated q; see engine/ops/rotary.py for the reference."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    norm = q_weight is not None
-    assert head_dim % 2 == 0 and k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
-    assert slot_mapping.numel() == num_tokens
-    q, k, v, cos, sin = (_unit_stride(x) for x in (q, k, v, cos, sin))
-    q_dtype, k_dtype = _out_dtypes(q, k, q_weight, k_weight, norm)
-    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q_dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
-    half = head_dim // 2
-    _rope_store_kernel[(num_tokens, 2)](
-        q, k, v, q_out, k_cache, v_cache, slot_mapping, q_weight if norm else q, k_weight if norm else k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, Q_DTYPE=_TL_DTYPES[q_dtype],
-        K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
-    )
-    return q_out
+    return _launch(q, k, q_weight, k_weight, eps, cos, sin, v, k_cache, v_cache, slot_mapping)[0]
 
 
 @triton.jit

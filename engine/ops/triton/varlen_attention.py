@@ -12,15 +12,16 @@ import triton
 import triton.language as tl
 
 from engine.ops.triton import attention as paged   # tile_config is read at call time (bench sweeps patch it)
-from engine.ops.triton.attention import LOG2E, attend, dot_precision
+from engine.ops.triton.attention import LOG2E, attend, dot_precision, softmax_step
 
 
 @triton.jit
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
-    # Grid (query block, segment, head); max_seqlen sizes axis 0, so blocks past a short segment exit idle.
+def _segment_block(cu_ptr, stride_qh, stride_kh, stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ALIGN: tl.constexpr):
+    """Where this program works. Grid (query block, segment, head); max_seqlen sizes axis 0, so blocks past a
+    short segment get kv_hi 0 and exit idle. Returns the head offsets of q, k and out, the segment's first
+    row, its query rows and their mask, and the key range: [0, full_hi) whole tiles, [full_hi, kv_hi) the
+    ragged last one."""
     m0 = tl.program_id(0) * BLOCK_M
     seg = tl.program_id(1)
     head = tl.program_id(2)
@@ -33,14 +34,23 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
     start = tl.load(cu_ptr + seg)
     seg_len = tl.load(cu_ptr + seg + 1) - start
     offs_m = m0 + tl.arange(0, BLOCK_M)
+    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
+    return (q_head, k_head, o_head, start, (start + offs_m).to(tl.int64), offs_m < seg_len, kv_hi,
+            kv_hi // BLOCK_N * BLOCK_N)
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
+    q_head, k_head, o_head, start, q_rows, m_mask, kv_hi, full_hi = _segment_block(
+        cu_ptr, stride_qh, stride_kh, stride_oh, BLOCK_M, BLOCK_N, ALIGN)
+    offs_m = tl.arange(0, BLOCK_M)   # the rows' own positions: the attend loop's q_pos, unused without CAUSAL
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < seg_len
     d_mask = offs_d < HEAD_DIM  # head_dim 72 runs padded to 128: zero columns add nothing to q.k
-    q_rows = (start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
-    full_hi = kv_hi // BLOCK_N * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -73,16 +83,12 @@ def _attend_split(acc0, acc1, m_i, l_i, q0, q1, k_ptr, v_ptr, n_lo, n_hi, qk_sca
         s = tl.dot(q1, tl.trans(k1), s, input_precision=DOT_PREC) * qk_scale
         if MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v0 = tl.load(v_ptr + row[:, None] + offs_d0[None, :], mask=n_mask[:, None], other=0.0)
         v1 = tl.load(v_ptr + row[:, None] + offs_d1[None, :], mask=n_mask[:, None] & d1_mask[None, :], other=0.0)
         p = p.to(v0.dtype)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PREC)
         acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PREC)
-        m_i = m_new
     return acc0, acc1, m_i, l_i
 
 
@@ -92,25 +98,14 @@ def _varlen_split_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
                          HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, DOT_PREC: tl.constexpr):
     # _varlen_kernel with the head split in D0 + D1 columns (see _attend_split); same grid and masking.
-    m0 = tl.program_id(0) * BLOCK_M
-    seg = tl.program_id(1)
-    head = tl.program_id(2)
-    q_head = tl.multiple_of(head * stride_qh, ALIGN)
-    k_head = tl.multiple_of(head * stride_kh, ALIGN)
-    o_head = tl.multiple_of(head * stride_oh, ALIGN)
-    start = tl.load(cu_ptr + seg)
-    seg_len = tl.load(cu_ptr + seg + 1) - start
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_head, k_head, o_head, start, q_rows, m_mask, kv_hi, full_hi = _segment_block(
+        cu_ptr, stride_qh, stride_kh, stride_oh, BLOCK_M, BLOCK_N, ALIGN)
     offs_d0 = tl.arange(0, D0)
     offs_d1 = D0 + tl.arange(0, D1)
-    m_mask = offs_m < seg_len
     d1_mask = offs_d1 < HEAD_DIM
-    q_rows = (start + offs_m).to(tl.int64)
     q_base = q_ptr + q_rows[:, None] * stride_qt + q_head
     q0 = tl.load(q_base + offs_d0[None, :], mask=m_mask[:, None], other=0.0)
     q1 = tl.load(q_base + offs_d1[None, :], mask=m_mask[:, None] & d1_mask[None, :], other=0.0)
-    kv_hi = tl.where(m0 < seg_len, seg_len, 0)
-    full_hi = kv_hi // BLOCK_N * BLOCK_N
     acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
