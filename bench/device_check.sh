@@ -14,12 +14,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
-#   pip download pybase64 pyspng --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
-if [ -d .whl ] && ! python3 -c "import pybase64, pyspng" 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng 2>&1 | tail -1
+#   pip download pybase64 pyspng orjson blake3 --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
+if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng orjson blake3 2>&1 | tail -1
 fi
-python3 -c "import PIL, pybase64, pyspng; print('pillow', PIL.__version__, 'pybase64', pybase64.__version__, \
-'pyspng', pyspng.__version__)" | tee -a "$OUT/env.txt"
+python3 -c "import PIL, pybase64, pyspng, orjson; print('pillow', PIL.__version__, 'pybase64', pybase64.__version__, \
+'pyspng', pyspng.__version__, 'orjson', orjson.__version__)" | tee -a "$OUT/env.txt"
 
 for s in $STAGES; do
   case $s in
@@ -49,6 +49,12 @@ for s in $STAGES; do
       timeout "${PROF_T:-200}" python3 bench/step_profile.py --model /tmp/q8 --load-format dummy \
         --out "$OUT/step_profile.json" > "$OUT/step_profile.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/step_profile.txt" | tail -8 ;;
+    imageprof)
+      stage "image request profile"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${IMG_T:-200}" python3 bench/image_profile.py --model /tmp/q8 --load-format dummy \
+        --out "$OUT/image_profile.txt" > "$OUT/image_profile_log.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_profile_log.txt" | cut -c1-150 | tail -90 ;;
     hf)
       stage "transformers baseline"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

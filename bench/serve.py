@@ -17,7 +17,7 @@ import time
 
 import aiohttp
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFilter
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -77,17 +77,49 @@ async def run_level(base: str, model: str, concurrency: int, num_prompts: int, p
                                 ("mean", lambda v: statistics.fmean(v) if v else float("nan")))}}
 
 
-def png_data_url(size: int = 1024, seed: int = 0) -> str:
+IMAGE_KINDS = ("noise", "photo", "screenshot")
+
+
+def synthetic_image(size: int, seed: int, kind: str) -> Image.Image:
+    """A size x size RGB test image. noise: uniform random bytes, the worst case for PNG (incompressible: ~3 MB
+    at 1024x1024). photo: smooth shapes and gradients plus sensor-like noise (sigma 3), which compresses about as
+    badly as a camera photo does. screenshot: text and flat boxes on white, as a UI capture or a chart is."""
     rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    if kind == "noise":
+        return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+    if kind == "photo":
+        low = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
+        draw = ImageDraw.Draw(low)
+        for _ in range(12):
+            x, y, r = (int(v) for v in rng.integers(0, size, 3) // (1, 1, 4))
+            draw.ellipse((x - r, y - r, x + r, y + r), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        low = low.filter(ImageFilter.GaussianBlur(6))
+        noisy = np.asarray(low, dtype=np.float32) + rng.normal(0, 3, (size, size, 3))
+        return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+    if kind == "screenshot":
+        img = Image.new("RGB", (size, size), "white")
+        draw = ImageDraw.Draw(img)
+        draw.rectangle((0, 0, size, 40), fill=(40, 60, 90))
+        words = ["paged", "attention", "kv", "cache", "block", "prefill", "decode", "token", "graph", "swap"]
+        for y in range(60, size - 20, 18):
+            line = " ".join(words[i] for i in rng.integers(0, len(words), 12))
+            draw.text((20 + int(rng.integers(0, 40)), y), line, fill=(20, 20, 20))
+        for _ in range(6):
+            x, y = (int(v) for v in rng.integers(0, size - 200, 2))
+            draw.rectangle((x, y, x + 180, y + 90), outline=(0, 90, 200), width=2)
+        return img
+    raise ValueError(f"unknown image kind {kind!r}; choose from {IMAGE_KINDS}")
+
+
+def png_data_url(size: int = 1024, seed: int = 0, kind: str = "noise") -> str:
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    synthetic_image(size, seed, kind).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-async def image_ttft(base: str, model: str, repeats: int) -> dict:
+async def image_ttft(base: str, model: str, repeats: int, kind: str = "noise") -> dict:
     """Chat with one 1024x1024 PNG (a fresh image each time: no encoder-cache hits) + a short question."""
-    urls = [png_data_url(1024, seed) for seed in range(repeats + 1)]
+    urls = [png_data_url(1024, seed, kind) for seed in range(repeats + 1)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         times = []
         for i, url in enumerate(urls):
@@ -98,7 +130,8 @@ async def image_ttft(base: str, model: str, repeats: int) -> dict:
             r = await stream_request(session, f"{base}/v1/chat/completions", body.encode())
             if i:   # the first one is a warm-up
                 times.append(r["ttft"] * 1e3)
-    return {"repeats": repeats, "ttft_p50_ms": pct(times, 50), "ttft_min_ms": min(times), "all_ms": times}
+    return {"kind": kind, "png_bytes": len(base64.b64decode(urls[0].split(",", 1)[1])), "repeats": repeats,
+            "ttft_p50_ms": pct(times, 50), "ttft_min_ms": min(times), "all_ms": times}
 
 
 async def main_async(args) -> dict:
@@ -107,8 +140,9 @@ async def main_async(args) -> dict:
             model = (await r.json())["data"][0]["id"]
     res = {"model": model, "levels": []}
     if args.image:
-        res["image"] = await image_ttft(args.url, model, args.image_repeats)
-        print("image TTFT", json.dumps(res["image"]))
+        res["image"] = [await image_ttft(args.url, model, args.image_repeats, kind) for kind in args.image_kinds]
+        for im in res["image"]:
+            print("image TTFT", json.dumps(im))
     await run_level(args.url, model, 4, 4, 64, 8, args.vocab)   # warm-up
     for c in args.concurrency:
         n = args.num_prompts or max(4, 2 * c if c < 256 else c)
@@ -128,6 +162,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
     ap.add_argument("--image", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--image-repeats", type=int, default=5)
+    ap.add_argument("--image-kinds", nargs="+", default=list(IMAGE_KINDS), choices=IMAGE_KINDS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
@@ -137,8 +172,9 @@ def main() -> None:
         print(f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | "
               f"{lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | {lv['itl_p50_ms']:.2f} / {lv['itl_p99_ms']:.2f} | "
               f"{lv['e2e_p50_ms']:.0f} / {lv['e2e_p99_ms']:.0f} |")
-    if "image" in res:
-        print(f"| image 1024x1024 TTFT p50 | {res['image']['ttft_p50_ms']:.1f} ms |")
+    for im in res.get("image", []):
+        print(f"| image 1024x1024 {im['kind']} PNG ({im['png_bytes'] / 1e6:.2f} MB) TTFT p50 | "
+              f"{im['ttft_p50_ms']:.1f} ms |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

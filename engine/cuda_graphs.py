@@ -23,8 +23,10 @@ from engine.ops.dispatch import triton_available
 from engine.transfer import to_device
 
 logger = init_logger(__name__)
-# Every 64 tokens up to 1024, every 128 up to 2048: padding (computed, then dropped) stays under ~12%.
-PREFILL_BUCKETS = tuple(range(64, 1025, 64)) + tuple(range(1152, 2049, 128))
+# Every 64 tokens up to 2048: padding (computed, then dropped) stays under 64 rows, 6% of a 1024-token prefill.
+# A 1024x1024 image is 1024 tokens plus its question; with 128-token steps past 1024 it ran in the 1152 bucket,
+# 10% wasted GEMM work (~2 ms on an H200).
+PREFILL_BUCKETS = tuple(range(64, 2049, 64))
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -211,3 +213,6 @@ def enable_cuda_graphs(engine) -> None:
                              engine.scratch_blocks)
     runner.capture()
     engine.runner.graphs = runner
+    if engine.model_config.is_multimodal:
+        from engine.vision_graphs import VisionGraphs
+        engine.runner.vision_graphs = VisionGraphs(engine.model.visual, engine.device)

@@ -94,3 +94,25 @@ def test_gpu_memory_does_not_grow_over_chat_rounds(qwen3_vl_dir):
         readings.append(torch.cuda.memory_allocated())
     # From round 3 on the three images are in the (bounded) encoder cache: nothing may grow after that.
     assert max(readings[3:]) <= readings[3], readings
+
+
+def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir):
+    """The vision encoder's CUDA graphs (padded to a bucket of patches, one graph per bucket and segment count)
+    give what the eager encoder gives, also when a replay's padding rows hold an earlier image's pixels."""
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32")
+    graphs, visual = llm.engine.runner.vision_graphs, llm.engine.model.visual
+    assert graphs is not None, "a multimodal model gets vision graphs with CUDA graphs on"
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    for sizes in ([(64, 64)], [(96, 160), (128, 64)], [(64, 96)]):   # the third replays the first's graph
+        images = [noise_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
+        items = llm.engine.input_processor.process(
+            {"prompt": placeholder * len(images), "multi_modal_data": {"image": images}}).images
+        pixels = torch.cat([it.pixels_on(llm.engine.device) for it in items])
+        grid = torch.tensor([it.grid_thw for it in items])
+        with torch.inference_mode():
+            eager = visual(pixels, grid)
+            graph = graphs.encode(pixels, grid)
+        for got, ref in zip(graph, eager):
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert sorted(graphs.graphs) == [(512, 1), (512, 2)]

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
-from engine.inputs.image_io import decode_data_url, fetch_image_bytes, load_image, to_rgb
+from engine.inputs.image_io import decode_data_url, decode_image, fetch_image_bytes, load_image, to_rgb
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
@@ -165,6 +165,25 @@ def test_plain_rgb_png_takes_the_fast_decoder_with_the_same_pixels(monkeypatch):
     out = load_image(encode(image))
     assert calls == [1]
     assert out.mode == "RGB" and out.tobytes() == image.tobytes()
+
+
+def test_decode_image_hands_over_the_fast_decoders_array_itself():
+    import numpy as np
+    image = noise_rgb(67, 45)
+    out = decode_image(encode(image))
+    assert isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.shape == (45, 67, 3)
+    assert out.tobytes() == image.tobytes()
+    assert isinstance(decode_image(encode(image.convert("L"))), Image.Image)   # other PNGs: an RGB PIL image
+
+
+def test_an_exif_chunk_after_the_image_data_is_still_seen(monkeypatch):
+    import engine.inputs.image_io as image_io
+    data = encode(noise_rgb(20, 10))
+    exif = ROTATE_90.tobytes()
+    chunk = struct.pack(">I", len(exif)) + b"eXIf" + exif + struct.pack(">I", zlib.crc32(b"eXIf" + exif))
+    late_exif = data[:-12] + chunk + data[-12:]   # just before IEND
+    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
+    assert load_image(late_exif).size == (10, 20)   # rotated by Pillow, as the EXIF orientation says
 
 
 @pytest.mark.parametrize("image, save_args", [

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from engine.ops.activation import silu_and_mul_ref  # noqa: E402
 from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
 from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
-from engine.ops.norm import rms_norm_ref  # noqa: E402
+from engine.ops.norm import layer_norm_ref, rms_norm_ref  # noqa: E402
 from engine.ops.rotary import (apply_rotary_ref, qk_norm_rope_ref, rope_and_store_kv_ref,  # noqa: E402
                                vision_qkv_rope_ref)
 
@@ -139,6 +139,26 @@ def test_rms_norm_per_head_strided(device, dtype, weight_dtype, gen):
     q, _, _ = fused_qkv(gen, 11, 8, 2, 128, dtype, device)
     w = (torch.rand(128, generator=gen) + 0.5).to(device=device, dtype=weight_dtype or dtype)
     assert_close(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6), elementwise_tol(dtype, device), "per-head norm")
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16]))
+@pytest.mark.parametrize("t,h", [(1, 32), (7, 1152), (300, 96)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm(device, dtype, t, h, with_residual, gen):
+    """The vision encoder's LayerNorm, fused with the residual add before it; rows of a width that is no
+    power of two (1152) and off-centre inputs (mean 2), where a one-pass variance would lose digits."""
+    from engine.ops.triton.norm import layer_norm
+    x = randn(gen, t, h, dtype=dtype, device=device, std=3.0) + 2
+    w = (torch.rand(h, generator=gen) + 0.5).to(device=device, dtype=dtype)
+    b = randn(gen, h, dtype=dtype, device=device)
+    res = randn(gen, t, h, dtype=dtype, device=device) if with_residual else None
+    x_before = x.clone()
+    out, ref = layer_norm(x, w, b, 1e-6, res), layer_norm_ref(x, w, b, 1e-6, res)
+    assert torch.equal(x, x_before), "inputs must not be modified"
+    if with_residual:
+        assert_close(out[1], ref[1], elementwise_tol(dtype, device), "residual stream")
+        out, ref = out[0], ref[0]
+    assert_close(out, ref, elementwise_tol(dtype, device), "normed")
 
 
 # ---------------------------------------------------------------------------------------------- rotary

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import binascii
 import io
+import struct
 import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Declared dependencies that only make large uploads faster; without them the standard paths do the same work.
@@ -92,6 +94,14 @@ def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_
 def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                param: str | None = None) -> Image.Image:
     """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos)."""
+    image = decode_image(data, max_bytes, max_pixels, param)
+    return Image.fromarray(image) if isinstance(image, np.ndarray) else image
+
+
+def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 param: str | None = None) -> Image.Image | np.ndarray:
+    """load_image, except that a plain 8-bit RGB PNG comes back as the decoder's uint8 [H, W, 3] array: the
+    image processor reads it without the two copies a PIL image costs (~1 ms for 1024x1024)."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -101,7 +111,7 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
             if _plain_rgb_png(image, data):
-                return Image.fromarray(pyspng.load(data, format="RGB"))   # uint8 [H, W, 3]: RGB
+                return pyspng.load(data, format="RGB")   # uint8 [H, W, 3]: RGB
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
@@ -119,7 +129,20 @@ def _plain_rgb_png(image: Image.Image, data: bytes) -> bool:
     """An 8-bit RGB PNG without transparency or EXIF: libspng (pyspng) decodes it to the same pixels as Pillow
     in about half the time (1024x1024 noise: 10 ms against 21 ms here). Everything else goes through Pillow."""
     return (pyspng is not None and image.format == "PNG" and data[24:26] == b"\x08\x02"   # IHDR: depth 8, RGB
-            and "transparency" not in image.info and b"eXIf" not in data)
+            and "transparency" not in image.info and b"eXIf" not in _png_chunk_types(data))
+
+
+def _png_chunk_types(data: bytes) -> set[bytes]:
+    """The chunk types of a PNG, read by hopping from chunk header to chunk header: an eXIf chunk may follow
+    the image data, and scanning all the bytes for it took 1.5 ms for a 3 MB file."""
+    types, pos = set(), 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        types.add(kind)
+        if kind == b"IEND":
+            break
+        pos += 12 + length
+    return types
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:

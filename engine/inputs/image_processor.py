@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -109,13 +110,19 @@ class ImageProcessor:
         return t * h * w // self.merge_size ** 2
 
     # ---- pixels ---------------------------------------------------------------------------------------------
-    def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def __call__(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """pixel_values [h*w, C*T*P*P] float32 in merge-block order, and grid_thw (1, h, w) in patches."""
         raw, grid = self.resize(image)
         return self.to_pixel_values(raw), grid
 
-    def resize(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The image resized to the patch grid as uint8 [H, W, 3], and grid_thw (1, h, w)."""
+    def resize(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The image (a PIL image, or RGB uint8 [H, W, 3]) resized to the patch grid as uint8 [H, W, 3], and
+        grid_thw (1, h, w). An array already on the grid is used as is, without a copy."""
+        if isinstance(image, np.ndarray):
+            height, width = self.resized_size(*image.shape[:2])
+            if (height, width) == image.shape[:2]:
+                return torch.from_numpy(image), (1, height // self.patch_size, width // self.patch_size)
+            image = Image.fromarray(image)
         image = to_rgb(image)
         height, width = self.resized_size(image.height, image.width)
         if (width, height) != image.size:

@@ -7,6 +7,7 @@ features [num_deepstack, N/4, out_hidden] added to the decoder's first layers' h
 
   x = patch_embed(pixels) + interpolated position table        (one Linear == the checkpoint's Conv3d)
   for each block: x += proj(attn(LN1 x, 2D rotary, per-frame)); x += fc2(gelu_tanh(fc1(LN2 x)))
+                  (each residual add runs inside the LayerNorm that follows it: ops.layer_norm)
                   after block deepstack_visual_indexes[k]: deepstack_k = merger_k(x)  (LayerNorm after view)
   out = merger(x)                                                                     (LayerNorm before view)
 
@@ -35,6 +36,7 @@ _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+_TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")
 
 
 class VisionMLP(nn.Module):
@@ -45,8 +47,14 @@ class VisionMLP(nn.Module):
         self.linear_fc1 = nn.Linear(dim, hidden, **kw)
         self.linear_fc2 = nn.Linear(hidden, dim, **kw)
         self.act = _ACTIVATIONS[act]
+        self.tanh_gelu = act in _TANH_GELU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tanh_gelu and x.is_cuda and x.dim() == 2:
+            # cuBLASLt applies the bias and the tanh GELU in the GEMM's epilogue, on the fp32 accumulator:
+            # the [4096, 4304] intermediate is written once instead of written, read and written again.
+            h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
+            return self.linear_fc2(h)
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
@@ -73,9 +81,20 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads, **kw)
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, **kw)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x, delta, cos, sin, cu_seqlens, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering the block is x + delta (delta: the previous block's MLP output, not yet
+        added, or None). Returns (the stream after attention, this block's MLP output): the caller, or the next
+        block's first norm, adds the two."""
+        h, x = _add_norm(self.norm1, x, delta)
+        h, x = _add_norm(self.norm2, x, self.attn(h, cos, sin, cu_seqlens, max_seqlen))
+        return x, self.mlp(h)
+
+
+def _add_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(x + delta), x + delta), with the add and the norm in one kernel."""
+    if delta is None:
+        return ops.layer_norm(x, norm.weight, norm.bias, norm.eps), x
+    return ops.layer_norm(delta, norm.weight, norm.bias, norm.eps, residual=x)
 
 
 class PatchMerger(nn.Module):
@@ -123,22 +142,30 @@ class Qwen3VLVisionModel(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_prepared(pixel_values, *self.prepare(pixel_values, grid_thw))
+
+    def prepare(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """The host-side part of forward: checks, and the per-patch tensors the grids imply -- position rows,
+        rotary cos and sin, the attention segments (cu_seqlens, max_seqlen). The rest (forward_prepared)
+        is device work only, so a CUDA graph can hold it."""
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         self._check_inputs(pixel_values, grids)
         pos, cos, sin = (torch.cat(parts) for parts in zip(*(self._grid_tensors(g) for g in grids)))
         # One attention segment per frame (h * w patches), as transformers' get_vision_cu_seqlens does.
         seqlens = [h * w for t, h, w in grids for _ in range(t)]
-        weight = self.pos_embed.weight
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=weight.device)
-        max_seqlen = max(seqlens)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32)
+        return pos, cos, sin, cu_seqlens.to(self.pos_embed.weight.device, non_blocking=True), max(seqlens)
 
+    def forward_prepared(self, pixel_values, pos, cos, sin, cu_seqlens, max_seqlen: int):
+        weight = self.pos_embed.weight
         x = self.patch_embed.proj(pixel_values.to(device=weight.device, dtype=weight.dtype)) + pos
-        deepstack = []
+        deepstack, delta = [], None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_seqlens, max_seqlen)
+            x, delta = block(x, delta, cos, sin, cu_seqlens, max_seqlen)
             if i in self.deepstack_indexes:
+                x, delta = x + delta, None
                 deepstack.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
-        out = self.merger(x)
+        out = self.merger(x if delta is None else x + delta)
         deepstack = torch.stack(deepstack) if deepstack else out.new_empty((0,) + out.shape)
         return out, deepstack
 

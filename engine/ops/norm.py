@@ -1,7 +1,9 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (the decoder) and LayerNorm (the vision encoder), each optionally fused with the residual add that
+precedes it."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.ops.dispatch import use_triton
 
@@ -26,3 +28,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         from engine.ops.triton import norm
         return norm.rms_norm(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
+    """LayerNorm over the last dim (torch's: fp32 statistics, one rounding at the end). With `residual`: first
+    `x = x + residual` in x's dtype, as the transformers vision block does, and returns (normed, x)."""
+    if residual is not None:
+        x = x + residual
+    out = F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    return out if residual is None else (out, x)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None):
+    if use_triton(x):
+        from engine.ops.triton import norm
+        return norm.layer_norm(x, weight, bias, eps, residual)
+    return layer_norm_ref(x, weight, bias, eps, residual)

@@ -1,5 +1,6 @@
 """Fused residual add + RMSNorm (Triton version of rms_norm_ref), over rows of a 2-D [T, H] or a
-per-head 3-D [T, heads, D] tensor (possibly a strided view, e.g. of the fused qkv output)."""
+per-head 3-D [T, heads, D] tensor (possibly a strided view, e.g. of the fused qkv output); and fused residual
+add + LayerNorm (layer_norm_ref) over the rows of a 2-D [T, H] tensor, for the vision encoder."""
 from __future__ import annotations
 
 import torch
@@ -74,4 +75,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         num_rows, heads, sxt, sxh, srt, srh, eps,
         N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
     )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, num_rows, stride_x, stride_r, eps,
+                       N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    # As _rms_norm_kernel: ROWS whole rows per program. The vision encoder's 1152-wide rows are read once
+    # and written once (twice each with the residual), where torch ran an add and a LayerNorm kernel.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + r64 * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # rounded, as torch's add
+        tl.store(res_out_ptr + r64 * N + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / N
+    diff = tl.where(col_mask[None, :], xf - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(diff * diff, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = diff * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(out_ptr + r64 * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None):
+    """Same contract as layer_norm_ref: returns normed, or (normed, x + residual), always new tensors."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    r2 = x2
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        r2 = residual.reshape(-1, n)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    num_rows = x2.shape[0]
+    if num_rows and n:
+        block_n = triton.next_power_of_2(n)
+        rows = max(1, min(16, 2048 // block_n))
+        _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
+            x2, r2, weight, bias, out, out if res_out is None else res_out, num_rows, x2.stride(0), r2.stride(0),
+            eps, N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None,
+            num_warps=max(1, min(8, rows * block_n // 512)))
     return out if residual is None else (out, res_out)
