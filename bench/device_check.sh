@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
-#   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose)
+#   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
+#                                          ops engine opsbench offline profile imageprof hf serve)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
