@@ -13,14 +13,16 @@ stage() { echo "=== $1 ($(date +%T))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
-git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/env.txt"
+# The device's copy of .git can be stale: the caller passes COMMIT=$(git rev-parse HEAD) where it matters.
+echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) (from the device's .git)}" | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
 #   pip download pybase64 pyspng orjson blake3 --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
 if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3" 2>/dev/null; then
   python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng orjson blake3 2>&1 | tail -1
 fi
-python3 -c "import PIL, pybase64, pyspng, orjson; print('pillow', PIL.__version__, 'pybase64', pybase64.__version__, \
-'pyspng', pyspng.__version__, 'orjson', orjson.__version__)" | tee -a "$OUT/env.txt"
+python3 -c "import PIL, pybase64, pyspng, orjson, blake3; print('pillow', PIL.__version__, 'pybase64', \
+pybase64.__version__, 'pyspng', pyspng.__version__, 'orjson', orjson.__version__, 'blake3', blake3.__version__)" \
+  | tee -a "$OUT/env.txt"
 
 for s in $STAGES; do
   case $s in
@@ -61,6 +63,20 @@ for s in $STAGES; do
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
       timeout "${HF_T:-240}" python3 bench/hf_baseline.py --model /tmp/q8 --out "$OUT/hf.json" \
         > "$OUT/hf.txt" 2>&1; echo "rc=$?"; grep -E '^\{"batch|ttft|image' "$OUT/hf.txt" | tail -8 ;;
+    imageab)
+      # Image TTFT over HTTP for the tree in $OLD_TREE (e.g. `git archive <commit> | tar -x -C .old`, carried)
+      # and for this one, on the same machine, one server after the other.
+      stage "image TTFT over HTTP: $OLD_TREE against this tree"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      for tree in "$OLD_TREE" "$PWD"; do
+        (cd "$tree" && PYTHONPATH=$tree exec python3 -m engine --model /tmp/q8 --load-format dummy --port 3001 \
+          --max-model-len 10240 --gpu-memory-utilization 0.85 --disable-log-requests > "$OUT/server_ab.log" 2>&1) &
+        spid=$!
+        for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
+        echo "-- $tree"
+        timeout 120 python3 bench/serve.py --concurrency --image-repeats 7 2>&1 | grep '^| image'
+        kill $spid; wait $spid 2>/dev/null; sleep 2
+      done ;;
     serve)
       stage "serving benchmark over HTTP"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

@@ -143,7 +143,8 @@ async def main_async(args) -> dict:
         res["image"] = [await image_ttft(args.url, model, args.image_repeats, kind) for kind in args.image_kinds]
         for im in res["image"]:
             print("image TTFT", json.dumps(im))
-    await run_level(args.url, model, 4, 4, 64, 8, args.vocab)   # warm-up
+    if args.concurrency:
+        await run_level(args.url, model, 4, 4, 64, 8, args.vocab)   # warm-up
     for c in args.concurrency:
         n = args.num_prompts or max(4, 2 * c if c < 256 else c)
         level = await run_level(args.url, model, c, n, args.prompt_len, args.output_len, args.vocab)
@@ -155,7 +156,8 @@ async def main_async(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:3001")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64, 256],
+                    help="levels to run (none: only the image requests)")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)

@@ -99,7 +99,7 @@ def test_gpu_memory_does_not_grow_over_chat_rounds(qwen3_vl_dir):
 def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir):
     """The vision encoder's CUDA graphs (padded to a bucket of patches, one graph per bucket and segment count)
     give what the eager encoder gives, also when a replay's padding rows hold an earlier image's pixels."""
-    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32")
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=False)
     graphs, visual = llm.engine.runner.vision_graphs, llm.engine.model.visual
     assert graphs is not None, "a multimodal model gets vision graphs with CUDA graphs on"
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
