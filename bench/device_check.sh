@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 # The device's copy of .git can be stale: the caller passes COMMIT=$(git rev-parse HEAD) where it matters.
-echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) (from the device's .git)}" | tee -a "$OUT/env.txt"
+echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) [from the copy of .git on the device]}" | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
 #   pip download pybase64 pyspng orjson blake3 --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
 if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3" 2>/dev/null; then
