@@ -65,7 +65,8 @@ for s in $STAGES; do
         > "$OUT/hf.txt" 2>&1; echo "rc=$?"; grep -E '^\{"batch|ttft|image' "$OUT/hf.txt" | tail -8 ;;
     imageab)
       # Image TTFT over HTTP for the tree in $OLD_TREE (e.g. `git archive <commit> | tar -x -C .old`, carried)
-      # and for this one, on the same machine, one server after the other.
+      # and for this one, on the same machine, one server after the other. AB_ARGS adds levels to serve.py
+      # (e.g. AB_ARGS="--concurrency 256"; default: images only).
       stage "image TTFT over HTTP: $OLD_TREE against this tree"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
       for tree in "$OLD_TREE" "$PWD"; do
@@ -74,7 +75,7 @@ for s in $STAGES; do
         spid=$!
         for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
         echo "-- $tree"
-        timeout 120 python3 bench/serve.py --concurrency --image-repeats 7 2>&1 | grep '^| image'
+        timeout 150 python3 bench/serve.py ${AB_ARGS:---concurrency} --image-repeats 7 2>&1 | grep -E '^\| (image|[0-9])'
         kill $spid; wait $spid 2>/dev/null; sleep 2
       done ;;
     serve)
