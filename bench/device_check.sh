@@ -65,11 +65,13 @@ for s in $STAGES; do
         > "$OUT/hf.txt" 2>&1; echo "rc=$?"; grep -E '^\{"batch|ttft|image' "$OUT/hf.txt" | tail -8 ;;
     imageab)
       # Image TTFT over HTTP for the tree in $OLD_TREE (e.g. `git archive <commit> | tar -x -C .old`, carried)
-      # and for this one, on the same machine, one server after the other. AB_ARGS adds levels to serve.py
+      # and for this one, on the same machine, one server after the other; AB_TREES="dir dir ..." names the
+      # trees instead (to bisect: one tree per reverted change). AB_ARGS adds levels to serve.py
       # (e.g. AB_ARGS="--concurrency 256"; default: images only).
-      stage "image TTFT over HTTP: $OLD_TREE against this tree"
+      trees=${AB_TREES:-"$OLD_TREE $PWD"}
+      stage "image TTFT over HTTP: $trees"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
-      for tree in "$OLD_TREE" "$PWD"; do
+      for tree in $trees; do
         (cd "$tree" && PYTHONPATH=$tree exec python3 -m engine --model /tmp/q8 --load-format dummy --port 3001 \
           --max-model-len 10240 --gpu-memory-utilization 0.85 --disable-log-requests > "$OUT/server_ab.log" 2>&1) &
         spid=$!
