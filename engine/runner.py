@@ -202,10 +202,8 @@ class ModelRunner:
     def _encode(self, images) -> dict[str, EncoderOutput]:
         pixels = torch.cat([i.to_pixels(raw) for i, raw in zip(images, self._upload([i.raw for i in images]))])
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.int64)
-        if self.vision_graphs is not None:
-            embeds, deepstack = self.vision_graphs.encode(pixels.to(self.model.lm_head.weight.dtype), grid)
-        else:
-            embeds, deepstack = self.model.encode_images(pixels, grid)
+        encode = self.model.encode_images if self.vision_graphs is None else self.vision_graphs.encode
+        embeds, deepstack = encode(pixels, grid)
         out, row = {}, 0
         keep = {i.content_hash for i in images}
         for image in images:

@@ -47,16 +47,19 @@ class VisionGraphs:
         self.pool = torch.cuda.graph_pool_handle()     # graphs never run at once: they share their memory
         self.disabled = False
         self.merge = visual.merge ** 2
+        self.dtype = visual.pos_embed.weight.dtype     # of the pixels and position rows the graphs take
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same result as visual(pixel_values, grid_thw), through a graph when the shape allows one."""
+        """Same result as the model's encode_images(pixel_values, grid_thw), through a graph when the shape
+        allows one."""
+        pixel_values = pixel_values.to(self.dtype)
         pos, cos, sin, cu_seqlens, max_seqlen = self.visual.prepare(pixel_values, grid_thw)
         n, segments = pixel_values.shape[0], cu_seqlens.numel() - 1
         bucket = -(-n // BUCKET_PATCHES) * BUCKET_PATCHES
         if self.disabled or bucket > MAX_GRAPH_PATCHES:
             return self.visual.forward_prepared(pixel_values, pos, cos, sin, cu_seqlens, max_seqlen)
-        g = self._graph(bucket, segments, pixel_values.dtype, pos.dtype)
+        g = self._graph(bucket, segments)
         if g is None:
             return self.visual.forward_prepared(pixel_values, pos, cos, sin, cu_seqlens, max_seqlen)
         g.pixels[:n].copy_(pixel_values)
@@ -69,14 +72,14 @@ class VisionGraphs:
         # Copies: the next replay overwrites the static outputs, and the encoder cache keeps these.
         return g.embeds[:rows].clone(), g.deepstack[:, :rows].clone()
 
-    def _graph(self, bucket: int, segments: int, pixel_dtype, pos_dtype) -> _Graph | None:
+    def _graph(self, bucket: int, segments: int) -> _Graph | None:
         key = (bucket, segments)
         g = self.graphs.get(key)
         if g is not None:
             self.graphs.move_to_end(key)
             return g
         try:
-            g = self._capture(bucket, segments, pixel_dtype, pos_dtype)
+            g = self._capture(bucket, segments)
         except torch.cuda.OutOfMemoryError:
             self.disabled = True
             self.graphs.clear()
@@ -87,7 +90,7 @@ class VisionGraphs:
             self.graphs.popitem(last=False)
         return g
 
-    def _capture(self, bucket: int, segments: int, pixel_dtype, pos_dtype) -> _Graph:
+    def _capture(self, bucket: int, segments: int) -> _Graph:
         start = time.perf_counter()
         v, dev = self.visual, self.device
         half = v.config.head_dim // 2
@@ -95,8 +98,8 @@ class VisionGraphs:
         # own bounds), the padding segment after them; a replay's max_seqlen is at most the bucket.
         bounds = [0, *range(self.merge, self.merge * (segments + 1), self.merge), bucket]
         g = _Graph(graph=torch.cuda.CUDAGraph(),
-                   pixels=torch.zeros(bucket, v.patch_dim, dtype=pixel_dtype, device=dev),
-                   pos=torch.zeros(bucket, v.config.hidden_size, dtype=pos_dtype, device=dev),
+                   pixels=torch.zeros(bucket, v.patch_dim, dtype=self.dtype, device=dev),
+                   pos=torch.zeros(bucket, v.config.hidden_size, dtype=self.dtype, device=dev),
                    cos=torch.ones(bucket, half, dtype=torch.float32, device=dev),
                    sin=torch.zeros(bucket, half, dtype=torch.float32, device=dev),
                    cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev),

@@ -118,17 +118,17 @@ class ImageProcessor:
     def resize(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The image (a PIL image, or RGB uint8 [H, W, 3]) resized to the patch grid as uint8 [H, W, 3], and
         grid_thw (1, h, w). An array already on the grid is used as is, without a copy."""
+        size = image.shape[:2] if isinstance(image, np.ndarray) else (image.height, image.width)
+        height, width = self.resized_size(*size)
+        grid = (1, height // self.patch_size, width // self.patch_size)
         if isinstance(image, np.ndarray):
-            height, width = self.resized_size(*image.shape[:2])
-            if (height, width) == image.shape[:2]:
-                return torch.from_numpy(image), (1, height // self.patch_size, width // self.patch_size)
+            if (height, width) == size:
+                return torch.from_numpy(image), grid
             image = Image.fromarray(image)
         image = to_rgb(image)
-        height, width = self.resized_size(image.height, image.width)
         if (width, height) != image.size:
             image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-        raw = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
-        return raw, (1, height // self.patch_size, width // self.patch_size)
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3), grid
 
     def to_pixel_values(self, raw: torch.Tensor) -> torch.Tensor:
         """uint8 [H, W, 3] -> rescaled, normalized, patch rows; runs on the tensor's device (CPU or GPU)."""

@@ -96,11 +96,8 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if self.qk_norm:
-            q = ops.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping,
-                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        else:
-            q = ops.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        q = ops.rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping, *qk_norm)
         out = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.view(t, self.q_size))
 

@@ -15,13 +15,13 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import InvalidInputError
+from engine.sampling_params import SamplingParams
+from engine.server.defaults import SamplingDefaults
 
 try:   # parses a 4 MB image request in half the standard library's time (3.5 ms against 7 here)
     import orjson
 except ImportError:  # pragma: no cover
     orjson = None
-from engine.sampling_params import SamplingParams
-from engine.server.defaults import SamplingDefaults
 
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
 

@@ -51,6 +51,13 @@ def _rows_view(x: torch.Tensor):
     return x, x.shape[1], x.stride(0), x.stride(1)
 
 
+def _launch_shape(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS, num_warps) for rows of width n: whole rows in registers, ~2K elements per program."""
+    block_n = triton.next_power_of_2(n)
+    rows = max(1, min(16, 2048 // block_n))
+    return block_n, rows, max(1, min(8, rows * block_n // 512))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Same contract as rms_norm_ref: returns normed, or (normed, x + residual), always new tensors."""
     n = x.shape[-1]
@@ -67,9 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         assert residual.shape == x.shape, "residual must have x's shape"
         rv, _, srt, srh = _rows_view(residual)
 
-    block_n = triton.next_power_of_2(n)
-    rows = max(1, min(16, 2048 // block_n))
-    num_warps = max(1, min(8, rows * block_n // 512))
+    block_n, rows, num_warps = _launch_shape(n)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         xv, rv, weight, out, out if res_out is None else res_out,
         num_rows, heads, sxt, sxh, srt, srh, eps,
@@ -118,10 +123,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     num_rows = x2.shape[0]
     if num_rows and n:
-        block_n = triton.next_power_of_2(n)
-        rows = max(1, min(16, 2048 // block_n))
+        block_n, rows, num_warps = _launch_shape(n)
         _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
             x2, r2, weight, bias, out, out if res_out is None else res_out, num_rows, x2.stride(0), r2.stride(0),
-            eps, N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None,
-            num_warps=max(1, min(8, rows * block_n // 512)))
+            eps, N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps)
     return out if residual is None else (out, res_out)
