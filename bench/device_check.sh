@@ -2,7 +2,9 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof hf serve)
+#                                          ops engine opsbench offline profile imageprof imagetl hf serve
+#                                          imageab); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -16,13 +18,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # The device's copy of .git can be stale: the caller passes COMMIT=$(git rev-parse HEAD) where it matters.
 echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) [from the copy of .git on the device]}" | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
-#   pip download pybase64 pyspng orjson blake3 --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64
-if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3" 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng orjson blake3 2>&1 | tail -1
+#   pip download pybase64 pyspng orjson blake3 isal py-spy --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64     (py-spy: only for SPY=1)
+if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3, isal" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng orjson blake3 isal 2>&1 | tail -1
 fi
-python3 -c "import PIL, pybase64, pyspng, orjson, blake3; print('pillow', PIL.__version__, 'pybase64', \
-pybase64.__version__, 'pyspng', pyspng.__version__, 'orjson', orjson.__version__, 'blake3', blake3.__version__)" \
-  | tee -a "$OUT/env.txt"
+python3 -c "import PIL, pybase64, pyspng, orjson, blake3, isal; print('pillow', PIL.__version__, 'pybase64', \
+pybase64.__version__, 'pyspng', pyspng.__version__, 'orjson', orjson.__version__, 'blake3', blake3.__version__, \
+'isal', isal.__version__)" | tee -a "$OUT/env.txt"
 
 for s in $STAGES; do
   case $s in
@@ -58,6 +61,12 @@ for s in $STAGES; do
       timeout "${IMG_T:-200}" python3 bench/image_profile.py --model /tmp/q8 --load-format dummy \
         --out "$OUT/image_profile.txt" > "$OUT/image_profile_log.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_profile_log.txt" | cut -c1-150 | tail -90 ;;
+    imagetl)
+      stage "image request timeline inside the HTTP server"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${TL_T:-200}" python3 bench/image_timeline.py --model /tmp/q8 --load-format dummy \
+        --kinds ${TL_KINDS:-photo screenshot noise} > "$OUT/image_timeline.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_timeline.txt" | tail -75 ;;
     hf)
       stage "transformers baseline"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
@@ -78,6 +87,17 @@ for s in $STAGES; do
         for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
         echo "-- $tree"
         timeout 150 python3 bench/serve.py ${AB_ARGS:---concurrency} --image-repeats 7 2>&1 | grep -E '^\| (image|[0-9])'
+        if [ -n "${SPY:-}" ]; then
+          # py-spy (from .whl) samples this server's threads for 8 s of one more concurrency-256 level
+          python3 -m pip install -q --no-index --find-links .whl py-spy 2>&1 | tail -1
+          n=$(basename "$tree")
+          spy="$(dirname "$(python3 -c "import sys; print(sys.executable)")")/py-spy"
+          (sleep 3; "$spy" record --pid $spid --duration 8 --rate 200 --format raw --threads --nonblocking \
+            --output "$OUT/spy_$n.txt" > "$OUT/spy_$n.log" 2>&1) &
+          timeout 60 python3 bench/serve.py --no-image --concurrency 256 2>&1 | grep -E '^\| [0-9]'
+          wait
+          python3 bench/spy_summary.py "$OUT/spy_$n.txt" | head -60
+        fi
         kill $spid; wait $spid 2>/dev/null; sleep 2
       done ;;
     serve)
@@ -92,3 +112,4 @@ for s in $STAGES; do
   esac
 done
 stage done
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz ./* && find . -type f ! -name logs.tgz -delete)

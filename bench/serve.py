@@ -56,6 +56,8 @@ async def run_level(base: str, model: str, concurrency: int, num_prompts: int, p
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        before = await engine_counters(session, base)
+
         async def one(p):
             async with sem:
                 return await stream_request(session, f"{base}/v1/completions", {
@@ -64,6 +66,7 @@ async def run_level(base: str, model: str, concurrency: int, num_prompts: int, p
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - start
+        after = await engine_counters(session, base)
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
     tpot = [(r["e2e"] - r["ttft"]) / max(r["tokens"] - 1, 1) * 1e3 for r in results]
@@ -71,10 +74,18 @@ async def run_level(base: str, model: str, concurrency: int, num_prompts: int, p
     out_tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "num_prompts": num_prompts, "prompt_len": prompt_len, "output_len": out_len,
             "wall_s": wall, "output_tok_s": out_tokens / wall, "completed_tokens": out_tokens,
+            **{k: after[k] - before[k] for k in after},
             **{f"{name}_{stat}_ms": fn(vals) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl),
                                                                  ("e2e", e2e))
                for stat, fn in (("p50", lambda v: pct(v, 50)), ("p99", lambda v: pct(v, 99)),
                                 ("mean", lambda v: statistics.fmean(v) if v else float("nan")))}}
+
+
+async def engine_counters(session, base: str) -> dict[str, int]:
+    """The engine's preemption and swap counters (GET /stats): a level that preempts measures that too."""
+    async with session.get(f"{base}/stats") as r:
+        stats = await r.json()
+    return {k: stats[k] for k in ("num_preemptions", "num_swaps")}
 
 
 IMAGE_KINDS = ("noise", "photo", "screenshot")
@@ -168,12 +179,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
-    print("\n| concurrency | output tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| concurrency | output tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | "
+          "preemptions |")
+    print("|---|---|---|---|---|---|---|")
     for lv in res["levels"]:
         print(f"| {lv['concurrency']} | {lv['output_tok_s']:.0f} | {lv['ttft_p50_ms']:.1f} / {lv['ttft_p99_ms']:.1f} | "
               f"{lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | {lv['itl_p50_ms']:.2f} / {lv['itl_p99_ms']:.2f} | "
-              f"{lv['e2e_p50_ms']:.0f} / {lv['e2e_p99_ms']:.0f} |")
+              f"{lv['e2e_p50_ms']:.0f} / {lv['e2e_p99_ms']:.0f} | {lv['num_preemptions']} |")
     for im in res.get("image", []):
         print(f"| image 1024x1024 {im['kind']} PNG ({im['png_bytes'] / 1e6:.2f} MB) TTFT p50 | "
               f"{im['ttft_p50_ms']:.1f} ms |")

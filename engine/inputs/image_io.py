@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import binascii
 import io
-import struct
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,6 +30,7 @@ except ImportError:  # pragma: no cover
     pyspng = None
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
+from engine.inputs import png
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
@@ -110,8 +110,9 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
-            if _plain_rgb_png(image, data):
-                return pyspng.load(data, format="RGB")   # uint8 [H, W, 3]: RGB
+            parts = _plain_rgb_png(image, data)
+            if parts is not None:
+                return png.decode_rgb8(data, parts)       # uint8 [H, W, 3]: RGB
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
@@ -125,24 +126,14 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
     return to_rgb(image)
 
 
-def _plain_rgb_png(image: Image.Image, data: bytes) -> bool:
-    """An 8-bit RGB PNG without transparency or EXIF: libspng (pyspng) decodes it to the same pixels as Pillow
-    in about half the time (1024x1024 noise: 10 ms against 21 ms here). Everything else goes through Pillow."""
-    return (pyspng is not None and image.format == "PNG" and data[24:26] == b"\x08\x02"   # IHDR: depth 8, RGB
-            and "transparency" not in image.info and b"eXIf" not in _png_chunk_types(data))
-
-
-def _png_chunk_types(data: bytes) -> set[bytes]:
-    """The chunk types of a PNG, read by hopping from chunk header to chunk header: an eXIf chunk may follow
-    the image data, and scanning all the bytes for it took 1.5 ms for a 3 MB file."""
-    types, pos = set(), 8
-    while pos + 8 <= len(data):
-        length, kind = struct.unpack_from(">I4s", data, pos)
-        types.add(kind)
-        if kind == b"IEND":
-            break
-        pos += 12 + length
-    return types
+def _plain_rgb_png(image: Image.Image, data: bytes) -> list[tuple[bytes, int, int]] | None:
+    """The chunks of an 8-bit RGB PNG without transparency or EXIF, which engine.inputs.png decodes to the
+    same pixels as Pillow in a quarter of its time (1024x1024 photo: 4.5 ms against 16 ms here); None for
+    everything else, which goes through Pillow."""
+    if pyspng is None or image.format != "PNG" or data[24:26] != b"\x08\x02" or "transparency" in image.info:
+        return None                                   # IHDR bytes 24-25: bit depth 8, colour type 2 (RGB)
+    parts = png.chunks(data)
+    return None if any(kind == b"eXIf" for kind, _, _ in parts) else parts
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:
