@@ -90,12 +90,13 @@ for s in $STAGES; do
         if [ -n "${SPY:-}" ]; then
           # py-spy (from .whl) samples this server's threads for 8 s of one more concurrency-256 level
           python3 -m pip install -q --no-index --find-links .whl py-spy 2>&1 | tail -1
-          n=$(basename "$tree")
+          n=$(basename "$tree")$RANDOM
           spy="$(dirname "$(python3 -c "import sys; print(sys.executable)")")/py-spy"
           (sleep 3; "$spy" record --pid $spid --duration 8 --rate 200 --format raw --threads --nonblocking \
             --output "$OUT/spy_$n.txt" > "$OUT/spy_$n.log" 2>&1) &
+          spy_job=$!
           timeout 60 python3 bench/serve.py --no-image --concurrency 256 2>&1 | grep -E '^\| [0-9]'
-          wait
+          wait $spy_job      # (a bare wait would wait for the server too)
           python3 bench/spy_summary.py "$OUT/spy_$n.txt" | head -60
         fi
         kill $spid; wait $spid 2>/dev/null; sleep 2
