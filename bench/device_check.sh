@@ -65,8 +65,8 @@ for s in $STAGES; do
       stage "image request timeline inside the HTTP server"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
       timeout "${TL_T:-200}" python3 bench/image_timeline.py --model /tmp/q8 --load-format dummy \
-        --kinds ${TL_KINDS:-photo screenshot noise} > "$OUT/image_timeline.txt" 2>&1
-      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_timeline.txt" | tail -75 ;;
+        --kinds ${TL_KINDS:-photo screenshot noise} ${TL_ARGS:-} > "$OUT/image_timeline.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_timeline.txt" | tail -150 ;;
     hf)
       stage "transformers baseline"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

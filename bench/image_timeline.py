@@ -99,6 +99,14 @@ def install_probes() -> None:
     probe(SSEWriter, "send", "sse_send", first_only=True)
 
 
+def set_png_workers(n: int | None) -> None:
+    """Threads engine.inputs.png unfilters with (None: its own choice from the core count)."""
+    from engine.inputs import png
+    if n is not None:
+        png._workers = lambda: n
+    png._pool.cache_clear()
+
+
 def gpu_spans() -> dict[str, tuple[float, float]]:
     """Each recorded span as (start, end) ms on the host clock of T0, assuming the GPU was idle at T0."""
     if not GPU or GPU[0][1] is None:
@@ -113,18 +121,18 @@ import asyncio, json, sys
 sys.path.insert(0, sys.argv[1])
 import aiohttp
 from serve import png_data_url, stream_request
-async def main(url, kinds, repeats):
+async def main(url, kinds, repeats, first_seed):
     async with aiohttp.ClientSession() as s:
         model = (await (await s.get(url + "/v1/models")).json())["data"][0]["id"]
         for kind in kinds:
             for seed in range(repeats + 1):
                 body = json.dumps({"model": model, "max_tokens": 1, "stream": True, "temperature": 0.0,
                     "messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": png_data_url(1024, 1000 + seed, kind)}},
+                        {"type": "image_url", "image_url": {"url": png_data_url(1024, first_seed + seed, kind)}},
                         {"type": "text", "text": "What is in this image?"}]}]}).encode()
                 r = await stream_request(s, url + "/v1/chat/completions", body)
                 print(json.dumps({"kind": kind, "seed": seed, "ttft_ms": r["ttft"] * 1e3}), flush=True)
-asyncio.run(main(sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])))
+asyncio.run(main(sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5])))
 """
 
 
@@ -150,25 +158,29 @@ async def run(args) -> None:
     runner = web.AppRunner(build_app(state, server_args), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    client = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENT, str(Path(__file__).parent), f"http://127.0.0.1:{port}", ",".join(args.kinds),
-        str(args.repeats), stdout=subprocess.PIPE)
     rows = defaultdict(list)
-    while line := await client.stdout.readline():
-        r = json.loads(line)
-        await asyncio.sleep(0.05)                    # the handler has finished its last stamps
-        if r["seed"] == 0:
-            continue                                  # warm-up (first of its kind: graph capture, caches)
-        stages = {name: t * 1e3 for name, t in STAMPS}
-        stages.update({f"gpu {name}:{edge}": t for name, span in gpu_spans().items()
-                       for edge, t in zip(("start", "end"), span)})
-        stages["client TTFT"] = r["ttft_ms"]
-        rows[r["kind"]].append(stages)
-    await client.wait()
+    for round_, workers in enumerate(args.png_workers):
+        set_png_workers(workers)
+        # fresh images each round: a decoded-upload cache hit would skip the decoder
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CLIENT, str(Path(__file__).parent), f"http://127.0.0.1:{port}",
+            ",".join(args.kinds), str(args.repeats), str(1000 + 100 * round_), stdout=subprocess.PIPE)
+        while line := await client.stdout.readline():
+            r = json.loads(line)
+            await asyncio.sleep(0.05)                    # the handler has finished its last stamps
+            if r["seed"] == 0:
+                continue                                  # warm-up (first of its kind: graph capture, caches)
+            stages = {name: t * 1e3 for name, t in STAMPS}
+            stages.update({f"gpu {name}:{edge}": t for name, span in gpu_spans().items()
+                           for edge, t in zip(("start", "end"), span)})
+            stages["client TTFT"] = r["ttft_ms"]
+            rows[(r["kind"], workers)].append(stages)
+        await client.wait()
     await runner.cleanup()
     engine.shutdown()
-    for kind, reqs in rows.items():
-        print(f"\n== {kind}: {len(reqs)} requests, median ms since the handler started")
+    for (kind, workers), reqs in rows.items():
+        print(f"\n== {kind}, PNG unfilter threads {workers}: {len(reqs)} requests, median ms since the handler "
+              f"started")
         names = sorted({n for r in reqs for n in r}, key=lambda n: float(np.median([r[n] for r in reqs if n in r])))
         for n in names:
             print(f"  {np.median([r[n] for r in reqs if n in r]):8.2f}  {n}")
@@ -179,6 +191,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--kinds", nargs="+", default=["photo", "screenshot"])
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--png-workers", type=int, nargs="+", default=[None],
+                    help="rounds with this many PNG unfilter threads each (default: one round, the engine's choice)")
     args, args.engine_args = ap.parse_known_args()     # the rest are engine flags, e.g. --load-format dummy
     asyncio.run(run(args))
 

@@ -216,7 +216,8 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        pixels = torch.cat([i.to_pixels(raw) for i, raw in zip(images, self._upload([i.raw for i in images]))])
+        parts = [i.to_pixels(raw) for i, raw in zip(images, self._upload([i.raw for i in images]))]
+        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)   # one image: no copy
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.int64)
         encode = self.model.encode_images if self.vision_graphs is None else self.vision_graphs.encode
         embeds, deepstack = encode(pixels, grid)

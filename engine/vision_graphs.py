@@ -37,6 +37,7 @@ class _Graph:
     cu_seqlens: torch.Tensor
     embeds: torch.Tensor          # static outputs
     deepstack: torch.Tensor
+    last: tuple = ()              # the (pos, cos, sin, cu_seqlens) tensors its static inputs were copied from
 
 
 class VisionGraphs:
@@ -63,10 +64,15 @@ class VisionGraphs:
         if g is None:
             return self.visual.forward_prepared(pixel_values, pos, cos, sin, cu_seqlens, max_seqlen)
         g.pixels[:n].copy_(pixel_values)
-        g.pos[:n].copy_(pos)
-        g.cos[:n].copy_(cos)
-        g.sin[:n].copy_(sin)
-        g.cu_seqlens[:segments + 1].copy_(cu_seqlens)   # the last entry, the bucket, closes the padding segment
+        grid_inputs = (pos, cos, sin, cu_seqlens)
+        # The grid's tensors are cached by the model (same objects for the same image size): when this graph
+        # last ran on these very tensors, its static copies still hold them (4 launches fewer per image).
+        if len(g.last) != 4 or any(a is not b for a, b in zip(g.last, grid_inputs)):
+            g.pos[:n].copy_(pos)
+            g.cos[:n].copy_(cos)
+            g.sin[:n].copy_(sin)
+            g.cu_seqlens[:segments + 1].copy_(cu_seqlens)   # the last entry, the bucket, closes the padding segment
+            g.last = grid_inputs
         g.graph.replay()
         rows = n // self.merge
         # Copies: the next replay overwrites the static outputs, and the encoder cache keeps these.

@@ -2,9 +2,11 @@
 layout, and refuses corrupt, truncated or over-long image data as clearly as libspng did."""
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -67,6 +69,19 @@ def test_the_fast_inflate_runs_and_libspng_only_unfilters(monkeypatch):
     assert handed[idat[0][0] + 2] & 0b110 == 0      # first deflate block is stored (BTYPE 00)
 
 
+def test_with_one_thread_highly_compressed_image_data_goes_to_libspng_whole(monkeypatch):
+    # a screenshot-like image (long runs): zlib inflates it fast, the re-wrap would only add copies
+    monkeypatch.setattr(png, "_workers", lambda: 1)
+    seen = []
+    real = png.pyspng.load
+    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
+    rows = np.zeros((64, 1 + 3 * 64), np.uint8)
+    rows[:, 1::7] = 255
+    data = handmade_png(64, 64, scanlines=rows.tobytes())
+    np.testing.assert_array_equal(decode_image(data), pillow(data))
+    assert seen == [data]
+
+
 def test_interlaced_pngs_go_to_libspng_whole():
     # Adam7 rows differ in size from pass to pass; a 1x1 image has one pass of one pixel (Pillow cannot write
     # interlaced PNGs, so it is made by hand)
@@ -74,18 +89,35 @@ def test_interlaced_pngs_go_to_libspng_whole():
     np.testing.assert_array_equal(decode_image(data), pillow(data))
 
 
-def test_a_bad_idat_checksum_is_an_image_error():
+def test_a_bad_adler32_is_an_image_error():
     data = bytearray(handmade_png(16, 16))
     _, start, length = next(c for c in png.chunks(bytes(data)) if c[0] == b"IDAT")
-    data[start + length] ^= 0xFF                     # the CRC's first byte
+    data[start + length - 1] ^= 0xFF                 # the zlib stream's last byte: its Adler-32
     with pytest.raises(ImageError, match="checksum"):
         decode_image(bytes(data))
 
 
+def test_the_png_handed_to_libspng_carries_valid_checksums(monkeypatch):
+    # libspng (as pyspng sets it up) ignores them today; the stored PNG must not depend on that
+    seen = []
+    real = png.pyspng.load
+    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
+    decode_image(handmade_png(40, 30))
+    handed = seen[0]
+    _, start, length = next(c for c in png.chunks(handed) if c[0] == b"IDAT")
+    stream = handed[start:start + length]
+    assert struct.unpack(">I", handed[start + length:start + length + 4])[0] == zlib.crc32(b"IDAT" + stream)
+    assert zlib.decompress(stream) == zlib.decompress(b"".join(
+        handmade_png(40, 30)[s:s + n] for kind, s, n in png.chunks(handmade_png(40, 30)) if kind == b"IDAT"))
+
+
 @pytest.mark.parametrize("rows, message", [(10, "inflates to"), (40, r"inflates to \d+\+ bytes")])
 def test_image_data_of_the_wrong_size_is_an_image_error(rows, message):
-    # IHDR says 20 rows; the stream holds 10 (truncated) or 40 (more than the image: inflating stops early)
-    scan = np.zeros((rows, 1 + 3 * 8), np.uint8).tobytes()
+    # IHDR says 20 rows; the stream holds 10 (truncated) or 40 (more than the image: inflating stops early).
+    # Random bytes (filter type 0): incompressible, so the fast path takes them.
+    scan = np.random.default_rng(rows).integers(0, 256, (rows, 1 + 3 * 8), dtype=np.uint8)
+    scan[:, 0] = 0
+    scan = scan.tobytes()
     good = handmade_png(8, 20, scanlines=scan)
     with pytest.raises(ImageError, match=message):
         decode_image(good)
@@ -99,3 +131,30 @@ def test_a_corrupt_deflate_stream_is_an_image_error():
     bad = data[:start - 8] + chunk(b"IDAT", bytes(body)) + data[start + length + 4:]
     with pytest.raises(ImageError, match="could not decode image"):
         decode_image(bad)
+
+
+# ---- row ranges unfiltered in parallel ------------------------------------------------------------------------
+@pytest.fixture
+def four_threads(monkeypatch):
+    monkeypatch.setattr(png, "_workers", lambda: 4)
+    monkeypatch.setattr(png, "_pool", functools.cache(lambda: ThreadPoolExecutor(4)))
+
+
+@pytest.mark.parametrize("height, seed", [(64, 0), (300, 1), (1024, 2)])
+def test_row_ranges_unfiltered_in_parallel_give_pillows_pixels(four_threads, height, seed):
+    data = handmade_png(97, height, seed=seed, idat_pieces=3)
+    np.testing.assert_array_equal(decode_image(data), pillow(data))
+
+
+def test_ranges_start_only_at_rows_that_do_not_read_the_row_above():
+    filters = np.random.default_rng(3).integers(0, 5, 1000).astype(np.uint8)
+    runs = png._independent_runs(filters, 8)
+    assert runs[0][0] == 0 and runs[-1][1] == 1000
+    assert all(b == c for (_, b), (c, _) in zip(runs, runs[1:]))        # contiguous, in order
+    assert all(filters[a] <= 1 for a, _ in runs[1:])                    # None or Sub: independent of the row above
+    assert 4 <= len(runs) <= 8
+
+
+def test_an_image_without_independent_rows_is_one_range():
+    assert png._independent_runs(np.full(500, 4, np.uint8), 8) == [(0, 500)]    # all Paeth
+    assert png._independent_runs(np.zeros(100, np.uint8), 8) == [(0, 100)]      # too few rows to split

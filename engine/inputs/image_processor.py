@@ -8,6 +8,7 @@ Each arithmetic step happens in the dtype the reference uses, so pixel_values ma
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,7 @@ class ImageProcessor:
         """uint8 [H, W, 3] -> rescaled, normalized, patch rows; runs on the tensor's device (CPU or GPU)."""
         # The reference rescales in float64 and rounds to float32 once, then normalizes in float32.
         x = (raw.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
-        mean = torch.tensor(self.image_mean, dtype=torch.float32, device=raw.device).view(-1, 1, 1)
-        std = torch.tensor(self.image_std, dtype=torch.float32, device=raw.device).view(-1, 1, 1)
+        mean, std = _channel_constants(self.image_mean, self.image_std, raw.device)
         return self._patchify((x - mean) / std)
 
     def _patchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,3 +146,10 @@ class ImageProcessor:
         x = x.permute(1, 4, 2, 5, 0, 3, 6)              # (block row, block col, inner row, inner col, C, P, P)
         x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # a still image repeated over the temporal patch
         return x.reshape(gh * gw, c * t * p * p).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _channel_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device):
+    """mean and std as float32 [C, 1, 1] on `device`, made once (each is a host-to-device copy on a GPU)."""
+    return (torch.tensor(mean, dtype=torch.float32, device=device).view(-1, 1, 1),
+            torch.tensor(std, dtype=torch.float32, device=device).view(-1, 1, 1))

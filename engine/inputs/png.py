@@ -1,26 +1,33 @@
-"""Fast decoding of plain 8-bit RGB PNGs: ISA-L inflates, libspng unfilters.
+"""Fast decoding of plain 8-bit RGB PNGs: ISA-L inflates, libspng unfilters, row ranges in parallel.
 
 A 1024x1024 photo as PNG is ~1.7 MB of deflate that inflates to 3 MB of filtered scanlines. libspng spends
-nearly all of its decode time in zlib's inflate (12.5 of 12.9 ms here, 21 ms on the H200's host); undoing the
-scanline filters is the cheap part (<1 ms, SIMD). ISA-L's inflate (python-isal) does the same work 3x faster.
-libspng offers no way to hand it inflated data, so the scanlines go back in as *stored* deflate blocks (a copy
-plus block headers): its inflate then only copies, and its filter code, checks and output stay the ones every
-other PNG goes through.
+most of its decode time in zlib's inflate (~10 of 12.9 ms here, ~20 ms on the H200's host); ISA-L's inflate
+(python-isal) does the same work 3x faster. libspng offers no way to hand it inflated data, so the scanlines
+go back in as *stored* deflate blocks (a copy plus block headers): its inflate then only copies, and its
+filter code and output stay the ones every other PNG goes through.
 
-Every check libspng makes still happens: each IDAT chunk's CRC (checked here against the original bytes),
-the zlib stream's Adler-32 (by ISA-L), and the inflated size, which must be exactly what IHDR implies: inflating
-stops one byte past it, so a stream that claims more (a decompression bomb) costs no more than the image.
+Undoing the filters is serial from row to row, except that a row filtered with None or Sub does not read the
+row above: the image is cut at such rows into ranges that threads unfilter at once, each range a small PNG of
+its own (screenshots: most of libspng's time; photos: the part after inflating).
+
+Checks: the zlib stream's Adler-32 (by ISA-L) and the inflated size, which must be exactly what IHDR implies;
+inflating stops one byte past it, so a stream that claims more (a decompression bomb) costs no more than the
+image. Chunk CRCs are not checked, as neither pyspng nor Pillow checks them for image data; a CRC call per
+IDAT chunk would also re-take the GIL ~25 times, up to 5 ms each while another server thread holds it.
 """
 from __future__ import annotations
 
+import functools
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 try:
-    from isal import isal_zlib
+    from isal import igzip_lib, isal_zlib
 except ImportError:  # pragma: no cover - declared dependency; without it libspng does all the work
-    isal_zlib = None
+    igzip_lib = isal_zlib = None
 try:
     import pyspng
 except ImportError:  # pragma: no cover
@@ -28,6 +35,12 @@ except ImportError:  # pragma: no cover
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STORED_BLOCK = 65535              # the largest stored deflate block
+MAX_WORKERS = 8                   # threads that unfilter row ranges of one image at once
+MIN_WORKERS_FOR_RUNS = 4          # below this, one thread: on 2 cores, 2 runs were slower than 1 (GIL-held copies)
+MIN_ROWS_PER_RUN = 64             # smaller ranges cost more in per-call overhead than they save
+# With one thread, image data compressed past 8:1 (screenshots: long matches) is as fast through libspng's own
+# zlib, and the re-wrap would add its copies (1024x1024 screenshot, 34:1: 2.4 ms alone, 2.8 ms re-wrapped).
+MIN_RATIO_ALONE = 8
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", 0xAE426082)
 
 
@@ -49,48 +62,84 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]]) -> np.ndarray:
     caller has checked the header (depth, colour type) and the pixel count. Raises ValueError if the data is
     corrupt or truncated."""
     width, height = struct.unpack_from(">II", data, 16)
-    interlaced = data[28] != 0
-    if isal_zlib is None or interlaced:         # Adam7 scanline sizes vary by pass: libspng's own path
+    if isal_zlib is None or data[28] != 0:      # Adam7: scanline sizes vary by pass, libspng's own path
         return pyspng.load(data, format="RGB")
+    stride = 1 + 3 * width                       # a filter-type byte, then the row's RGB bytes
+    workers = _workers()
+    if workers < MIN_WORKERS_FOR_RUNS and _compressed_size(parts) * MIN_RATIO_ALONE < height * stride:
+        return pyspng.load(data, format="RGB")   # zlib is fast here too; the re-wrap would only add copies
+    scanlines = _inflate(data, parts, height * stride, width, height)
+    runs = _independent_runs(np.frombuffer(scanlines, np.uint8)[::stride], workers)
+    if len(runs) == 1:
+        return pyspng.load(_stored_png(width, height, scanlines), format="RGB")
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    view = memoryview(scanlines)
+
+    def unfilter(run: tuple[int, int]) -> None:
+        a, b = run
+        out[a:b] = pyspng.load(_stored_png(width, b - a, view[a * stride:b * stride]), format="RGB")
+    list(_pool().map(unfilter, runs))
+    return out
+
+
+def _inflate(data: bytes, parts, expected: int, width: int, height: int) -> bytes:
     view = memoryview(data)
-    idat = []
-    for kind, start, length in parts:
-        if kind != b"IDAT":
-            continue
-        if start + length + 4 > len(data):
-            raise ValueError("PNG image data is truncated")
-        (crc,) = struct.unpack_from(">I", data, start + length)
-        if isal_zlib.crc32(view[start:start + length], isal_zlib.crc32(b"IDAT")) != crc:
-            raise ValueError("PNG image data is corrupt (IDAT checksum mismatch)")
-        idat.append(view[start:start + length])
-    expected = height * (1 + 3 * width)          # a filter-type byte, then the row's RGB bytes, per row
-    inflater = isal_zlib.decompressobj()
+    idat = b"".join(view[start:start + length] for kind, start, length in parts if kind == b"IDAT")
+    # IgzipDecompressor allocates max_length at once and releases the GIL once: zlib-style decompressobj grows
+    # its buffer step by step, re-taking the GIL each time, which behind a busy thread cost 45 ms instead of 4.
+    inflater = igzip_lib.IgzipDecompressor(flag=igzip_lib.DECOMP_ZLIB, hist_bits=15)
     try:
-        scanlines = inflater.decompress(b"".join(idat), expected + 1)
-    except isal_zlib.error as e:
+        scanlines = inflater.decompress(idat, expected + 1)
+    except igzip_lib.IsalError as e:
         raise ValueError(f"PNG image data is corrupt ({e})") from e
     if len(scanlines) != expected or not inflater.eof:
         raise ValueError(f"PNG image data inflates to {len(scanlines)}{'+' if len(scanlines) > expected else ''} "
                          f"bytes{'' if inflater.eof else ' (stream not ended)'}; a {width}x{height} RGB image "
                          f"needs {expected}")
-    return pyspng.load(_stored_png(data[:33], scanlines), format="RGB")
+    return scanlines
 
 
-def _stored_png(header: bytes, scanlines: bytes) -> bytes:
-    """A PNG of the same IHDR whose one IDAT holds `scanlines` as a zlib stream of stored blocks."""
+def _independent_runs(filters: np.ndarray, pieces: int) -> list[tuple[int, int]]:
+    """Up to `pieces` row ranges [a, b) of about equal size that unfilter independently. A row filtered with
+    None (0) or Sub (1) does not read the row above it, so a range may start there; Up, Average and Paeth rows
+    need the unfiltered row above and stay with it."""
+    height = len(filters)
+    pieces = min(pieces, height // MIN_ROWS_PER_RUN)
+    if pieces <= 1:
+        return [(0, height)]
+    starts = np.flatnonzero(filters <= 1)
+    wanted = np.searchsorted(starts, np.arange(1, pieces) * height // pieces)   # first start at/after each cut
+    cuts = sorted({0, *(int(starts[i]) for i in wanted if i < len(starts))} - {height})
+    return list(zip(cuts, cuts[1:] + [height]))
+
+
+def _stored_png(width: int, height: int, scanlines) -> bytes:
+    """An 8-bit RGB PNG of width x height whose one IDAT holds `scanlines` as a zlib stream of stored blocks.
+    One checksum call each over whole buffers: a call per block would re-take the GIL ~50 times, and a busy
+    server thread holds it for up to 5 ms each time."""
     view = memoryview(scanlines)
-    n = len(scanlines)
-    body = [b"\x78\x01"]                          # zlib header: deflate, 32K window, no dictionary
-    for at in range(0, n, STORED_BLOCK):
+    n = len(view)
+    parts = [b"\x78\x01"]                         # zlib header: deflate, 32K window, no dictionary
+    for at in range(0, max(n, 1), STORED_BLOCK):
         size = min(STORED_BLOCK, n - at)
-        final = at + size >= n
-        body.append(struct.pack("<BHH", final, size, size ^ 0xFFFF))
-        body.append(view[at:at + size])
-    if n == 0:
-        body.append(struct.pack("<BHH", 1, 0, 0xFFFF))
-    body.append(struct.pack(">I", isal_zlib.adler32(scanlines)))
-    crc = isal_zlib.crc32(b"IDAT")
-    for part in body:
-        crc = isal_zlib.crc32(part, crc)
-    length = sum(len(p) for p in body)
-    return b"".join([header, struct.pack(">I", length), b"IDAT", *body, struct.pack(">I", crc), _IEND])
+        parts += [struct.pack("<BHH", at + size >= n, size, size ^ 0xFFFF), view[at:at + size]]  # BFINAL, BTYPE 00
+    parts.append(struct.pack(">I", isal_zlib.adler32(view)))
+    stream = b"".join(parts)
+    crc = isal_zlib.crc32(stream, isal_zlib.crc32(b"IDAT"))
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"".join([SIGNATURE, struct.pack(">I", 13), ihdr, struct.pack(">I", isal_zlib.crc32(ihdr)),
+                     struct.pack(">I", len(stream)), b"IDAT", stream, struct.pack(">I", crc), _IEND])
+
+
+def _compressed_size(parts) -> int:
+    return sum(length for kind, _, length in parts if kind == b"IDAT")
+
+
+def _workers() -> int:
+    n = min(MAX_WORKERS, os.cpu_count() or 1)
+    return n if n >= MIN_WORKERS_FOR_RUNS else 1
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_workers(), thread_name_prefix="png-unfilter")

@@ -150,11 +150,15 @@ class Qwen3VLVisionModel(nn.Module):
         is device work only, so a CUDA graph can hold it."""
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         self._check_inputs(pixel_values, grids)
-        pos, cos, sin = (torch.cat(parts) for parts in zip(*(self._grid_tensors(g) for g in grids)))
         # One attention segment per frame (h * w patches), as transformers' get_vision_cu_seqlens does.
+        max_seqlen = max(h * w for _, h, w in grids)
+        if len(grids) == 1:     # the grid's cached tensors themselves: no copies, no host-to-device transfer
+            return (*self._grid_tensors(grids[0]), max_seqlen)
+        per_grid = [self._grid_tensors(g)[:3] for g in grids]
+        pos, cos, sin = (torch.cat(parts) for parts in zip(*per_grid))
         seqlens = [h * w for t, h, w in grids for _ in range(t)]
         cu_seqlens = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32)
-        return pos, cos, sin, cu_seqlens.to(self.pos_embed.weight.device, non_blocking=True), max(seqlens)
+        return pos, cos, sin, cu_seqlens.to(self.pos_embed.weight.device, non_blocking=True), max_seqlen
 
     def forward_prepared(self, pixel_values, pos, cos, sin, cu_seqlens, max_seqlen: int):
         weight = self.pos_embed.weight
@@ -182,15 +186,18 @@ class Qwen3VLVisionModel(nn.Module):
             raise ValueError(f"grid_thw covers {total} patches but pixel_values has {pixel_values.shape[0]} rows")
 
     # ---- per-grid constants (cached) -----------------------------------------------------------------------
-    def _grid_tensors(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(position rows [t*h*w, hidden] in the model dtype, rotary cos and sin [t*h*w, head_dim/2] fp32),
-        all in merge-block order and repeated for each of the t frames."""
+    def _grid_tensors(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """(position rows [t*h*w, hidden] in the model dtype, rotary cos and sin [t*h*w, head_dim/2] fp32,
+        all in merge-block order and repeated for each of the t frames; the frames' segment bounds
+        cu_seqlens [t + 1] int32). Callers must not modify them: they are shared."""
         hit = self._grid_cache.get(grid)
         if hit is None:
             t, h, w = grid
             rows, cols = self._merge_order_coords(h, w)
             cos, sin = self._rotary(rows, cols)
-            hit = (self._interpolated_positions(rows, cols, h, w).repeat(t, 1), cos.repeat(t, 1), sin.repeat(t, 1))
+            cu_seqlens = torch.arange(0, (t + 1) * h * w, h * w, dtype=torch.int32, device=rows.device)
+            hit = (self._interpolated_positions(rows, cols, h, w).repeat(t, 1), cos.repeat(t, 1), sin.repeat(t, 1),
+                   cu_seqlens)
             if len(self._grid_cache) >= GRID_CACHE_SIZE:
                 self._grid_cache.pop(next(iter(self._grid_cache)))
             self._grid_cache[grid] = hit
