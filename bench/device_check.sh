@@ -108,7 +108,7 @@ for s in $STAGES; do
         --gpu-memory-utilization 0.85 --disable-log-requests > "$OUT/server.log" 2>&1 &
       spid=$!
       for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
-      timeout "${SERVE_T:-240}" python3 bench/serve.py --out "$OUT/serve.json" > "$OUT/serve.txt" 2>&1
+      timeout "${SERVE_T:-240}" python3 bench/serve.py --out "$OUT/serve.json" ${SERVE_ARGS:-} > "$OUT/serve.txt" 2>&1
       echo "rc=$?"; tail -9 "$OUT/serve.txt"; kill $spid; wait $spid 2>/dev/null ;;
   esac
 done

@@ -99,14 +99,6 @@ def install_probes() -> None:
     probe(SSEWriter, "send", "sse_send", first_only=True)
 
 
-def set_png_workers(n: int | None) -> None:
-    """Threads engine.inputs.png unfilters with (None: its own choice from the core count)."""
-    from engine.inputs import png
-    if n is not None:
-        png._workers = lambda: n
-    png._pool.cache_clear()
-
-
 def gpu_spans() -> dict[str, tuple[float, float]]:
     """Each recorded span as (start, end) ms on the host clock of T0, assuming the GPU was idle at T0."""
     if not GPU or GPU[0][1] is None:
@@ -159,8 +151,7 @@ async def run(args) -> None:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     rows = defaultdict(list)
-    for round_, workers in enumerate(args.png_workers):
-        set_png_workers(workers)
+    for round_ in range(args.rounds):
         # fresh images each round: a decoded-upload cache hit would skip the decoder
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-c", CLIENT, str(Path(__file__).parent), f"http://127.0.0.1:{port}",
@@ -174,13 +165,12 @@ async def run(args) -> None:
             stages.update({f"gpu {name}:{edge}": t for name, span in gpu_spans().items()
                            for edge, t in zip(("start", "end"), span)})
             stages["client TTFT"] = r["ttft_ms"]
-            rows[(r["kind"], workers)].append(stages)
+            rows[(r["kind"], round_)].append(stages)
         await client.wait()
     await runner.cleanup()
     engine.shutdown()
-    for (kind, workers), reqs in rows.items():
-        print(f"\n== {kind}, PNG unfilter threads {workers}: {len(reqs)} requests, median ms since the handler "
-              f"started")
+    for (kind, round_), reqs in rows.items():
+        print(f"\n== {kind}, round {round_ + 1}: {len(reqs)} requests, median ms since the handler started")
         names = sorted({n for r in reqs for n in r}, key=lambda n: float(np.median([r[n] for r in reqs if n in r])))
         for n in names:
             print(f"  {np.median([r[n] for r in reqs if n in r]):8.2f}  {n}")
@@ -191,8 +181,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--kinds", nargs="+", default=["photo", "screenshot"])
     ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--png-workers", type=int, nargs="+", default=[None],
-                    help="rounds with this many PNG unfilter threads each (default: one round, the engine's choice)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of fresh images (each kind per round)")
     args, args.engine_args = ap.parse_known_args()     # the rest are engine flags, e.g. --load-format dummy
     asyncio.run(run(args))
 

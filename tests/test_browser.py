@@ -145,7 +145,7 @@ def test_image_upload_and_answer(page, proxy, tmp_path):
     thumbs.nth(1).locator(".remove").click()
     expect(thumbs).to_have_count(1)
 
-    sent = extend_chat_requests(page, max_tokens=8)
+    sent = extend_chat_requests(page, max_tokens=8, ignore_eos=True)   # a random model may stop at once
     send(page, "What is in this image?")
     answer = last_answer(page)
     expect(answer).to_have_attribute("data-status", "done", timeout=90_000)

@@ -2,11 +2,9 @@
 layout, and refuses corrupt, truncated or over-long image data as clearly as libspng did."""
 from __future__ import annotations
 
-import functools
 import io
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -69,9 +67,8 @@ def test_the_fast_inflate_runs_and_libspng_only_unfilters(monkeypatch):
     assert handed[idat[0][0] + 2] & 0b110 == 0      # first deflate block is stored (BTYPE 00)
 
 
-def test_with_one_thread_highly_compressed_image_data_goes_to_libspng_whole(monkeypatch):
+def test_highly_compressed_image_data_goes_to_libspng_whole(monkeypatch):
     # a screenshot-like image (long runs): zlib inflates it fast, the re-wrap would only add copies
-    monkeypatch.setattr(png, "_workers", lambda: 1)
     seen = []
     real = png.pyspng.load
     monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
@@ -131,30 +128,3 @@ def test_a_corrupt_deflate_stream_is_an_image_error():
     bad = data[:start - 8] + chunk(b"IDAT", bytes(body)) + data[start + length + 4:]
     with pytest.raises(ImageError, match="could not decode image"):
         decode_image(bad)
-
-
-# ---- row ranges unfiltered in parallel ------------------------------------------------------------------------
-@pytest.fixture
-def four_threads(monkeypatch):
-    monkeypatch.setattr(png, "_workers", lambda: 4)
-    monkeypatch.setattr(png, "_pool", functools.cache(lambda: ThreadPoolExecutor(4)))
-
-
-@pytest.mark.parametrize("height, seed", [(64, 0), (300, 1), (1024, 2)])
-def test_row_ranges_unfiltered_in_parallel_give_pillows_pixels(four_threads, height, seed):
-    data = handmade_png(97, height, seed=seed, idat_pieces=3)
-    np.testing.assert_array_equal(decode_image(data), pillow(data))
-
-
-def test_ranges_start_only_at_rows_that_do_not_read_the_row_above():
-    filters = np.random.default_rng(3).integers(0, 5, 1000).astype(np.uint8)
-    runs = png._independent_runs(filters, 8)
-    assert runs[0][0] == 0 and runs[-1][1] == 1000
-    assert all(b == c for (_, b), (c, _) in zip(runs, runs[1:]))        # contiguous, in order
-    assert all(filters[a] <= 1 for a, _ in runs[1:])                    # None or Sub: independent of the row above
-    assert 4 <= len(runs) <= 8
-
-
-def test_an_image_without_independent_rows_is_one_range():
-    assert png._independent_runs(np.full(500, 4, np.uint8), 8) == [(0, 500)]    # all Paeth
-    assert png._independent_runs(np.zeros(100, np.uint8), 8) == [(0, 100)]      # too few rows to split

@@ -1,4 +1,4 @@
-"""Fast decoding of plain 8-bit RGB PNGs: ISA-L inflates, libspng unfilters, row ranges in parallel.
+"""Fast decoding of plain 8-bit RGB PNGs: ISA-L inflates, libspng unfilters.
 
 A 1024x1024 photo as PNG is ~1.7 MB of deflate that inflates to 3 MB of filtered scanlines. libspng spends
 most of its decode time in zlib's inflate (~10 of 12.9 ms here, ~20 ms on the H200's host); ISA-L's inflate
@@ -6,9 +6,8 @@ most of its decode time in zlib's inflate (~10 of 12.9 ms here, ~20 ms on the H2
 go back in as *stored* deflate blocks (a copy plus block headers): its inflate then only copies, and its
 filter code and output stay the ones every other PNG goes through.
 
-Undoing the filters is serial from row to row, except that a row filtered with None or Sub does not read the
-row above: the image is cut at such rows into ranges that threads unfilter at once, each range a small PNG of
-its own (screenshots: most of libspng's time; photos: the part after inflating).
+Image data compressed past 8:1 (screenshots, diagrams: long matches) inflates fast in zlib too; it goes to
+libspng whole, as the re-wrap's copies would cost more than ISA-L saves.
 
 Checks: the zlib stream's Adler-32 (by ISA-L) and the inflated size, which must be exactly what IHDR implies;
 inflating stops one byte past it, so a stream that claims more (a decompression bomb) costs no more than the
@@ -17,10 +16,7 @@ IDAT chunk would also re-take the GIL ~25 times, up to 5 ms each while another s
 """
 from __future__ import annotations
 
-import functools
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -35,12 +31,8 @@ except ImportError:  # pragma: no cover
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STORED_BLOCK = 65535              # the largest stored deflate block
-MAX_WORKERS = 8                   # threads that unfilter row ranges of one image at once
-MIN_WORKERS_FOR_RUNS = 4          # below this, one thread: on 2 cores, 2 runs were slower than 1 (GIL-held copies)
-MIN_ROWS_PER_RUN = 64             # smaller ranges cost more in per-call overhead than they save
-# With one thread, image data compressed past 8:1 (screenshots: long matches) is as fast through libspng's own
-# zlib, and the re-wrap would add its copies (1024x1024 screenshot, 34:1: 2.4 ms alone, 2.8 ms re-wrapped).
-MIN_RATIO_ALONE = 8
+# 1024x1024 screenshot, 34:1: 2.4 ms by libspng alone, 2.8 ms re-wrapped; photo, 1.9:1: 12.9 against 5.5 ms.
+MIN_RATIO_FOR_REWRAP = 8          # inflated / compressed size below which ISA-L + re-wrap wins
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", 0xAE426082)
 
 
@@ -64,22 +56,11 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]]) -> np.ndarray:
     width, height = struct.unpack_from(">II", data, 16)
     if isal_zlib is None or data[28] != 0:      # Adam7: scanline sizes vary by pass, libspng's own path
         return pyspng.load(data, format="RGB")
-    stride = 1 + 3 * width                       # a filter-type byte, then the row's RGB bytes
-    workers = _workers()
-    if workers < MIN_WORKERS_FOR_RUNS and _compressed_size(parts) * MIN_RATIO_ALONE < height * stride:
-        return pyspng.load(data, format="RGB")   # zlib is fast here too; the re-wrap would only add copies
-    scanlines = _inflate(data, parts, height * stride, width, height)
-    runs = _independent_runs(np.frombuffer(scanlines, np.uint8)[::stride], workers)
-    if len(runs) == 1:
-        return pyspng.load(_stored_png(width, height, scanlines), format="RGB")
-    out = np.empty((height, width, 3), dtype=np.uint8)
-    view = memoryview(scanlines)
-
-    def unfilter(run: tuple[int, int]) -> None:
-        a, b = run
-        out[a:b] = pyspng.load(_stored_png(width, b - a, view[a * stride:b * stride]), format="RGB")
-    list(_pool().map(unfilter, runs))
-    return out
+    expected = height * (1 + 3 * width)          # a filter-type byte, then the row's RGB bytes, per row
+    if sum(length for kind, _, length in parts if kind == b"IDAT") * MIN_RATIO_FOR_REWRAP < expected:
+        return pyspng.load(data, format="RGB")
+    scanlines = _inflate(data, parts, expected, width, height)
+    return pyspng.load(_stored_png(width, height, scanlines), format="RGB")
 
 
 def _inflate(data: bytes, parts, expected: int, width: int, height: int) -> bytes:
@@ -99,20 +80,6 @@ def _inflate(data: bytes, parts, expected: int, width: int, height: int) -> byte
     return scanlines
 
 
-def _independent_runs(filters: np.ndarray, pieces: int) -> list[tuple[int, int]]:
-    """Up to `pieces` row ranges [a, b) of about equal size that unfilter independently. A row filtered with
-    None (0) or Sub (1) does not read the row above it, so a range may start there; Up, Average and Paeth rows
-    need the unfiltered row above and stay with it."""
-    height = len(filters)
-    pieces = min(pieces, height // MIN_ROWS_PER_RUN)
-    if pieces <= 1:
-        return [(0, height)]
-    starts = np.flatnonzero(filters <= 1)
-    wanted = np.searchsorted(starts, np.arange(1, pieces) * height // pieces)   # first start at/after each cut
-    cuts = sorted({0, *(int(starts[i]) for i in wanted if i < len(starts))} - {height})
-    return list(zip(cuts, cuts[1:] + [height]))
-
-
 def _stored_png(width: int, height: int, scanlines) -> bytes:
     """An 8-bit RGB PNG of width x height whose one IDAT holds `scanlines` as a zlib stream of stored blocks.
     One checksum call each over whole buffers: a call per block would re-take the GIL ~50 times, and a busy
@@ -129,17 +96,3 @@ def _stored_png(width: int, height: int, scanlines) -> bytes:
     ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"".join([SIGNATURE, struct.pack(">I", 13), ihdr, struct.pack(">I", isal_zlib.crc32(ihdr)),
                      struct.pack(">I", len(stream)), b"IDAT", stream, struct.pack(">I", crc), _IEND])
-
-
-def _compressed_size(parts) -> int:
-    return sum(length for kind, _, length in parts if kind == b"IDAT")
-
-
-def _workers() -> int:
-    n = min(MAX_WORKERS, os.cpu_count() or 1)
-    return n if n >= MIN_WORKERS_FOR_RUNS else 1
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_workers(), thread_name_prefix="png-unfilter")
