@@ -6,10 +6,12 @@ functions with the most samples, inclusive and self, per thread.
 from __future__ import annotations
 
 import argparse
+import signal
 from collections import Counter, defaultdict
 
 
 def main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)     # `| head` ends the output quietly
     ap = argparse.ArgumentParser()
     ap.add_argument("profile")
     ap.add_argument("--top", type=int, default=25)
@@ -32,7 +34,7 @@ def main() -> None:
     print(f"{total} samples: " + ", ".join(f"{t} {n}" for t, n in threads.most_common()))
     for thread, n in threads.most_common(3):
         print(f"\n== {thread} ({n} samples): inclusive")
-        for f, c in [fc for fc in inclusive[thread].most_common() if fc[1] < n][:args.top]:   # not the wrappers
+        for f, c in [fc for fc in inclusive[thread].most_common() if fc[1] < 0.98 * n][:args.top]:   # not the wrappers
             print(f"{c:6d} {100 * c / n:5.1f}%  {f[:140]}")
         print(f"== {thread}: self")
         for f, c in own[thread].most_common(args.top // 2):

@@ -128,7 +128,7 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
 
 def _plain_rgb_png(image: Image.Image, data: bytes) -> list[tuple[bytes, int, int]] | None:
     """The chunks of an 8-bit RGB PNG without transparency or EXIF, which engine.inputs.png decodes to the
-    same pixels as Pillow in a quarter of its time (1024x1024 photo: 4.5 ms against 16 ms here); None for
+    same pixels as Pillow in a third of its time (1024x1024 photo: ~5.5 ms against 16 ms here); None for
     everything else, which goes through Pillow."""
     if pyspng is None or image.format != "PNG" or data[24:26] != b"\x08\x02" or "transparency" in image.info:
         return None                                   # IHDR bytes 24-25: bit depth 8, colour type 2 (RGB)

@@ -1,10 +1,10 @@
 """Fast decoding of plain 8-bit RGB PNGs: ISA-L inflates, libspng unfilters.
 
 A 1024x1024 photo as PNG is ~1.7 MB of deflate that inflates to 3 MB of filtered scanlines. libspng spends
-most of its decode time in zlib's inflate (~10 of 12.9 ms here, ~20 ms on the H200's host); ISA-L's inflate
-(python-isal) does the same work 3x faster. libspng offers no way to hand it inflated data, so the scanlines
-go back in as *stored* deflate blocks (a copy plus block headers): its inflate then only copies, and its
-filter code and output stay the ones every other PNG goes through.
+nearly all of its decode time in zlib's inflate (~12 of 12.9 ms here; ~21 ms in all on the H200's host), and
+ISA-L's inflate (python-isal) does the same work 3x faster. libspng offers no way to hand it inflated data, so
+the scanlines go back in as *stored* deflate blocks (a copy plus block headers): its inflate then only copies,
+and its filter code and output stay the ones every other PNG goes through.
 
 Image data compressed past 8:1 (screenshots, diagrams: long matches) inflates fast in zlib too; it goes to
 libspng whole, as the re-wrap's copies would cost more than ISA-L saves.
