@@ -105,6 +105,8 @@ class ModelRunner:
     def prepare_inputs(self, so: SchedulerOutput, prev: InflightStep | None = None,
                        images: dict[str, EncoderOutput] | None = None) -> ModelInput:
         """The flat batch of step `so`; `images` are encode_images(so) when the caller ran it already."""
+        if images is None:
+            images = self.encode_images(so)
         # Decodes (one token) first: the attention op runs them through its decode kernel.
         reqs = sorted(so.scheduled, key=lambda r: so.num_scheduled_tokens[r.request_id] != 1)
         pending_flat, pending_rows = [], []      # batch rows whose input token is still on the device
@@ -169,8 +171,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(logits_rows, torch.int64, dev),
-            sample_requests=sample_reqs,
-            mm=self._multimodal_embeds(chunks, self.encode_images(so) if images is None else images))
+            sample_requests=sample_reqs, mm=self._multimodal_embeds(chunks, images))
 
     # ---- vision --------------------------------------------------------------------------------------------
     def encode_images(self, so: SchedulerOutput) -> dict[str, EncoderOutput]:
@@ -199,6 +200,8 @@ class ModelRunner:
     def _multimodal_embeds(self, chunks, encoded: dict[str, EncoderOutput]) -> MultimodalEmbeds | None:
         """Vision rows for every image placeholder inside this step's chunks (`encoded`: encode_images' result);
         a chunk that starts or ends inside an image takes its slice."""
+        if not encoded:          # no image in this step (every text step): skip the scan over its requests
+            return None
         wanted = [(image, flat, start, end) for req, flat, start, end in chunks for image in req.images
                   if image.offset < end and image.end > start]
         if not wanted:
