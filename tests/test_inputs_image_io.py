@@ -157,10 +157,10 @@ def noise_rgb(width: int, height: int, seed: int = 0) -> Image.Image:
 
 
 def test_plain_rgb_png_takes_the_fast_decoder_with_the_same_pixels(monkeypatch):
-    import engine.inputs.image_io as image_io
+    from engine.inputs import png
     calls = []
-    real = image_io.pyspng.load
-    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = png.pyspng.load
+    monkeypatch.setattr(png.pyspng, "load", lambda *a, **k: calls.append(1) or real(*a, **k))
     image = noise_rgb(67, 45)
     out = load_image(encode(image))
     assert calls == [1]
@@ -177,12 +177,12 @@ def test_decode_image_hands_over_the_fast_decoders_array_itself():
 
 
 def test_an_exif_chunk_after_the_image_data_is_still_seen(monkeypatch):
-    import engine.inputs.image_io as image_io
+    from engine.inputs import png
     data = encode(noise_rgb(20, 10))
     exif = ROTATE_90.tobytes()
     chunk = struct.pack(">I", len(exif)) + b"eXIf" + exif + struct.pack(">I", zlib.crc32(b"eXIf" + exif))
     late_exif = data[:-12] + chunk + data[-12:]   # just before IEND
-    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
+    monkeypatch.setattr(png.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
     assert load_image(late_exif).size == (10, 20)   # rotated by Pillow, as the EXIF orientation says
 
 
@@ -193,8 +193,8 @@ def test_an_exif_chunk_after_the_image_data_is_still_seen(monkeypatch):
     (noise_rgb(20, 10), {"exif": ROTATE_90}),                    # an eXIf chunk may rotate the image
 ])
 def test_other_pngs_go_through_pillow(image, save_args, monkeypatch):
-    import engine.inputs.image_io as image_io
-    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
+    from engine.inputs import png
+    monkeypatch.setattr(png.pyspng, "load", lambda *a, **k: pytest.fail("took the fast path"))
     assert load_image(encode(image, **save_args)).mode == "RGB"
 
 

@@ -24,10 +24,6 @@ try:   # SIMD base64: a 4 MB data URL decodes in 0.2 ms instead of 10
     import pybase64 as base64
 except ImportError:  # pragma: no cover
     import base64
-try:   # libspng: plain RGB PNGs decode in half Pillow's time
-    import pyspng
-except ImportError:  # pragma: no cover
-    pyspng = None
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
 from engine.inputs import png
@@ -130,7 +126,7 @@ def _plain_rgb_png(image: Image.Image, data: bytes) -> list[tuple[bytes, int, in
     """The chunks of an 8-bit RGB PNG without transparency or EXIF, which engine.inputs.png decodes to the
     same pixels as Pillow in a third of its time (1024x1024 photo: ~5.5 ms against 16 ms here); None for
     everything else, which goes through Pillow."""
-    if pyspng is None or image.format != "PNG" or data[24:26] != b"\x08\x02" or "transparency" in image.info:
+    if png.pyspng is None or image.format != "PNG" or data[24:26] != b"\x08\x02" or "transparency" in image.info:
         return None                                   # IHDR bytes 24-25: bit depth 8, colour type 2 (RGB)
     parts = png.chunks(data)
     return None if any(kind == b"eXIf" for kind, _, _ in parts) else parts

@@ -24,7 +24,7 @@ try:
     from isal import igzip_lib, isal_zlib
 except ImportError:  # pragma: no cover - declared dependency; without it libspng does all the work
     igzip_lib = isal_zlib = None
-try:
+try:   # libspng; without it every PNG goes through Pillow (engine.inputs.image_io)
     import pyspng
 except ImportError:  # pragma: no cover
     pyspng = None
