@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imagetl hf serve
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl hf serve
 #                                          imageab); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -61,6 +61,11 @@ for s in $STAGES; do
       timeout "${IMG_T:-200}" python3 bench/image_profile.py --model /tmp/q8 --load-format dummy \
         --out "$OUT/image_profile.txt" > "$OUT/image_profile_log.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_profile_log.txt" | cut -c1-150 | tail -90 ;;
+    imageparts)
+      stage "GPU parts of an image request (unfilter, vision attention, prefill attention tiles)"
+      timeout "${PARTS_T:-200}" python3 bench/image_gpu_parts.py --json "$OUT/image_gpu_parts.json" \
+        ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
     imagetl)
       stage "image request timeline inside the HTTP server"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

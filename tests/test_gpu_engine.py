@@ -96,14 +96,18 @@ def test_gpu_memory_does_not_grow_over_chat_rounds(qwen3_vl_dir):
     assert max(readings[3:]) <= readings[3], readings
 
 
-def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir):
-    """The vision encoder's CUDA graphs (padded to a bucket of patches, one graph per bucket and segment count)
-    give what the eager encoder gives, also when a replay's padding rows hold an earlier image's pixels."""
+def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir, monkeypatch):
+    """The vision encoder's CUDA graphs (padded to a bucket of patches, one graph per bucket, segment count and
+    padding) give what the eager encoder gives, also when a replay's padding rows hold an earlier image's
+    pixels, and for one image that fills its bucket (no padding segment)."""
+    from engine import vision_graphs
+    monkeypatch.setattr(vision_graphs, "BUCKET_PATCHES", 256)   # the tiny model takes at most 256 patches
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=False)
     graphs, visual = llm.engine.runner.vision_graphs, llm.engine.model.visual
     assert graphs is not None, "a multimodal model gets vision graphs with CUDA graphs on"
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    for sizes in ([(64, 64)], [(96, 160), (128, 64)], [(64, 96)]):   # the third replays the first's graph
+    # The third replays the first's graph; 256 x 256 pixels are 256 patches, a bucket without padding rows.
+    for sizes in ([(64, 64)], [(96, 160), (128, 64)], [(64, 96)], [(256, 256)]):
         images = [noise_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
         items = llm.engine.input_processor.process(
             {"prompt": placeholder * len(images), "multi_modal_data": {"image": images}}).images
@@ -115,4 +119,4 @@ def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir):
         for got, ref in zip(graph, eager):
             assert got.shape == ref.shape
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    assert sorted(graphs.graphs) == [(512, 1), (512, 2)]
+    assert sorted(graphs.graphs) == [(256, 1, False), (256, 1, True), (256, 2, True)]

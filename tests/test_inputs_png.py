@@ -47,6 +47,14 @@ def test_every_filter_type_decodes_to_pillows_pixels(width, height, pieces):
     np.testing.assert_array_equal(out, pillow(data))
 
 
+@pytest.mark.parametrize("band_rows", [1, 16, 64])
+def test_bands_seeded_by_the_row_above_decode_every_filter_across_their_edges(monkeypatch, band_rows):
+    # 70 rows of random filters in bands of 1, 16, 64 rows: every band's first row reads the previous band's last
+    monkeypatch.setattr(png, "BAND_ROWS", band_rows)
+    data = handmade_png(33, 70, seed=band_rows, idat_pieces=4)
+    np.testing.assert_array_equal(decode_image(data), pillow(data))
+
+
 def test_images_larger_than_one_stored_block_round_trip():
     # 3 MB of scanlines: 49 stored blocks of at most 65535 bytes when handed to libspng
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (1024, 1024, 3), dtype=np.uint8))
@@ -108,10 +116,13 @@ def test_the_png_handed_to_libspng_carries_valid_checksums(monkeypatch):
         handmade_png(40, 30)[s:s + n] for kind, s, n in png.chunks(handmade_png(40, 30)) if kind == b"IDAT"))
 
 
+@pytest.mark.parametrize("band_rows", [128, 4])
 @pytest.mark.parametrize("rows, message", [(10, "inflates to"), (40, r"inflates to \d+\+ bytes")])
-def test_image_data_of_the_wrong_size_is_an_image_error(rows, message):
-    # IHDR says 20 rows; the stream holds 10 (truncated) or 40 (more than the image: inflating stops early).
-    # Random bytes (filter type 0): incompressible, so the fast path takes them.
+def test_image_data_of_the_wrong_size_is_an_image_error(monkeypatch, rows, message, band_rows):
+    # IHDR says 20 rows; the stream holds 10 (truncated) or 40 (more than the image: inflating stops early),
+    # decoded in one band or in bands of 4 rows. Random bytes (filter type 0): incompressible, so the fast path
+    # takes them.
+    monkeypatch.setattr(png, "BAND_ROWS", band_rows)
     scan = np.random.default_rng(rows).integers(0, 256, (rows, 1 + 3 * 8), dtype=np.uint8)
     scan[:, 0] = 0
     scan = scan.tobytes()

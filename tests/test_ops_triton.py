@@ -332,6 +332,36 @@ def test_varlen_attention(device, dtype, h, d, gen):
     assert_close(out, varlen_attention_ref(q, k, v, cu, max(lens), scale), ATTN_TOL[dtype], "varlen attention")
 
 
+@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16, F16]))
+@pytest.mark.parametrize("n", [1, 300, 4096])
+def test_varlen_attention_one_segment(device, dtype, n, gen):
+    """One segment over all rows (one image; cuDNN's kernel on Hopper in bf16/fp16) at the vision's 16 x 72."""
+    from engine.ops.triton.varlen_attention import varlen_attention
+    if device == "cpu" and n > 300:
+        pytest.skip("too slow in the interpreter")
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    q, k, v = randn(gen, n, 3, 16, 72, dtype=dtype, device=device).unbind(1)
+    out = varlen_attention(q, k, v, cu, n, 72 ** -0.5)
+    assert out.shape == q.shape
+    assert_close(out, varlen_attention_ref(q, k, v, cu, n, 72 ** -0.5), ATTN_TOL[dtype], "one-segment attention")
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
+def test_varlen_attention_one_segment_in_a_cuda_graph(device, dtype, gen):
+    """The vision graphs capture it: a replay on new q/k/v gives what an eager call gives."""
+    from engine.ops.triton.varlen_attention import varlen_attention
+    n = 4096
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    qkv = randn(gen, n, 3, 16, 72, dtype=dtype, device=device)
+    varlen_attention(*qkv.unbind(1), cu, n, 0.1)          # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = varlen_attention(*qkv.unbind(1), cu, n, 0.1)
+    qkv.copy_(randn(gen, n, 3, 16, 72, dtype=dtype, device=device))
+    graph.replay()
+    torch.testing.assert_close(out, varlen_attention(*qkv.unbind(1), cu, n, 0.1), atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
 def test_paged_attention_qwen_shapes(device, dtype, gen):

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,24 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
-def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
+@dataclass(frozen=True)
+class DataURL:
+    """A data URL whose base64 characters stay where the request body has them: the server lifts large image
+    data URLs out of the body before parsing the JSON (engine/server/data_urls.py), so no multi-megabyte str
+    is scanned, built and scanned again on its way to the base64 decoder."""
+    header: str              # everything before the comma: "data:image/png;base64"
+    payload: memoryview      # the base64 characters
+
+
+def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
     """The bytes of a `data:image/<format>;base64,<data>` URL."""
-    comma = url.find(",", 0, 256)     # the header is short; the payload may be megabytes: slice it once
-    header, payload = (url[:comma], url[comma + 1:]) if comma >= 0 else (url, "")
-    if not url.startswith("data:") or comma < 0:
-        raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
+    if isinstance(url, DataURL):
+        header, payload = url.header, url.payload
+    else:
+        comma = url.find(",", 0, 256)     # the header is short; the payload may be megabytes: slice it once
+        if not url.startswith("data:") or comma < 0:
+            raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
+        header, payload = url[:comma], url[comma + 1:]
     media_type, *params = header[len("data:"):].split(";")
     if not media_type.lower().startswith("image/"):
         raise InvalidInputError(f"data URL has media type {media_type or '(none)'!r}; expected image/png, "
@@ -54,7 +67,8 @@ def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: s
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        stripped = "".join(payload.split())   # some clients wrap base64 at 76 columns: strip only when needed
+        # Some clients wrap base64 at 76 columns: strip only when needed.
+        stripped = "".join(payload.split()) if isinstance(payload, str) else b"".join(bytes(payload).split())
         if len(stripped) != len(payload):
             try:
                 return base64.b64decode(stripped, validate=True)
@@ -63,12 +77,12 @@ def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: s
         raise ImageError(f"image data URL is not valid base64: {e}", param=param) from e
 
 
-def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
+def fetch_image_bytes(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
                       allowed_local_media_path: str | Path | None = None, timeout: float = DEFAULT_FETCH_TIMEOUT_S,
                       param: str | None = None) -> bytes:
     """The bytes behind an image URL: data: always; http(s) only with allow_remote; file:// only inside
     allowed_local_media_path."""
-    if url[:5].lower() == "data:":   # before urlsplit, which scans (and caches) the whole multi-MB string
+    if isinstance(url, DataURL) or url[:5].lower() == "data:":   # before urlsplit, which scans (and caches) the whole multi-MB string
         return decode_data_url(url, max_bytes, param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):

@@ -6,6 +6,9 @@ ISA-L's inflate (python-isal) does the same work 3x faster. libspng offers no wa
 the scanlines go back in as *stored* deflate blocks (a copy plus block headers): its inflate then only copies,
 and its filter code and output stay the ones every other PNG goes through.
 
+The inflate goes band by band (BAND_ROWS rows), and a worker thread unfilters each band while the next one
+inflates (both release the GIL): 1024x1024 photo 6.3 -> 4.8 ms here.
+
 Image data compressed past 8:1 (screenshots, diagrams: long matches) inflates fast in zlib too; it goes to
 libspng whole, as the re-wrap's copies would cost more than ISA-L saves.
 
@@ -17,6 +20,7 @@ IDAT chunk would also re-take the GIL ~25 times, up to 5 ms each while another s
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -33,6 +37,9 @@ SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STORED_BLOCK = 65535              # the largest stored deflate block
 # 1024x1024 screenshot, 34:1: 2.4 ms by libspng alone, 2.8 ms re-wrapped; photo, 1.9:1: 12.9 against 5.5 ms.
 MIN_RATIO_FOR_REWRAP = 8          # inflated / compressed size below which ISA-L + re-wrap wins
+BAND_ROWS = 128                   # rows inflated, then unfiltered, at a time
+# Each decode keeps at most one band in a worker; a few workers serve requests decoding at once.
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="png-unfilter")
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", 0xAE426082)
 
 
@@ -59,25 +66,53 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]]) -> np.ndarray:
     expected = height * (1 + 3 * width)          # a filter-type byte, then the row's RGB bytes, per row
     if sum(length for kind, _, length in parts if kind == b"IDAT") * MIN_RATIO_FOR_REWRAP < expected:
         return pyspng.load(data, format="RGB")
-    scanlines = _inflate(data, parts, expected, width, height)
-    return pyspng.load(_stored_png(width, height, scanlines), format="RGB")
+    return _decode_in_bands(data, parts, width, height)
 
 
-def _inflate(data: bytes, parts, expected: int, width: int, height: int) -> bytes:
+def _decode_in_bands(data: bytes, parts, width: int, height: int) -> np.ndarray:
+    """Inflate band after band of BAND_ROWS rows on this thread while a worker unfilters the band before: the
+    unfiltering (and its re-wrap) hides behind the inflate, all but the last band's. Each band is its own
+    stored PNG whose first row is the previous band's last decoded row, filter None: the band's Up, Average
+    and Paeth rows then read the right row above."""
     view = memoryview(data)
     idat = b"".join(view[start:start + length] for kind, start, length in parts if kind == b"IDAT")
-    # IgzipDecompressor allocates max_length at once and releases the GIL once: zlib-style decompressobj grows
-    # its buffer step by step, re-taking the GIL each time, which behind a busy thread cost 45 ms instead of 4.
+    # IgzipDecompressor allocates max_length at once and releases the GIL once per call: zlib-style
+    # decompressobj grows its buffer step by step, re-taking the GIL each time, which behind a busy thread cost
+    # 45 ms instead of 4.
     inflater = igzip_lib.IgzipDecompressor(flag=igzip_lib.DECOMP_ZLIB, hist_bits=15)
-    try:
-        scanlines = inflater.decompress(idat, expected + 1)
-    except igzip_lib.IsalError as e:
-        raise ValueError(f"PNG image data is corrupt ({e})") from e
-    if len(scanlines) != expected or not inflater.eof:
-        raise ValueError(f"PNG image data inflates to {len(scanlines)}{'+' if len(scanlines) > expected else ''} "
-                         f"bytes{'' if inflater.eof else ' (stream not ended)'}; a {width}x{height} RGB image "
-                         f"needs {expected}")
-    return scanlines
+    row_bytes, out = 1 + 3 * width, np.empty((height, width, 3), dtype=np.uint8)
+    unfiltering = None
+    for top in range(0, height, BAND_ROWS):
+        bottom = min(height, top + BAND_ROWS)
+        want = (bottom - top) * row_bytes
+        try:
+            band = inflater.decompress(idat if top == 0 else b"", want)
+        except igzip_lib.IsalError as e:
+            raise ValueError(f"PNG image data is corrupt ({e})") from e
+        if len(band) != want:
+            raise ValueError(f"PNG image data inflates to {top * row_bytes + len(band)} bytes (stream ended "
+                             f"early); a {width}x{height} RGB image needs {height * row_bytes}")
+        if unfiltering is not None:
+            unfiltering.result()                   # the band above is in `out`: its last row seeds this band
+        if bottom < height:
+            unfiltering = _WORKERS.submit(_unfilter_band, out, top, bottom, band)
+        else:                                      # the last band: nothing left to overlap with
+            _unfilter_band(out, top, bottom, band)
+    if not inflater.eof:
+        more = len(inflater.decompress(b"", 1))
+        raise ValueError(f"PNG image data inflates to {height * row_bytes}{'+' if more else ''} bytes"
+                         f"{'' if more else ' (stream not ended)'}; a {width}x{height} RGB image needs "
+                         f"{height * row_bytes}")
+    return out
+
+
+def _unfilter_band(out: np.ndarray, top: int, bottom: int, band: bytes) -> None:
+    width = out.shape[1]
+    if top == 0:
+        out[:bottom] = pyspng.load(_stored_png(width, bottom, band), format="RGB")
+        return
+    seeded = b"".join((b"\x00", out[top - 1].tobytes(), band))
+    out[top:bottom] = pyspng.load(_stored_png(width, bottom - top + 1, seeded), format="RGB")[1:]
 
 
 def _stored_png(width: int, height: int, scanlines) -> bytes:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from engine.errors import InvalidInputError
 from engine.sampling_params import SamplingParams
+from engine.server import data_urls
 from engine.server.defaults import SamplingDefaults
 
 try:   # parses a 4 MB image request in half the standard library's time (3.5 ms against 7 here)
@@ -27,18 +28,27 @@ _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_se
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
+    """The body as a JSON object, its large image data URLs lifted out (engine/server/data_urls.py). aiohttp
+    raises 413 past client_max_size while reading."""
     raw = await request.read()
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
+    small, lifted = data_urls.lift(raw)
     try:
-        body = _loads(raw)
+        try:
+            body = _loads(small)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if lifted is None:
+                raise
+            body, lifted = _loads(raw), None    # the whole body's own error (or, if it parses, the body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
                                 code="invalid_json")
+    if lifted is not None:
+        data_urls.restore(body, lifted)
     return body
 
 

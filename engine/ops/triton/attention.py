@@ -20,6 +20,7 @@ from engine.ops.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64   # keys per decode tile: 16 KB of K plus 16 KB of V per stage in bf16 at D=128
+SHORT_PREFILL_TOKENS = 2048   # prefills up to this many query tokens take 64-row tiles on Hopper (tile_config)
 MAX_SPLITS = 32   # H200 sweep (bench_ops --sweep-splits), batch 1: 32 splits beat 64 at every context (512-8192)
 
 
@@ -219,18 +220,25 @@ def _decode_config(dtype: torch.dtype, device: torch.device):
     return DECODE_BLOCK_N, 4, 3
 
 
-def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device):
+def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device, num_query_tokens: int | None = None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128: 128x128 tiles, 8 warps (two warpgroups for Hopper's
     wgmma), 3 stages (~224 KB of shared memory): on the H200 sweep (bench_ops --sweep-tiles) 1.51 ms for an
-    8192-token causal prefill against 1.73 ms with 128x64 tiles. A head split in two (vision, 64 + 16) runs
-    best at 128x64 with 4 warps (251 us against 307 us for 4096 patches).
+    8192-token causal prefill against 1.73 ms with the previous 128x64. A prefill of at most
+    SHORT_PREFILL_TOKENS query tokens (`num_query_tokens`) has too few 128-row blocks to fill 132 SMs evenly: a
+    1067-token prompt (one image + a question) takes 46 us per layer in 64x64 tiles, 4 warps, 2 stages against
+    55 us (bench/image_gpu_parts.py). A head split in two (vision, 64 + 16) runs best at 128x64 with 4 warps
+    (251 us against 307 us for 4096 patches).
     fp32 (tests only) runs tl.dot on FMAs: 32x32 tiles, unpipelined, is the spill-free point there."""
     if dtype == torch.float32 and device.type == "cuda":
         return 32, 32, 8, 1
     if head_dim_padded > 128:
         return 64, 32, 4, 2
     if head_dim_padded == 128:
-        return (128, 128, 8, 3) if _shared_memory(device) >= 224 * 1024 else (128, 64, 8, 3)  # ~98 KB: fits sm_80/86/89
+        if _shared_memory(device) < 224 * 1024:
+            return 128, 64, 8, 3       # ~98 KB: fits sm_80/86/89
+        if num_query_tokens is not None and num_query_tokens <= SHORT_PREFILL_TOKENS:
+            return 64, 64, 4, 2
+        return 128, 128, 8, 3
     return 128, 64, 4, 3
 
 
@@ -287,7 +295,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:
-        block_m, block_n, warps, stages = tile_config(block_d, q.dtype, q.device)
+        block_m, block_n, warps, stages = tile_config(block_d, q.dtype, q.device,
+                                                      qsl[num_seqs] - qsl[num_decodes])
         # Number of query-block ids the prefill sequences own under the kernel's id scheme.
         blocks = (qsl[num_seqs] // block_m + num_seqs) - (qsl[num_decodes] // block_m + num_decodes)
         _prefill_kernel[(num_q_heads, blocks)](
