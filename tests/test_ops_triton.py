@@ -223,9 +223,11 @@ def test_vision_qkv_rope(device, dtype, n, h, d, gen):
     from engine.ops.triton.rotary import vision_qkv_rope
     qkv = randn(gen, n, 3 * h * d, dtype=dtype, device=device).view(n, 3, h, d)
     cos, sin = rope_cos_sin(gen, n, d, device)
-    for out, ref, name in zip(vision_qkv_rope(qkv, cos, sin), vision_qkv_rope_ref(qkv, cos, sin), "qkv"):
-        assert out.is_contiguous(), name
-        assert_close(out, ref.contiguous(), elementwise_tol(dtype, device), name)
+    ref_qkv = qkv.clone()
+    outs, refs = vision_qkv_rope(qkv, cos, sin), vision_qkv_rope_ref(ref_qkv, cos, sin)
+    for out, ref, view, name in zip(outs, refs, qkv.unbind(1), "qkv"):
+        assert out.data_ptr() == view.data_ptr() and out.stride() == view.stride(), f"{name}: a view of qkv"
+        assert_close(out, ref, elementwise_tol(dtype, device), name)
 
 
 # ---------------------------------------------------------------------------------------------- activation

@@ -69,14 +69,14 @@ def rope_and_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weigh
 
 
 def vision_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The vision encoder's rotary: qkv [N, 3, H, D] (the fused projection) -> (q, k, v), each [N, H, D], with
-    q and k rotated in fp32 (as transformers' apply_rotary_pos_emb_vision does with cos = cat(c, c)) and cast
-    back to qkv's dtype. cos/sin: [N, D/2] fp32."""
+    """The vision encoder's rotary: qkv [N, 3, H, D] (the fused projection) -> (q, k, v), each an [N, H, D] view
+    of qkv, with q and k rotated in place in fp32 (as transformers' apply_rotary_pos_emb_vision does with
+    cos = cat(c, c)) and cast back to qkv's dtype. cos/sin: [N, D/2] fp32."""
     half = qkv.shape[-1] // 2
     c, s = cos[:, None, None, :], sin[:, None, None, :]
     x1, x2 = qkv[:, :2, :, :half].float(), qkv[:, :2, :, half:].float()
-    q, k = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype).unbind(1)
-    return q, k, qkv[:, 2]
+    qkv[:, :2].copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    return qkv.unbind(1)
 
 
 def vision_qkv_rope(qkv, cos, sin):
