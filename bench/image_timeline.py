@@ -72,11 +72,14 @@ def probe(owner, attr: str, name: str, gpu: bool = False, first_only: bool = Fal
 
 
 def install_probes() -> None:
+    from aiohttp import web
+
+    from engine import async_llm
     from engine.async_llm import AsyncLLM
     from engine.inputs import processor
     from engine.llm_engine import LLMEngine
     from engine.runner import InflightStep, ModelRunner
-    from engine.server import chat, protocol
+    from engine.server import chat, data_urls, protocol
     from engine.server.sse import SSEWriter
 
     handler = chat.read_json_body
@@ -88,6 +91,8 @@ def install_probes() -> None:
         GPU.append(("t0", _event(), None))
         return await handler(request)
     chat.read_json_body = first_stage
+    probe(web.BaseRequest, "read", "body_read")
+    probe(data_urls, "lift", "lift")
     probe(protocol, "_loads", "json")
     probe(processor.InputProcessor, "process_chat", "process_chat")
     probe(processor, "decode_image", "png_decode")
@@ -96,6 +101,17 @@ def install_probes() -> None:
     probe(ModelRunner, "launch", "launch", gpu=True, first_only=True)
     probe(ModelRunner, "_encode", "vision", gpu=True)
     probe(InflightStep, "result", "wait_token", first_only=True)
+    deliver, put_all = AsyncLLM._deliver_step, async_llm._put_all
+
+    def first_outputs(name, fn):             # stamps the first call that carries outputs (the first token)
+        def wrapped(self_or_items, *rest):
+            items = rest[0] if rest else self_or_items
+            if items and not any(s == name for s, _ in STAMPS):
+                stamp(name)
+            return fn(self_or_items, *rest)
+        return wrapped
+    AsyncLLM._deliver_step = first_outputs("deliver (engine thread)", deliver)
+    async_llm._put_all = first_outputs("loop_put (event loop)", put_all)
     probe(SSEWriter, "send", "sse_send", first_only=True)
 
 
