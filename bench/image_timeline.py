@@ -112,6 +112,7 @@ def install_probes() -> None:
         return wrapped
     AsyncLLM._deliver_step = first_outputs("deliver (engine thread)", deliver)
     async_llm._put_all = first_outputs("loop_put (event loop)", put_all)
+    probe(SSEWriter, "start", "sse_prepare", first_only=True)     # the response headers
     probe(SSEWriter, "send", "sse_send", first_only=True)
 
 
