@@ -219,7 +219,8 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        parts = [i.to_pixels(raw) for i, raw in zip(images, self._upload([i.raw for i in images]))]
+        dtype = self.model.visual.pos_embed.weight.dtype     # the pixels come out in the encoder's dtype
+        parts = [i.to_pixels(raw, dtype) for i, raw in zip(images, self._upload([i.raw for i in images]))]
         pixels = parts[0] if len(parts) == 1 else torch.cat(parts)   # one image: no copy
         grid = torch.tensor([i.grid_thw for i in images], dtype=torch.int64)
         encode = self.model.encode_images if self.vision_graphs is None else self.vision_graphs.encode

@@ -230,6 +230,19 @@ def test_vision_qkv_rope(device, dtype, n, h, d, gen):
         assert_close(out, ref, elementwise_tol(dtype, device), name)
 
 
+# (not bf16 in the interpreter, which truncates to bf16 instead of rounding)
+@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16]))
+@pytest.mark.parametrize("height,width", [(32, 32), (64, 96), (160, 32)])
+def test_patchify_is_the_reference_bit_for_bit(device, dtype, height, width, gen):
+    from engine.ops.pixels import patchify_ref
+    from engine.ops.triton.pixels import patchify
+    raw = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).to(device)
+    table = randn(gen, 3, 256, device=device)
+    out = patchify(raw, table, 16, 2, 2, dtype)
+    assert out.shape == (height * width // 256, 3 * 2 * 16 * 16) and out.dtype == dtype
+    assert torch.equal(out, patchify_ref(raw, table, 16, 2, 2, dtype))
+
+
 # ---------------------------------------------------------------------------------------------- activation
 @pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16, F16]))
 @pytest.mark.parametrize("shape", [(1, 2 * 64), (7, 2 * 1000), (2, 3, 2 * 12288)])

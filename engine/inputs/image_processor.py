@@ -2,7 +2,7 @@
 
 An image is resized (bicubic, Pillow) so both sides are multiples of patch*merge = 32 and its area lies within
 [min_pixels, max_pixels], scaled to [0, 1], normalized with mean/std, duplicated to temporal_patch_size = 2 frames
-and cut into 16x16 patches. One row of pixel_values is one patch as (C, T, 16, 16) = 1536 values, and rows come in
+and cut into 16x16 patches (engine/ops/pixels.py, through a table of what each 8-bit value becomes). One row of pixel_values is one patch as (C, T, 16, 16) = 1536 values, and rows come in
 merge-block order: every 2x2 block of patches (the ones the merger fuses into one LLM token) is contiguous.
 Each arithmetic step happens in the dtype the reference uses, so pixel_values match it bit for bit.
 """
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from engine import ops
 from engine.config import read_model_json
 from engine.errors import ImageError
 from engine.inputs.image_io import to_rgb
@@ -131,25 +132,18 @@ class ImageProcessor:
             image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
         return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3), grid
 
-    def to_pixel_values(self, raw: torch.Tensor) -> torch.Tensor:
-        """uint8 [H, W, 3] -> rescaled, normalized, patch rows; runs on the tensor's device (CPU or GPU)."""
-        # The reference rescales in float64 and rounds to float32 once, then normalizes in float32.
-        x = (raw.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
-        mean, std = _channel_constants(self.image_mean, self.image_std, raw.device)
-        return self._patchify((x - mean) / std)
-
-    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
-        c, height, width = x.shape
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = height // p, width // p
-        x = x.reshape(c, gh // m, m, p, gw // m, m, p)
-        x = x.permute(1, 4, 2, 5, 0, 3, 6)              # (block row, block col, inner row, inner col, C, P, P)
-        x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # a still image repeated over the temporal patch
-        return x.reshape(gh * gw, c * t * p * p).contiguous()
+    def to_pixel_values(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 [H, W, 3] -> rescaled, normalized patch rows in `dtype`; runs on the tensor's device (CPU, or
+        one kernel on the GPU)."""
+        table = _value_table(self.rescale_factor, self.image_mean, self.image_std, raw.device)
+        return ops.patchify(raw, table, self.patch_size, self.merge_size, self.temporal_patch_size, dtype)
 
 
 @functools.lru_cache(maxsize=16)
-def _channel_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device):
-    """mean and std as float32 [C, 1, 1] on `device`, made once (each is a host-to-device copy on a GPU)."""
-    return (torch.tensor(mean, dtype=torch.float32, device=device).view(-1, 1, 1),
-            torch.tensor(std, dtype=torch.float32, device=device).view(-1, 1, 1))
+def _value_table(rescale: float, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device):
+    """float32 [C, 256]: what each 8-bit value of each channel becomes, by the reference's arithmetic (rescale
+    in float64, rounded to float32 once, then (x - mean) / std in float32). Made once per device."""
+    x = (torch.arange(256, dtype=torch.float64) * rescale).to(torch.float32)
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1)
+    std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1)
+    return ((x[None, :] - mean_t) / std_t).to(device)

@@ -16,7 +16,7 @@ class ImageItem:
     raw: torch.Tensor                   # [H, W, 3] uint8, already resized to the patch grid
     grid_thw: tuple[int, int, int]      # (t, h, w) in patches (before the 2x2 merge)
     content_hash: str                   # identifies the image's content + processing; prefix/encoder cache key
-    to_pixels: Callable[[torch.Tensor], torch.Tensor]   # raw (on any device) -> pixel values (same device)
+    to_pixels: Callable[..., torch.Tensor]  # (raw on any device[, dtype]) -> pixel values, same device (f32)
     offset: int = 0                     # index of its first <|image_pad|> token in prompt_token_ids
     length: int = 0                     # number of <|image_pad|> tokens = t*h*w / merge**2
     _cpu_pixels: torch.Tensor | None = field(default=None, repr=False)
