@@ -20,6 +20,8 @@ import triton.language as tl
 from engine.ops.triton import attention as paged   # tile_config is read at call time (bench sweeps patch it)
 from engine.ops.triton.attention import LOG2E, attend, dot_precision, softmax_step
 
+MIN_CUDNN_ROWS = 256          # a tiny segment gains nothing from cuDNN (and one row has no cuDNN kernel)
+
 
 @triton.jit
 def _segment_block(cu_ptr, stride_qh, stride_kh, stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -149,8 +151,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if k.stride() != v.stride():  # the kernel addresses k and v with one set of strides
         k, v = k.contiguous(), v.contiguous()
     num_segments = cu_seqlens.numel() - 1
-    if num_segments == 1 and max_seqlen == num_tokens and _cudnn_attention_usable(q.dtype, head_dim, q.device):
-        return _one_segment_cudnn(q, k, v, scale)
+    if (num_segments == 1 and max_seqlen == num_tokens >= MIN_CUDNN_ROWS
+            and _cudnn_attention_usable(q.dtype, head_dim, q.device)):
+        try:
+            return _one_segment_cudnn(q, k, v, scale)
+        except RuntimeError:   # "No available kernel": cuDNN refuses some shapes; the Triton kernel takes all
+            pass
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_segments <= 0 or max_seqlen <= 0:
         return out
