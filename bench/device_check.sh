@@ -62,7 +62,7 @@ for s in $STAGES; do
         --out "$OUT/image_profile.txt" > "$OUT/image_profile_log.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_profile_log.txt" | cut -c1-150 | tail -90 ;;
     imageparts)
-      stage "GPU parts of an image request (unfilter, vision attention, prefill attention tiles)"
+      stage "GPU parts of an image request (vision attention, prefill attention tiles, pixel patches)"
       timeout "${PARTS_T:-200}" python3 bench/image_gpu_parts.py --json "$OUT/image_gpu_parts.json" \
         ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;

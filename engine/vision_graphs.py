@@ -4,13 +4,14 @@ Eagerly, one 1024x1024 image costs ~300 kernel launches (27 blocks of norms, GEM
 H200 host that is 12-17 ms of CPU time against 13.6 ms of GPU time, so the GPU waited on the host. A graph replays
 them in one launch.
 
-A graph is captured the first time a shape is seen and kept (up to MAX_GRAPHS, oldest dropped). Its shape is
-the patch count rounded up to a multiple of BUCKET_PATCHES, the number of attention segments (one per image
-frame), and whether it pads. The padding rows form one more segment that attends only to itself, as the prefill
-graphs' dummy sequence does, and their outputs are dropped. One image that fills its bucket exactly (a
-1024x1024 one: 4096 patches) gets a graph without that segment, so its attention is one segment over all rows,
-which runs in cuDNN's faster kernel on Hopper (engine/ops/triton/varlen_attention.py). Everything that depends on the images' grids (positions, rotary,
-segment bounds) is computed on the host by the model's `prepare` and copied into the graph's static inputs.
+A graph is captured the first time a shape is seen and kept (up to MAX_GRAPHS, oldest dropped). Its shape is the
+patch count rounded up to a multiple of BUCKET_PATCHES, the number of attention segments (one per image frame), and
+whether it pads. The padding rows form one more segment that attends only to itself, as the prefill graphs' dummy
+sequence does, and their outputs are dropped. One image that fills its bucket exactly (a 1024x1024 one: 4096
+patches) gets a graph without that segment, so its attention is one segment over all rows, which runs in cuDNN's
+faster kernel on Hopper (engine/ops/triton/varlen_attention.py). Everything that depends on the images' grids
+(positions, rotary, segment bounds) is computed on the host by the model's `prepare` and copied into the graph's
+static inputs.
 """
 from __future__ import annotations
 

@@ -41,10 +41,10 @@ def test_a_chat_image_url_becomes_a_data_url_into_the_body(image_url):
 
 
 def test_a_data_url_anywhere_else_keeps_its_string():
-    body = {**chat({"url": URL}), "metadata": {"url": URL}, "tools": [{"url": URL + "x"}]}
-    parsed, _, lifted = parse(body)
+    body = {**chat({"url": URL}), "metadata": {"url": URL}, "tools": [{"url": URL + "é"}]}
+    parsed, _, lifted = parse(json.dumps(body, ensure_ascii=False).encode())
     assert len(lifted.urls) == 3
-    assert parsed["metadata"] == {"url": URL} and parsed["tools"] == [{"url": URL + "x"}]
+    assert parsed["metadata"] == {"url": URL} and parsed["tools"] == [{"url": URL + "é"}]
     assert isinstance(parsed["messages"][0]["content"][0]["image_url"]["url"], DataURL)
 
 
@@ -62,6 +62,15 @@ def test_a_placeholder_sent_by_the_client_is_just_text():
     raw = json.dumps({**chat({"url": URL}), "user": "\x00lifted-0000000000000000-0"}).encode()
     parsed, _, _ = parse(raw)
     assert parsed["user"] == "\x00lifted-0000000000000000-0"
+
+
+def test_parse_gives_the_whole_bodys_own_error():
+    raw = json.dumps(chat({"url": URL})).encode()[:-2]
+    with pytest.raises(json.JSONDecodeError) as whole:
+        _loads(raw)
+    with pytest.raises(json.JSONDecodeError) as lifted:
+        data_urls.parse(raw, _loads)
+    assert str(lifted.value) == str(whole.value)
 
 
 def test_a_body_broken_after_the_url_still_fails_to_parse():

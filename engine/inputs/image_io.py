@@ -82,7 +82,8 @@ def fetch_image_bytes(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYT
                       param: str | None = None) -> bytes:
     """The bytes behind an image URL: data: always; http(s) only with allow_remote; file:// only inside
     allowed_local_media_path."""
-    if isinstance(url, DataURL) or url[:5].lower() == "data:":   # before urlsplit, which scans (and caches) the whole multi-MB string
+    # Before urlsplit, which scans (and caches) the whole multi-MB string.
+    if isinstance(url, DataURL) or url[:5].lower() == "data:":
         return decode_data_url(url, max_bytes, param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):

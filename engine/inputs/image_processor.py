@@ -2,8 +2,9 @@
 
 An image is resized (bicubic, Pillow) so both sides are multiples of patch*merge = 32 and its area lies within
 [min_pixels, max_pixels], scaled to [0, 1], normalized with mean/std, duplicated to temporal_patch_size = 2 frames
-and cut into 16x16 patches (engine/ops/pixels.py, through a table of what each 8-bit value becomes). One row of pixel_values is one patch as (C, T, 16, 16) = 1536 values, and rows come in
-merge-block order: every 2x2 block of patches (the ones the merger fuses into one LLM token) is contiguous.
+and cut into 16x16 patches (engine/ops/pixels.py, through a table of what each 8-bit value becomes). One row of
+pixel_values is one patch as (C, T, 16, 16) = 1536 values, and rows come in merge-block order: every 2x2 block of
+patches (the ones the merger fuses into one LLM token) is contiguous.
 Each arithmetic step happens in the dtype the reference uses, so pixel_values match it bit for bit.
 """
 from __future__ import annotations

@@ -11,7 +11,8 @@ from engine.ops.rotary import (apply_rotary, apply_rotary_ref, qk_norm_rope, qk_
 
 __all__ = [
     "AttentionMetadata", "apply_rotary", "apply_rotary_ref", "layer_norm", "layer_norm_ref", "paged_attention",
-    "paged_attention_ref", "patchify", "patchify_ref", "qk_norm_rope", "qk_norm_rope_ref", "rms_norm", "rms_norm_ref", "rope_and_store_kv",
-    "rope_and_store_kv_ref", "silu_and_mul", "silu_and_mul_ref", "store_kvcache", "store_kvcache_ref",
-    "varlen_attention", "varlen_attention_ref", "vision_qkv_rope", "vision_qkv_rope_ref",
+    "paged_attention_ref", "patchify", "patchify_ref", "qk_norm_rope", "qk_norm_rope_ref", "rms_norm",
+    "rms_norm_ref", "rope_and_store_kv", "rope_and_store_kv_ref", "silu_and_mul", "silu_and_mul_ref",
+    "store_kvcache", "store_kvcache_ref", "varlen_attention", "varlen_attention_ref", "vision_qkv_rope",
+    "vision_qkv_rope_ref",
 ]

@@ -5,15 +5,17 @@ A chat request with a 1024x1024 PNG is 2-4 MB, nearly all of it one base64 strin
 and base64 then decodes from the str. Lifted, the string stays in the body's bytes: the parser sees a short
 placeholder, the image's DataURL points into the body (memoryview), and base64 decodes from there (2x faster).
 
-What is lifted: a JSON string that starts with `data:`, directly follows a `"url":` (or `"image_url":`) key, holds no backslash (so no
-JSON escape needs resolving) and is at least MIN_LIFT_CHARS long. The placeholder is a string carrying a
-per-request random nonce. After parsing, placeholders at messages[i].content[j].image_url.url (or a plain-string
-image_url) become DataURL objects; one anywhere else gets its original string back, so what the JSON means
-never changes. Bodies that do not parse once lifted are parsed whole, for the parser's own error message.
+What is lifted: a JSON string that starts with `data:`, directly follows a `"url":` (or `"image_url":`) key, holds
+no backslash (so no JSON escape needs resolving) and is at least MIN_LIFT_CHARS long. The placeholder is a string
+carrying a per-request random nonce. After parsing, placeholders at messages[i].content[j].image_url.url (or a
+plain-string image_url) become DataURL objects; one anywhere else gets its original string back, so what the JSON
+means never changes. Bodies that do not parse once lifted are parsed whole, for the parser's own error message
+(`parse`).
 """
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from engine.inputs.image_io import DataURL
@@ -38,7 +40,21 @@ class Lifted:
 
     def original(self, text: str) -> str:
         _, start, end = self.urls[text]
-        return self.raw[start:end].decode("ascii")
+        return self.raw[start:end].decode("utf-8")     # no backslash inside: the bytes are the string
+
+
+def parse(raw: bytes, loads: Callable[[bytes], Any]) -> Any:
+    """loads(raw), its large data URLs lifted out first. A body that does not parse once lifted is parsed
+    whole, so the error is the parser's own about the body as sent."""
+    small, lifted = lift(raw)
+    if lifted is None:
+        return loads(raw)
+    try:
+        body = loads(small)
+    except ValueError:              # JSONDecodeError, UnicodeDecodeError
+        return loads(raw)
+    restore(body, lifted)
+    return body
 
 
 def lift(raw: bytes) -> tuple[bytes, Lifted | None]:

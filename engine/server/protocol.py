@@ -34,21 +34,13 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
-    small, lifted = data_urls.lift(raw)
     try:
-        try:
-            body = _loads(small)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            if lifted is None:
-                raise
-            body, lifted = _loads(raw), None    # the whole body's own error (or, if it parses, the body)
+        body = data_urls.parse(raw, _loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
         raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
                                 code="invalid_json")
-    if lifted is not None:
-        data_urls.restore(body, lifted)
     return body
 
 
