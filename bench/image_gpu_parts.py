@@ -1,7 +1,8 @@
 """GPU pieces of one image request, each timed alone on CUDA (medians, triton.testing.do_bench): the vision
 encoder's attention (4096 patches x 16 heads x 72) in this engine's Triton kernel, in what the engine runs for
 one segment, and in torch's SDPA backends; the prefill attention at short prompt sizes (512 to 4096 tokens,
-the image prompt's 1067 among them) under several tile configs; the pixel normalization.
+the image prompt's 1067 among them) under several tile configs, and that prompt's causal attention in torch's
+back ends; the pixel normalization; every linear of the request under cuBLAS and cuBLASLt.
 
     python bench/image_gpu_parts.py [--json out.json]
 """
@@ -77,6 +78,62 @@ def prefill_tile_cases(results: list) -> None:
         paged.tile_config = base
 
 
+# (name, M, N, K, bias): every linear of one 1024x1024 image request (Qwen3-VL-8B: 1067 prompt tokens, which
+# the prefill CUDA graph runs in its 1088 bucket; the vision encoder's 4096 patches; the mergers' 1024 rows)
+LINEAR_SHAPES = [
+    ("llm qkv", 1088, 6144, 4096, False), ("llm o_proj", 1088, 4096, 4096, False),
+    ("llm gate_up", 1088, 24576, 4096, False), ("llm down", 1088, 4096, 12288, False),
+    ("llm o_proj M=1067", 1067, 4096, 4096, False), ("llm qkv M=1067", 1067, 6144, 4096, False),
+    ("vision qkv", 4096, 3456, 1152, True), ("vision proj", 4096, 1152, 1152, True),
+    ("vision fc1", 4096, 4304, 1152, True), ("vision fc2", 4096, 1152, 4304, True),
+    ("merger fc1", 1024, 4608, 4608, True), ("merger fc2", 1024, 4096, 4608, True),
+]
+
+
+def linear_cases(results: list) -> None:
+    """Each linear as F.linear in a CUDA graph, under cuBLAS and under cuBLASLt (torch's two BLAS back ends
+    choose different kernels), against 2*M*N*K FLOPs."""
+    for name, m, n, k, bias in LINEAR_SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            us = time_us(lambda: F.linear(x, w, b), graph=True)
+            row = {"case": f"linear {name} {m}x{n}x{k}", "blas": lib, "us": us, "tflops": 2 * m * n * k / us / 1e6}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def causal_prefill_cases(results: list) -> None:
+    """The image prompt's causal self-attention (1067 tokens, 32 query / 8 KV heads, head dim 128, no cached
+    prefix) in torch's attention back ends, beside the engine's paged kernel (prefill_tile_cases)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    n, hq, hk, d = 1067, 32, 8, 128
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
+    flops = 4 * hq * d * n * (n + 1) // 2
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    cands = {}
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        cands[name] = run
+    for name, fn in cands.items():     # (torch 2.11's varlen_attn has no causal mode)
+        try:
+            us = time_us(fn)
+            row = {"case": f"causal prefill attention {n} tok (GQA 32/8)", "impl": name, "us": us,
+                   "tflops": flops / us / 1e6}
+        except Exception as e:  # noqa: BLE001 - a back end may not take this shape
+            row = {"case": f"causal prefill attention {n} tok", "impl": name, "error": f"{type(e).__name__}: {e}"[:200]}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def normalize_cases(results: list) -> None:
     from engine.inputs.image_processor import ImageProcessor
     ip = ImageProcessor()
@@ -89,10 +146,11 @@ def normalize_cases(results: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--parts", default="vision,prefill,normalize")
+    ap.add_argument("--parts", default="vision,prefill,causal,normalize,linear")
     args = ap.parse_args()
     results: list = []
-    parts = {"vision": vision_attention_cases, "prefill": prefill_tile_cases, "normalize": normalize_cases}
+    parts = {"vision": vision_attention_cases, "prefill": prefill_tile_cases, "causal": causal_prefill_cases, "normalize": normalize_cases,
+             "linear": linear_cases}
     for name in args.parts.split(","):
         parts[name](results)
     if args.json:

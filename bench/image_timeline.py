@@ -77,6 +77,7 @@ def install_probes() -> None:
     from engine import async_llm
     from engine.async_llm import AsyncLLM
     from engine.inputs import processor
+    from engine.inputs.chat_template import ChatTemplate
     from engine.llm_engine import LLMEngine
     from engine.runner import InflightStep, ModelRunner
     from engine.server import chat, data_urls, protocol
@@ -94,8 +95,15 @@ def install_probes() -> None:
     probe(web.BaseRequest, "read", "body_read")
     probe(data_urls, "lift", "lift")
     probe(protocol, "_loads", "json")
+    probe(processor.InputProcessor, "preload_images", "preload")
     probe(processor.InputProcessor, "process_chat", "process_chat")
+    probe(processor.InputProcessor, "_load_image", "image_load (worker)")
+    probe(processor, "fetch_image_bytes", "base64")
     probe(processor, "decode_image", "png_decode")
+    probe(ChatTemplate, "render", "render")
+    probe(processor.InputProcessor, "_encode", "tokenize")
+    probe(processor.InputProcessor, "_content_hash", "content_hash")
+    probe(processor, "get_mrope_positions", "mrope")
     probe(AsyncLLM, "_send", "to_engine", first_only=True)
     probe(LLMEngine, "add_request", "add_request")
     probe(ModelRunner, "launch", "launch", gpu=True, first_only=True)

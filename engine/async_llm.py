@@ -65,6 +65,10 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(
             None, ip.process_chat, messages, add_generation_prompt, chat_template_kwargs)
 
+    def preload_images(self, messages) -> None:
+        """Start decoding a chat body's lifted image data URLs now, on worker threads (InputProcessor)."""
+        self.engine.input_processor.preload_images(messages)
+
     async def process_prompt(self, prompt) -> ProcessedPrompt:
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.process_prompt, prompt)
 

@@ -39,20 +39,72 @@ def pillow(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
+@pytest.fixture(params=["bands", "whole"])
+def inflate(request, monkeypatch) -> str:
+    """Run the test through each fast path, whatever the data's compression ratio: ISA-L band by band, or
+    libdeflate whole and then runs of rows unfiltered on several threads (runs of a few rows here)."""
+    monkeypatch.setattr(png, "BANDS_RATIO", (0, float("inf")) if request.param == "bands" else (0, 0))
+    monkeypatch.setattr(png, "MIN_RUN_ROWS", 3)
+    monkeypatch.setattr(png, "UNFILTER_THREADS", 3)
+    return request.param
+
+
+def spy_on_libspng(monkeypatch) -> list[bytes]:
+    """The PNGs handed to libspng, from now on."""
+    seen, real = [], png.pyspng.load
+    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
+    return seen
+
+
+def stored(handed: bytes) -> bool:
+    """Whether a PNG's image data is one zlib stream whose first deflate block is stored (BTYPE 00)."""
+    idat = [(s, n) for kind, s, n in png.chunks(handed) if kind == b"IDAT"]
+    return len(idat) == 1 and handed[idat[0][0] + 2] & 0b110 == 0
+
+
 @pytest.mark.parametrize("width, height, pieces", [(1, 1, 1), (37, 23, 1), (300, 250, 5), (1024, 70, 3)])
-def test_every_filter_type_decodes_to_pillows_pixels(width, height, pieces):
+def test_every_filter_type_decodes_to_pillows_pixels(width, height, pieces, inflate):
     data = handmade_png(width, height, seed=width, idat_pieces=pieces)
     out = decode_image(data)
     assert isinstance(out, np.ndarray) and out.shape == (height, width, 3)
     np.testing.assert_array_equal(out, pillow(data))
 
 
-@pytest.mark.parametrize("band_rows", [1, 16, 64])
-def test_bands_seeded_by_the_row_above_decode_every_filter_across_their_edges(monkeypatch, band_rows):
-    # 70 rows of random filters in bands of 1, 16, 64 rows: every band's first row reads the previous band's last
+@pytest.mark.parametrize("band_rows, tail_rows", [(1, 32), (16, 32), (64, 32), (32, 5), (64, 1)])
+def test_bands_seeded_by_the_row_above_decode_every_filter_across_their_edges(monkeypatch, band_rows, tail_rows):
+    # 70 rows of random filters in bands of 1 to 64 rows, the last band cut to tail_rows: every band's first row
+    # reads the previous band's last
     monkeypatch.setattr(png, "BAND_ROWS", band_rows)
+    monkeypatch.setattr(png, "TAIL_ROWS", tail_rows)
     data = handmade_png(33, 70, seed=band_rows, idat_pieces=4)
     np.testing.assert_array_equal(decode_image(data), pillow(data))
+
+
+def test_bands_cover_the_rows_once_and_end_in_a_short_tail():
+    assert png.band_edges(1024) == [0, 128, 256, 384, 512, 640, 768, 896, 992, 1024]
+    assert png.band_edges(1000) == [0, 128, 256, 384, 512, 640, 768, 896, 968, 1000]
+    assert png.band_edges(150) == [0, 128, 150]          # the last band is already short
+    assert png.band_edges(100) == [0, 100]               # one band: nothing to overlap, so no tail
+
+
+@pytest.mark.parametrize("width, height, pieces", [(1024, 300, 3), (40, 30, 1)])
+def test_the_decoder_hands_over_every_row_once_in_order(width, height, pieces):
+    # 300 rows: banded inflate, rows handed over from the worker threads; 40x30: one libspng call, all at once
+    data = handmade_png(width, height, seed=3, idat_pieces=pieces)
+    got = []
+    out = decode_image(data, on_rows=lambda rows: got.append(rows.copy()))
+    np.testing.assert_array_equal(np.concatenate(got), out)
+    np.testing.assert_array_equal(out, pillow(data))
+
+
+def test_the_pixel_digest_made_during_the_decode_is_the_hash_of_the_pixels():
+    from engine.inputs.image_cache import PixelDigest, new_hash
+    data = handmade_png(512, 400, seed=4, idat_pieces=2)
+    during = PixelDigest()
+    out = decode_image(data, on_rows=during.update)
+    assert during.digest(out) == new_hash(out.data).digest() == PixelDigest().digest(out)
+    # not fed (a cache hit, or another decoder): it hashes the pixels it is given
+    assert PixelDigest().digest(out[:200]) == new_hash(np.ascontiguousarray(out[:200]).data).digest()
 
 
 def test_images_larger_than_one_stored_block_round_trip():
@@ -63,28 +115,38 @@ def test_images_larger_than_one_stored_block_round_trip():
     np.testing.assert_array_equal(decode_image(buf.getvalue()), np.asarray(image))
 
 
-def test_the_fast_inflate_runs_and_libspng_only_unfilters(monkeypatch):
-    seen = []
-    real = png.pyspng.load
-    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
-    data = handmade_png(64, 64)
-    decode_image(data)
-    [handed] = seen
-    idat = [(s, n) for kind, s, n in png.chunks(handed) if kind == b"IDAT"]
-    assert handed != data and len(idat) == 1
-    assert handed[idat[0][0] + 2] & 0b110 == 0      # first deflate block is stored (BTYPE 00)
+def test_the_fast_inflate_runs_and_libspng_only_unfilters(monkeypatch, inflate):
+    seen = spy_on_libspng(monkeypatch)
+    decode_image(handmade_png(64, 64))
+    assert seen and all(stored(handed) for handed in seen)
 
 
-def test_highly_compressed_image_data_goes_to_libspng_whole(monkeypatch):
-    # a screenshot-like image (long runs): zlib inflates it fast, the re-wrap would only add copies
-    seen = []
-    real = png.pyspng.load
-    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
+def test_whole_inflates_unfilter_in_runs_that_start_at_rows_needing_no_row_above(monkeypatch):
+    monkeypatch.setattr(png, "BANDS_RATIO", (0, 0))       # libdeflate whole, whatever the ratio
+    monkeypatch.setattr(png, "MIN_RUN_ROWS", 3)
+    monkeypatch.setattr(png, "UNFILTER_THREADS", 3)
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 256, (60, 1 + 3 * 20), dtype=np.uint8)
+    rows[:, 0] = rng.choice([2, 3, 4], 60)            # Up, Average, Paeth: they read the row above...
+    rows[[17, 33, 41], 0] = [0, 1, 1]                 # ...but None and Sub do not: runs can start there
+    data = handmade_png(20, 60, scanlines=rows.tobytes())
+    seen = spy_on_libspng(monkeypatch)
+    np.testing.assert_array_equal(decode_image(data), pillow(data))
+    # 3 threads besides the caller's aim at rows 15, 30 and 45: the runs start at 0, then 17 and 33 (none after 45)
+    assert sorted(struct.unpack_from(">I", handed, 20)[0] for handed in seen) == [16, 17, 27]    # IHDR height
+
+
+@pytest.mark.parametrize("have_libdeflate", [True, False])
+def test_highly_compressed_image_data_is_inflated_whole(monkeypatch, have_libdeflate):
+    # a screenshot-like image (long runs): libdeflate inflates it fastest; without it libspng's zlib does
+    if not have_libdeflate:
+        monkeypatch.setattr(png, "libdeflate", None)
+    seen = spy_on_libspng(monkeypatch)
     rows = np.zeros((64, 1 + 3 * 64), np.uint8)
     rows[:, 1::7] = 255
     data = handmade_png(64, 64, scanlines=rows.tobytes())
     np.testing.assert_array_equal(decode_image(data), pillow(data))
-    assert seen == [data]
+    assert seen == ([png._stored_png(64, 64, rows.tobytes())] if have_libdeflate else [data])
 
 
 def test_interlaced_pngs_go_to_libspng_whole():
@@ -94,34 +156,35 @@ def test_interlaced_pngs_go_to_libspng_whole():
     np.testing.assert_array_equal(decode_image(data), pillow(data))
 
 
-def test_a_bad_adler32_is_an_image_error():
+def test_a_bad_adler32_is_an_image_error(inflate):
     data = bytearray(handmade_png(16, 16))
     _, start, length = next(c for c in png.chunks(bytes(data)) if c[0] == b"IDAT")
     data[start + length - 1] ^= 0xFF                 # the zlib stream's last byte: its Adler-32
-    with pytest.raises(ImageError, match="checksum"):
+    with pytest.raises(ImageError, match="checksum" if inflate == "bands" else "corrupt"):
         decode_image(bytes(data))
 
 
-def test_the_png_handed_to_libspng_carries_valid_checksums(monkeypatch):
-    # libspng (as pyspng sets it up) ignores them today; the stored PNG must not depend on that
-    seen = []
-    real = png.pyspng.load
-    monkeypatch.setattr(png.pyspng, "load", lambda data, **kw: seen.append(data) or real(data, **kw))
-    decode_image(handmade_png(40, 30))
-    handed = seen[0]
-    _, start, length = next(c for c in png.chunks(handed) if c[0] == b"IDAT")
-    stream = handed[start:start + length]
-    assert struct.unpack(">I", handed[start + length:start + length + 4])[0] == zlib.crc32(b"IDAT" + stream)
-    assert zlib.decompress(stream) == zlib.decompress(b"".join(
-        handmade_png(40, 30)[s:s + n] for kind, s, n in png.chunks(handmade_png(40, 30)) if kind == b"IDAT"))
+def test_the_pngs_handed_to_libspng_carry_valid_checksums(monkeypatch, inflate):
+    # libspng (as pyspng sets it up) ignores them today; the stored PNGs must not depend on that
+    seen = spy_on_libspng(monkeypatch)
+    original = handmade_png(40, 30)
+    decode_image(original)
+    scanlines = b""
+    for handed in seen:
+        _, start, length = next(c for c in png.chunks(handed) if c[0] == b"IDAT")
+        stream = handed[start:start + length]
+        assert struct.unpack(">I", handed[start + length:start + length + 4])[0] == zlib.crc32(b"IDAT" + stream)
+        # a band after the first carries the row above as its first row (bands) or nothing extra (whole)
+        scanlines += zlib.decompress(stream)[(1 + 3 * 40) if inflate == "bands" and scanlines else 0:]
+    assert scanlines == zlib.decompress(b"".join(original[s:s + n] for kind, s, n in png.chunks(original)
+                                                 if kind == b"IDAT"))
 
 
 @pytest.mark.parametrize("band_rows", [128, 4])
-@pytest.mark.parametrize("rows, message", [(10, "inflates to"), (40, r"inflates to \d+\+ bytes")])
-def test_image_data_of_the_wrong_size_is_an_image_error(monkeypatch, rows, message, band_rows):
+@pytest.mark.parametrize("rows, message", [(10, "inflates to"), (40, r"inflates to (\d+\+ bytes|more than)")])
+def test_image_data_of_the_wrong_size_is_an_image_error(monkeypatch, rows, message, band_rows, inflate):
     # IHDR says 20 rows; the stream holds 10 (truncated) or 40 (more than the image: inflating stops early),
-    # decoded in one band or in bands of 4 rows. Random bytes (filter type 0): incompressible, so the fast path
-    # takes them.
+    # decoded whole, in one band or in bands of 4 rows. Random bytes (filter type 0).
     monkeypatch.setattr(png, "BAND_ROWS", band_rows)
     scan = np.random.default_rng(rows).integers(0, 256, (rows, 1 + 3 * 8), dtype=np.uint8)
     scan[:, 0] = 0

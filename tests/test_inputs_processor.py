@@ -248,6 +248,23 @@ def test_an_image_the_encoder_cannot_take_is_refused_naming_it(vl):
     assert info.value.param == "multi_modal_data.image[1]"
 
 
+def test_a_chats_images_decode_off_the_callers_thread_and_the_first_bad_one_is_reported(vl, monkeypatch):
+    import threading
+
+    from engine.inputs import processor as processor_module
+    threads, real = [], processor_module.decode_image
+    monkeypatch.setattr(processor_module, "decode_image",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    bad = {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}
+    sliver = image_part(noise(402, 2))
+    for parts, at, message in (([bad, image_part(noise(64, 64, 7)), sliver], 0, "could not decode image"),
+                               ([image_part(noise(64, 64, 8)), sliver, bad], 1, "aspect ratio over 200")):
+        with pytest.raises(InvalidInputError, match=message) as info:
+            vl.process_chat([{"role": "user", "content": parts}])
+        assert info.value.param == f"messages[0].content[{at}].image_url"
+    assert threads and all(name.startswith("image-load") for name in threads)
+
+
 @pytest.mark.parametrize("messages, param, message", [
     ([], "messages", "non-empty list"),
     ("hello", "messages", "non-empty list"),
@@ -300,3 +317,48 @@ def test_a_model_without_chat_template_refuses_chat(qwen3_dir):
     proc.chat_template = None
     with pytest.raises(InvalidInputError, match="no chat template"):
         proc.process_chat([{"role": "user", "content": "hi"}])
+
+
+def lifted(image_or_url) -> dict:
+    """An image part as the server hands it over once it has lifted the data URL out of the body."""
+    from engine.inputs.image_io import DataURL
+    url = image_or_url if isinstance(image_or_url, str) else data_url(image_or_url)
+    header, payload = url.split(",", 1)
+    return {"type": "image_url", "image_url": {"url": DataURL(header, memoryview(payload.encode()))}}
+
+
+def test_preloaded_images_decode_once_and_give_the_same_prompt(vl, monkeypatch):
+    from engine.inputs import processor as processor_module
+    calls, real = [], processor_module.decode_image
+    monkeypatch.setattr(processor_module, "decode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    image = noise(96, 64, 11)
+    messages = [{"role": "user", "content": [lifted(image), {"type": "text", "text": "What is this?"}]}]
+    vl.preload_images(messages)
+    assert messages[0]["content"][0]["image_url"]["url"].loading is not None
+    pre = vl.process_chat(messages)
+    plain = vl.process_chat([{"role": "user", "content": [image_part(image), {"type": "text", "text": "What is this?"}]}])
+    assert calls == [1]          # the second request's bytes hit the decoded-image cache
+    assert pre.prompt_token_ids == plain.prompt_token_ids
+    assert [i.content_hash for i in pre.images] == [i.content_hash for i in plain.images]
+    assert torch.equal(pre.mrope_positions, plain.mrope_positions)
+
+
+def test_a_preloaded_images_error_names_where_it_is(vl):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}, lifted("data:image/png;base64,AAAA")]}]
+    vl.preload_images(messages)
+    with pytest.raises(ImageError, match="could not decode image") as info:
+        vl.process_chat(messages)
+    assert info.value.param == "messages[0].content[1].image_url"
+
+
+def test_no_preload_past_the_image_limit_or_for_a_text_model(qwen3_vl_dir, qwen3_dir):
+    proc = make_processor(qwen3_vl_dir, InputLimits(limit_images_per_prompt=2))
+    messages = [{"role": "user", "content": [lifted(noise(32, 32, i)) for i in range(3)]}]
+    proc.preload_images(messages)
+    assert all(part["image_url"]["url"].loading is None for part in messages[0]["content"])
+    with pytest.raises(InvalidInputError, match="3 images in one prompt"):
+        proc.process_chat(messages)
+    text_only = make_processor(qwen3_dir)
+    messages = [{"role": "user", "content": [lifted(noise(32, 32))]}]
+    text_only.preload_images(messages)
+    assert messages[0]["content"][0]["image_url"]["url"].loading is None

@@ -27,6 +27,25 @@ except ImportError:  # pragma: no cover
 DecodedImage = Image.Image | np.ndarray
 
 
+class PixelDigest:
+    """The hash of an image's uint8 pixels, fed their rows top to bottom by the PNG decoder while it decodes
+    (png.decode_rgb8's on_rows, on its worker threads), so that no separate pass over the pixels follows the
+    decode. digest(pixels) is that hash if exactly those pixels were fed; otherwise it hashes them now."""
+
+    def __init__(self):
+        self._hash = new_hash()
+        self._fed = 0
+
+    def update(self, rows: np.ndarray) -> None:
+        self._hash.update(rows)
+        self._fed += rows.nbytes
+
+    def digest(self, pixels: np.ndarray) -> bytes:
+        if self._fed == pixels.nbytes:
+            return self._hash.digest()
+        return new_hash(pixels.data).digest()
+
+
 def decoded_size(image: DecodedImage) -> int:
     return image.nbytes if isinstance(image, np.ndarray) else image.width * image.height * len(image.getbands())
 

@@ -14,7 +14,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +37,15 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class DataURL:
     """A data URL whose base64 characters stay where the request body has them: the server lifts large image
     data URLs out of the body before parsing the JSON (engine/server/data_urls.py), so no multi-megabyte str
     is scanned, built and scanned again on its way to the base64 decoder."""
     header: str              # everything before the comma: "data:image/png;base64"
     payload: memoryview      # the base64 characters
+    # The decode of this image, when InputProcessor.preload_images started it as soon as the body was read.
+    loading: Future | None = field(default=None, repr=False)
 
 
 def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
@@ -110,9 +113,10 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
 
 
 def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 param: str | None = None) -> Image.Image | np.ndarray:
+                 param: str | None = None, on_rows: png.RowsCallback | None = None) -> Image.Image | np.ndarray:
     """load_image, except that a plain 8-bit RGB PNG comes back as the decoder's uint8 [H, W, 3] array: the
-    image processor reads it without the two copies a PIL image costs (~1 ms for 1024x1024)."""
+    image processor reads it without the two copies a PIL image costs (~1 ms for 1024x1024). For such a PNG,
+    on_rows gets the rows as they are decoded (png.decode_rgb8); for any other image it is not called."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -123,7 +127,7 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
             check_pixels(image.width, image.height, max_pixels, param)
             parts = _plain_rgb_png(image, data)
             if parts is not None:
-                return png.decode_rgb8(data, parts)       # uint8 [H, W, 3]: RGB
+                return png.decode_rgb8(data, parts, on_rows)   # uint8 [H, W, 3]: RGB
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:

@@ -7,8 +7,10 @@ n gets position n + delta on all three axes, delta = max position + 1 - prompt l
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.errors import InvalidInputError
@@ -19,34 +21,40 @@ def get_mrope_positions(token_ids: Sequence[int], image_grids_thw: Sequence[Sequ
     """Positions [3, len(token_ids)] int64 and the delta for generated tokens.
 
     `image_grids_thw` are the images' (t, h, w) patch grids (before merging), in prompt order; image i owns the next
-    t*h*w / merge**2 <|image_pad|> tokens, so images need not be separated by other tokens.
+    t*h*w / merge**2 <|image_pad|> tokens, so images need not be separated by other tokens. Built in numpy: torch's
+    CPU ops start its thread pool for a few thousand elements (0.4 ms on a 16-core host against 0.1 here).
     """
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    n = ids.numel()
-    positions = torch.empty(3, n, dtype=torch.long)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    n = ids.size
+    positions = np.empty((3, n), dtype=np.int64)
     image_starts = _image_starts(ids, image_grids_thw, image_token_id, spatial_merge_size)
     cur = 0   # next free position
     i = 0     # next token index
     for start, (t, h, w) in image_starts:
-        positions[:, i:start] = torch.arange(cur, cur + start - i)   # the text run before the image
+        positions[:, i:start] = np.arange(cur, cur + start - i)   # the text run before the image
         cur += start - i
         H, W = h // spatial_merge_size, w // spatial_merge_size
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(H), torch.arange(W), indexing="ij")
         end = start + t * H * W
-        positions[0, start:end] = cur + tt.flatten()
-        positions[1, start:end] = cur + hh.flatten()
-        positions[2, start:end] = cur + ww.flatten()
+        np.add(_grid_positions(t, H, W), cur, out=positions[:, start:end])
         cur += max(H, W)
         i = end
-    positions[:, i:] = torch.arange(cur, cur + n - i)
+    positions[:, i:] = np.arange(cur, cur + n - i)
     delta = int(positions.max()) + 1 - n if n else 0
-    return positions, delta
+    return torch.from_numpy(positions), delta
 
 
-def _image_starts(ids: torch.Tensor, grids: Sequence[Sequence[int]], image_token_id: int,
+@functools.lru_cache(maxsize=64)
+def _grid_positions(t: int, H: int, W: int) -> np.ndarray:
+    """[3, t*H*W]: (ti, hi, wi) of each merged token of a t x H x W grid, row-major (shared: read only)."""
+    grid = np.stack([a.ravel() for a in np.meshgrid(np.arange(t), np.arange(H), np.arange(W), indexing="ij")])
+    grid.flags.writeable = False
+    return grid
+
+
+def _image_starts(ids: np.ndarray, grids: Sequence[Sequence[int]], image_token_id: int,
                   merge: int) -> list[tuple[int, tuple[int, int, int]]]:
     """Where each image's token run begins; checks the prompt holds exactly the tokens the grids call for."""
-    pad_idx = (ids == image_token_id).nonzero().flatten().tolist()
+    pad_idx = np.flatnonzero(ids == image_token_id).tolist()
     out, k = [], 0
     for t, h, w in grids:
         length = t * (h // merge) * (w // merge)

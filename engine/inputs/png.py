@@ -7,7 +7,9 @@ the scanlines go back in as *stored* deflate blocks (a copy plus block headers):
 and its filter code and output stay the ones every other PNG goes through.
 
 The inflate goes band by band (BAND_ROWS rows), and a worker thread unfilters each band while the next one
-inflates (both release the GIL): 1024x1024 photo 6.3 -> 4.8 ms here.
+inflates (both release the GIL): 1024x1024 photo 6.3 -> 4.8 ms here. The worker also hands each finished band
+to the caller's on_rows (the image processor hashes the pixels there, off the critical path); the last band,
+which nothing overlaps, is kept short (TAIL_ROWS).
 
 Image data compressed past 8:1 (screenshots, diagrams: long matches) inflates fast in zlib too; it goes to
 libspng whole, as the re-wrap's copies would cost more than ISA-L saves.
@@ -19,7 +21,9 @@ IDAT chunk would also re-take the GIL ~25 times, up to 5 ms each while another s
 """
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -28,6 +32,10 @@ try:
     from isal import igzip_lib, isal_zlib
 except ImportError:  # pragma: no cover - declared dependency; without it libspng does all the work
     igzip_lib = isal_zlib = None
+try:   # libdeflate
+    import deflate as libdeflate
+except ImportError:  # pragma: no cover
+    libdeflate = None
 try:   # libspng; without it every PNG goes through Pillow (engine.inputs.image_io)
     import pyspng
 except ImportError:  # pragma: no cover
@@ -35,11 +43,18 @@ except ImportError:  # pragma: no cover
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STORED_BLOCK = 65535              # the largest stored deflate block
-# 1024x1024 screenshot, 34:1: 2.4 ms by libspng alone, 2.8 ms re-wrapped; photo, 1.9:1: 12.9 against 5.5 ms.
-MIN_RATIO_FOR_REWRAP = 8          # inflated / compressed size below which ISA-L + re-wrap wins
+# Inflated / compressed size for which ISA-L band by band wins; outside it libdeflate whole wins (or libspng
+# alone, without libdeflate). 1024x1024, local host: photo-like (1.2-7:1) ISA-L 3.0-5.8 ms, libdeflate 4.1-6.1;
+# noise (1.0-1.1:1) 7.4 against 5.9 ms; a screenshot (34:1) 0.9 against 0.4 (libspng's zlib: 2.4).
+BANDS_RATIO = (1.15, 6.0)
 BAND_ROWS = 128                   # rows inflated, then unfiltered, at a time
-# Each decode keeps at most one band in a worker; a few workers serve requests decoding at once.
-_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="png-unfilter")
+TAIL_ROWS = 32                    # the last band, unfiltered after the inflate ends: kept short
+# Runs of rows unfiltered at once after a whole inflate, besides the caller's (on a 2-core host, one more), each
+# of at least MIN_RUN_ROWS (a thread hand-off costs what ~10 rows do).
+UNFILTER_THREADS = max(0, min(4, (os.cpu_count() or 1) - 1))
+MIN_RUN_ROWS = 128
+# A banded decode keeps at most one band in a worker; a whole one up to UNFILTER_THREADS runs.
+_WORKERS = ThreadPoolExecutor(max_workers=max(1, UNFILTER_THREADS), thread_name_prefix="png-unfilter")
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", 0xAE426082)
 
 
@@ -56,20 +71,82 @@ def chunks(data: bytes) -> list[tuple[bytes, int, int]]:
     return out
 
 
-def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]]) -> np.ndarray:
+RowsCallback = Callable[[np.ndarray], None]
+
+
+def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]], on_rows: RowsCallback | None = None) -> np.ndarray:
     """uint8 [H, W, 3] of a non-interlaced 8-bit RGB PNG whose chunks are `parts` (from chunks(data)); the
     caller has checked the header (depth, colour type) and the pixel count. Raises ValueError if the data is
-    corrupt or truncated."""
+    corrupt or truncated. on_rows, if given, is called with the decoded rows top to bottom, band by band as
+    they are ready (possibly on a worker thread), so that work on the pixels (a hash) overlaps the decode."""
     width, height = struct.unpack_from(">II", data, 16)
-    if isal_zlib is None or data[28] != 0:      # Adam7: scanline sizes vary by pass, libspng's own path
-        return pyspng.load(data, format="RGB")
     expected = height * (1 + 3 * width)          # a filter-type byte, then the row's RGB bytes, per row
-    if sum(length for kind, _, length in parts if kind == b"IDAT") * MIN_RATIO_FOR_REWRAP < expected:
-        return pyspng.load(data, format="RGB")
-    return _decode_in_bands(data, parts, width, height)
+    ratio = expected / max(1, sum(length for kind, _, length in parts if kind == b"IDAT"))
+    if isal_zlib is None or data[28] != 0:       # Adam7: scanline sizes vary by pass, libspng's own path
+        out = pyspng.load(data, format="RGB")
+    elif libdeflate is not None and not BANDS_RATIO[0] <= ratio < BANDS_RATIO[1]:
+        out = _decode_whole(data, parts, width, height)
+    elif ratio >= BANDS_RATIO[1]:
+        out = pyspng.load(data, format="RGB")
+    else:
+        return _decode_in_bands(data, parts, width, height, on_rows)
+    if on_rows is not None:
+        on_rows(out)
+    return out
 
 
-def _decode_in_bands(data: bytes, parts, width: int, height: int) -> np.ndarray:
+def _decode_whole(data: bytes, parts, width: int, height: int) -> np.ndarray:
+    """libdeflate inflates all the image data in one call (the fastest inflate for near-incompressible data and
+    for long matches, but it cannot stop part way); libspng unfilters it re-wrapped as one stored PNG."""
+    view = memoryview(data)
+    idat = b"".join(view[start:start + length] for kind, start, length in parts if kind == b"IDAT")
+    expected = height * (1 + 3 * width)
+    try:        # room for one byte more than the image needs, so that a stream claiming more is caught
+        scanlines = libdeflate.zlib_decompress(idat, expected + 1)
+    except libdeflate.DeflateError as e:
+        raise ValueError(f"PNG image data is corrupt, or inflates to more than the {expected} bytes a {width}x"
+                         f"{height} RGB image needs ({e})") from e
+    if len(scanlines) != expected:
+        raise ValueError(f"PNG image data inflates to {len(scanlines)}{'+' if len(scanlines) > expected else ''} "
+                         f"bytes; a {width}x{height} RGB image needs {expected}")
+    return _unfilter_in_parallel(scanlines, width, height)
+
+
+def _unfilter_in_parallel(scanlines: bytes, width: int, height: int) -> np.ndarray:
+    """Unfilter (libspng) runs of rows at once, each on its own thread. A row filtered None or Sub does not read
+    the row above, so a run that starts with one decodes alone, as a PNG of its own; runs start at such rows
+    near even splits (rows of other filters stay with the run above them)."""
+    row_bytes = 1 + 3 * width
+    filters = np.frombuffer(scanlines, dtype=np.uint8)[::row_bytes]
+    independent = np.flatnonzero(filters <= 1)              # filter type 0 (None) or 1 (Sub)
+    threads = min(UNFILTER_THREADS, height // MIN_RUN_ROWS - 1)
+    targets = [height * i // (threads + 1) for i in range(1, threads + 1)]
+    at = np.searchsorted(independent, targets)
+    starts = sorted({0, *(int(independent[i]) for i in at if i < len(independent))})
+    edges = list(zip(starts, starts[1:] + [height]))
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    view = memoryview(scanlines)
+
+    def run(top: int, bottom: int) -> None:
+        out[top:bottom] = pyspng.load(_stored_png(width, bottom - top, view[top * row_bytes:bottom * row_bytes]),
+                                      format="RGB")
+    pending = [_WORKERS.submit(run, top, bottom) for top, bottom in edges[1:]]
+    run(*edges[0])
+    for p in pending:
+        p.result()
+    return out
+
+
+def band_edges(height: int) -> list[int]:
+    """Row boundaries of the bands: BAND_ROWS each, then (when there are several) a last one of TAIL_ROWS,
+    which nothing overlaps."""
+    edges = list(range(0, height, BAND_ROWS)) + [height]
+    if len(edges) > 2 and edges[-1] - edges[-2] > TAIL_ROWS:
+        edges.insert(-1, height - TAIL_ROWS)
+    return edges
+
+
+def _decode_in_bands(data: bytes, parts, width: int, height: int, on_rows: RowsCallback | None) -> np.ndarray:
     """Inflate band after band of BAND_ROWS rows on this thread while a worker unfilters the band before: the
     unfiltering (and its re-wrap) hides behind the inflate, all but the last band's. Each band is its own
     stored PNG whose first row is the previous band's last decoded row, filter None: the band's Up, Average
@@ -82,8 +159,8 @@ def _decode_in_bands(data: bytes, parts, width: int, height: int) -> np.ndarray:
     inflater = igzip_lib.IgzipDecompressor(flag=igzip_lib.DECOMP_ZLIB, hist_bits=15)
     row_bytes, out = 1 + 3 * width, np.empty((height, width, 3), dtype=np.uint8)
     unfiltering = None
-    for top in range(0, height, BAND_ROWS):
-        bottom = min(height, top + BAND_ROWS)
+    edges = band_edges(height)
+    for top, bottom in zip(edges, edges[1:]):
         want = (bottom - top) * row_bytes
         try:
             band = inflater.decompress(idat if top == 0 else b"", want)
@@ -95,9 +172,9 @@ def _decode_in_bands(data: bytes, parts, width: int, height: int) -> np.ndarray:
         if unfiltering is not None:
             unfiltering.result()                   # the band above is in `out`: its last row seeds this band
         if bottom < height:
-            unfiltering = _WORKERS.submit(_unfilter_band, out, top, bottom, band)
+            unfiltering = _WORKERS.submit(_unfilter_band, out, top, bottom, band, on_rows)
         else:                                      # the last band: nothing left to overlap with
-            _unfilter_band(out, top, bottom, band)
+            _unfilter_band(out, top, bottom, band, on_rows)
     if not inflater.eof:
         more = len(inflater.decompress(b"", 1))
         raise ValueError(f"PNG image data inflates to {height * row_bytes}{'+' if more else ''} bytes"
@@ -106,13 +183,15 @@ def _decode_in_bands(data: bytes, parts, width: int, height: int) -> np.ndarray:
     return out
 
 
-def _unfilter_band(out: np.ndarray, top: int, bottom: int, band: bytes) -> None:
+def _unfilter_band(out: np.ndarray, top: int, bottom: int, band: bytes, on_rows: RowsCallback | None) -> None:
     width = out.shape[1]
     if top == 0:
         out[:bottom] = pyspng.load(_stored_png(width, bottom, band), format="RGB")
-        return
-    seeded = b"".join((b"\x00", out[top - 1].tobytes(), band))
-    out[top:bottom] = pyspng.load(_stored_png(width, bottom - top + 1, seeded), format="RGB")[1:]
+    else:
+        seeded = b"".join((b"\x00", out[top - 1].tobytes(), band))
+        out[top:bottom] = pyspng.load(_stored_png(width, bottom - top + 1, seeded), format="RGB")[1:]
+    if on_rows is not None:
+        on_rows(out[top:bottom])
 
 
 def _stored_png(width: int, height: int, scanlines) -> bytes:

@@ -6,24 +6,31 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 """
 from __future__ import annotations
 
+import copy
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import ImageError, InvalidInputError
+from engine.errors import EngineError, ImageError, InvalidInputError
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
-from engine.inputs.image_cache import DecodedImageCache, new_hash
-from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
+from engine.inputs.image_cache import DecodedImageCache, PixelDigest, new_hash
+from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DataURL, check_pixels,
                                     decode_image, fetch_image_bytes, to_rgb)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
 from engine.inputs.types import ImageItem, ProcessedPrompt
 
+# Decoding images from requests (each decode also keeps a png-unfilter worker busy): all of a request's images at
+# once, several requests' at once.
+_IMAGE_LOADERS = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4), thread_name_prefix="image-load")
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -92,15 +99,25 @@ class InputProcessor:
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
-        # Render before decoding any image: a template error is cheaper to find than a decoded image.
-        text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **kwargs)
-        images = [self._load_image_ref(ref) for ref in chat.images]
-        return self._build(self._encode(text, add_special_tokens=False), images, text, param="messages")
+        # The images decode on worker threads, all at once (if preload_images has not started them already),
+        # while this thread renders and tokenizes; a template error still wins over an image error, and images
+        # not started by then are not started.
+        pending = [self._start_loading(ref) for ref in chat.images]
+        try:
+            text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools, **kwargs)
+            token_ids = self._encode(text, add_special_tokens=False)
+            loaded = [_result(p, ref.param) for p, ref in zip(pending, chat.images)]
+        finally:
+            for p in pending:
+                p.cancel()
+        return self._build(token_ids, [image for image, _ in loaded], text, param="messages",
+                           digests=[digest for _, digest in loaded])
 
     # ---- building the prompt --------------------------------------------------------------------------------
     def _build(self, token_ids: list[int], images: list[Image.Image | np.ndarray], text: str | None,
-               param: str = "prompt") -> ProcessedPrompt:
+               param: str = "prompt", digests: list[PixelDigest | None] | None = None) -> ProcessedPrompt:
+        """`digests`: per image, the hash of its decoded pixels when the decoder made one on the way."""
         mc = self.model_config
         if not mc.is_multimodal:
             if images:
@@ -117,12 +134,13 @@ class InputProcessor:
         ids: list[int] = []
         items: list[ImageItem] = []
         prev = 0
-        for slot, image in zip(slots, images):
+        for slot, image, digest in zip(slots, images, digests or [None] * len(images)):
             raw, grid = self.image_processor.resize(image)
             length = grid[0] * grid[1] * grid[2] // merge ** 2
             ids += token_ids[prev:slot]
+            as_decoded = isinstance(image, np.ndarray) and tuple(raw.shape) == image.shape   # not resized
             items.append(ImageItem(raw=raw, grid_thw=grid, offset=len(ids), length=length,
-                                   content_hash=self._content_hash(raw),
+                                   content_hash=self._content_hash(raw, digest if as_decoded else None),
                                    to_pixels=self.image_processor.to_pixel_values))
             ids += [mc.image_token_id] * length
             prev = slot + 1
@@ -168,15 +186,37 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._checked(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def _load_image_ref(self, ref: ImageRef) -> Image.Image | np.ndarray:
+    def preload_images(self, messages: Any) -> None:
+        """Start decoding a chat request's lifted image data URLs (engine/server/data_urls.py) now, as soon as
+        its body is parsed, while the server validates the rest of the request: process_chat then takes the
+        decode already under way. Only for a model that takes images, and only as many as one prompt may hold;
+        whatever is wrong with the request or an image, process_chat reports."""
+        if self.image_processor is None:
+            return
+        urls = [url for url in _image_urls(messages) if isinstance(url, DataURL)]
+        if len(urls) > self.limits.limit_images_per_prompt:
+            return
+        for url in urls:
+            if url.loading is None:
+                url.loading = _IMAGE_LOADERS.submit(self._load_image, ImageRef(param="", url=url))
+
+    def _start_loading(self, ref: ImageRef) -> Future:
+        if isinstance(ref.url, DataURL) and ref.url.loading is not None:
+            return ref.url.loading
+        return _IMAGE_LOADERS.submit(self._load_image, ref)
+
+    def _load_image(self, ref: ImageRef) -> tuple[Image.Image | np.ndarray, PixelDigest | None]:
+        """The image, checked (_checked), and the hash of its pixels if the decoder made one."""
         lim = self.limits
         if ref.image is not None:
-            return self._checked(ref.image, ref.param)
+            return self._checked(ref.image, ref.param), None
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
+        digest = PixelDigest()      # fed only if the image is decoded now (not a cache hit) by the PNG fast path
         image = self.decoded_images.get_or_decode(data, lambda d: decode_image(
-            d, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param))
-        return self._checked(image, ref.param)
+            d, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param,
+            on_rows=digest.update))
+        return self._checked(image, ref.param), digest
 
     def _checked(self, image: Image.Image | np.ndarray, param: str) -> Image.Image | np.ndarray:
         """The image in RGB (a PIL image, or decoded RGB uint8 [H, W, 3]), once its size passes the limits and
@@ -194,13 +234,37 @@ class InputProcessor:
             raise InvalidInputError(f"{n} images in one prompt, over the limit of "
                                     f"{self.limits.limit_images_per_prompt}", param=param)
 
-    def _content_hash(self, raw) -> str:
+    def _content_hash(self, raw: torch.Tensor, digest: PixelDigest | None = None) -> str:
         """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
-        prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
-        h = new_hash(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode())
-        h.update(raw.numpy().data)
-        return h.hexdigest()
+        prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly.
+        `digest` holds the pixels' hash when the decoder computed it (raw is then the decoded array itself)."""
+        pixels = raw.numpy()
+        pixel_hash = (digest or PixelDigest()).digest(pixels)
+        return new_hash(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode() + pixel_hash).hexdigest()
 
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
                                  f"accept images", param=param)
+
+
+def _image_urls(messages: Any) -> list[Any]:
+    """The image_url values of OpenAI-style chat messages (`{"url": ...}` or a bare string), unchecked."""
+    urls = []
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            image_url = part.get("image_url") if isinstance(part, dict) else None
+            urls.append(image_url.get("url") if isinstance(image_url, dict) else image_url)
+    return urls
+
+
+def _result(loading: Future, param: str):
+    """A loading image's result; its error, if any, names where the image is in the request."""
+    try:
+        return loading.result()
+    except EngineError as e:
+        if e.param == param:
+            raise
+        err = copy.copy(e)
+        err.param = param
+        raise err from None

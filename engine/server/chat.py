@@ -18,7 +18,10 @@ from engine.server.state import STATE, ServerState
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    f = Fields(await read_json_body(request))
+    body = await read_json_body(request)
+    # An uploaded image's decode (the longest part of processing the request) starts now, beside the checks below.
+    state.engine.preload_images(body.get("messages"))
+    f = Fields(body)
     options = parse_options(f)
     state.check_model(options.model)
     refuse_unsupported(f)

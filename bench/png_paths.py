@@ -1,0 +1,67 @@
+"""The host's PNG decode of one 1024x1024 upload through each path engine/inputs/png.py can take, on the same
+images: ISA-L band by band (unfiltering in a worker behind the inflate), libdeflate whole (then runs of rows
+unfiltered on several threads), and libspng alone (its own zlib). Medians over fresh images, ms.
+
+    python bench/png_paths.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serve import IMAGE_KINDS, synthetic_image  # noqa: E402
+
+from engine.inputs import png  # noqa: E402
+
+PATHS = {"isal bands": (0, float("inf")), "libdeflate whole": (0, 0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--images", type=int, default=6, help="fresh images per kind")
+    args = ap.parse_args()
+    rows = []
+    for kind in IMAGE_KINDS:
+        datas = []
+        for seed in range(args.images):
+            buf = io.BytesIO()
+            synthetic_image(1024, seed, kind).save(buf, format="PNG")
+            datas.append(buf.getvalue())
+        row = {"kind": kind, "ratio": round(1024 * 3073 / len(datas[0]), 2), "chosen": None}
+        for name, bands in [*PATHS.items(), ("libspng alone", None)]:
+            times = []
+            for data in datas:
+                parts = png.chunks(data)
+                start = time.perf_counter()
+                if bands is None:
+                    png.pyspng.load(data, format="RGB")
+                else:
+                    saved, png.BANDS_RATIO = png.BANDS_RATIO, bands
+                    try:
+                        png.decode_rgb8(data, parts)
+                    finally:
+                        png.BANDS_RATIO = saved
+                times.append((time.perf_counter() - start) * 1e3)
+            row[name] = round(statistics.median(times), 2)
+        start = time.perf_counter()
+        for data in datas:
+            png.decode_rgb8(data, png.chunks(data))
+        row["chosen"] = round((time.perf_counter() - start) * 1e3 / len(datas), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
