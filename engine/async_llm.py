@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
@@ -25,6 +27,17 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class StartRequest:
+    """Queue the request as soon as its prompt is processed, from the worker thread that processed it: the engine
+    then starts without waiting for the event loop to come back for the prompt (~0.3 ms on the H200's host).
+    `fit(prompt, params)` first adapts the parameters to the prompt (a server-chosen max_tokens)."""
+    request_id: str
+    params: SamplingParams
+    priority: int = 0
+    fit: Callable[[ProcessedPrompt, SamplingParams], None] | None = None
 
 
 @dataclass
@@ -44,6 +57,8 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopping = False
         self.dead_error: BaseException | None = None
+        # Prompt processing (templates, tokenizing, image decodes) off the event loop, as its default executor would
+        self._workers = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="prompt")
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -59,36 +74,44 @@ class AsyncLLM:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     # ---- requests ------------------------------------------------------------------------------------------
-    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None) -> ProcessedPrompt:
-        """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError)."""
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None,
+                           start: StartRequest | None = None) -> ProcessedPrompt:
+        """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
+        `start`, the request is then queued from that same worker thread."""
         ip = self.engine.input_processor
-        return await asyncio.get_running_loop().run_in_executor(
-            None, ip.process_chat, messages, add_generation_prompt, chat_template_kwargs)
+        return await self._on_worker(lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs),
+                                     start)
 
     def preload_images(self, messages) -> None:
         """Start decoding a chat body's lifted image data URLs now, on worker threads (InputProcessor)."""
         self.engine.input_processor.preload_images(messages)
 
-    async def process_prompt(self, prompt) -> ProcessedPrompt:
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.process_prompt, prompt)
+    async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
+        return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Raise PromptTooLongError etc. now, not after the stream has begun. Returns the resolved max_tokens."""
         return self.engine.check_lengths(prompt, params)
 
-    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs (one per step that produced text). Cancelling the consumer, or leaving
-        the loop early, aborts the request in the engine."""
+    def start_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int,
+                      loop: asyncio.AbstractEventLoop) -> None:
+        """Check and queue a request, from any thread; generate() then streams its outputs to `loop`."""
         if not self.is_healthy:
             raise EngineOverloadedError("the engine loop is not running", code="engine_dead")
         if len(self._streams) >= self.max_pending:
             raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)}); retry shortly",
                                         code="overloaded")
         self.check_request(prompt, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        self._streams[request_id] = _Stream(loop, asyncio.Queue())
         self._send(("add", request_id, prompt, params, priority, time.time()))
+
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs (one per step that produced text), starting it unless a StartRequest
+        did. Cancelling the consumer, or leaving the loop early, aborts the request in the engine."""
+        if request_id not in self._streams:
+            self.start_request(request_id, prompt, params, priority, asyncio.get_running_loop())
+        stream = self._streams[request_id]
         finished = False
         try:
             while True:
@@ -107,10 +130,33 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def _on_worker(self, process: Callable[[], ProcessedPrompt], start: StartRequest | None) -> ProcessedPrompt:
+        loop = asyncio.get_running_loop()
+
+        def work() -> ProcessedPrompt:
+            prompt = process()
+            if start is not None:
+                if start.fit is not None:
+                    start.fit(prompt, start.params)
+                self.start_request(start.request_id, prompt, start.params, start.priority, loop)
+            return prompt
+        job = self._workers.submit(work)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if start is not None:    # the caller left: a request that starts anyway is dropped, not run for no one
+                job.add_done_callback(lambda _: self._drop(start.request_id))
+            raise
+
+    def _drop(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._send(("abort", request_id))
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ---------------------------------------------------------------------------------
     def _send(self, command: tuple) -> None:

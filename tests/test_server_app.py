@@ -40,8 +40,8 @@ class ScriptedLLM:
     def preload_images(self, messages) -> None:
         pass                  # the scripted prompts have no images
 
-    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None):
-        return ProcessedPrompt(prompt_token_ids=[1, 2, 3])
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None):
+        return ProcessedPrompt(prompt_token_ids=[1, 2, 3])      # generate() plays the script, started or not
 
     def check_request(self, prompt, params) -> int:
         return params.max_tokens

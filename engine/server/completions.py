@@ -11,11 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import completion_logprobs
-from engine.server.protocol import (Fields, check_token_ids_in_vocab, fit_default_max_tokens, parse_options,
-                                    read_json_body, refuse_unsupported, renamed_params, sampling_params)
+from engine.server.protocol import (Fields, check_token_ids_in_vocab, parse_options, read_json_body,
+                                    refuse_unsupported, renamed_params, sampling_params)
 from engine.server.serving import Generation, serve_generation, usage
 from engine.server.state import STATE, ServerState
 
@@ -34,11 +35,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         max_tokens = user_max if user_max is not None else DEFAULT_MAX_TOKENS
         params = sampling_params(f, state.sampling_defaults, max_tokens, f.integer("logprobs", None))
         check_token_ids_in_vocab(params, state.vocab_size)
-        prompt = await state.engine.process_prompt(prompt_input)
-        if user_max is None:
-            fit_default_max_tokens(params, len(prompt.prompt_token_ids), state.max_model_len)
-        state.engine.check_request(prompt, params)
-    gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt, params, options, int(time.time()))
+        start = StartRequest(f"cmpl-{uuid.uuid4().hex}", params, options.priority,
+                             None if user_max is not None else state.fit_default_max_tokens)
+        prompt = await state.engine.process_prompt(prompt_input, start=start)
+    gen = Generation(start.request_id, prompt, params, options, int(time.time()))
     return await serve_generation(request, state, gen, CompletionFormat(gen, state))
 
 

@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.async_llm import AsyncLLM
+from engine.inputs.types import ProcessedPrompt
+from engine.sampling_params import SamplingParams
 from engine.logger import init_logger
 from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
 from engine.server.logprobs import TokenText
 from engine.server.metrics import ServerMetrics
+from engine.server.protocol import fit_default_max_tokens
 
 logger = init_logger(__name__)
 
@@ -35,6 +38,10 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    def fit_default_max_tokens(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        """A max_tokens the server chose (no max_tokens in the request) cut to the room the prompt leaves."""
+        fit_default_max_tokens(params, len(prompt.prompt_token_ids), self.max_model_len)
 
     @property
     def vocab_size(self) -> int:
