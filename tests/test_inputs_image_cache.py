@@ -58,3 +58,21 @@ def test_a_failed_decode_is_not_kept():
         with pytest.raises(ImageError):
             cache.get_or_decode(b"junk", broken)
     assert len(cache) == 0 and cache.misses == 2
+
+
+def test_bytes_that_differ_only_in_the_middle_are_told_apart():
+    # same length, same first and last bytes (the sample): the full hash decides
+    cache = DecodedImageCache(max_bytes=1000)
+    one = b"x" * 50_000 + b"1" + b"y" * 50_000
+    two = b"x" * 50_000 + b"2" + b"y" * 50_000
+    cache.get_or_decode(one, lambda d: pixels(10, 1))
+    assert cache.get_or_decode(two, lambda d: pixels(10, 2))[0, 0, 0] == 2
+    assert cache.get_or_decode(one, pytest.fail)[0, 0, 0] == 1
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_an_evicted_entrys_sample_no_longer_counts():
+    cache = DecodedImageCache(max_bytes=30)
+    cache.get_or_decode(b"a", lambda d: pixels(10))
+    cache.get_or_decode(b"b", lambda d: pixels(10))        # evicts a, and a's sample with it
+    assert len(cache) == 1 and len(cache._samples) == 1
