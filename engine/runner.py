@@ -3,6 +3,7 @@
 the next tokens on the device."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,10 +15,13 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.encoder_cache import EncoderCache, EncoderOutput
+from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
 from engine.transfer import to_device
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -61,6 +65,45 @@ class InflightStep:
         return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
 
 
+class EagerCheck:
+    """Whether launching the decoder op by op behind a vision encoder run keeps the host ahead of the device.
+    The first such step is timed, host launch time against the device's time for the step (CUDA events, read
+    once done, never waited for): a host that took over HOST_SHARE of it may have left the device waiting, and
+    later steps replay the prefill graphs again."""
+    HOST_SHARE = 0.9
+
+    def __init__(self, enabled: bool):
+        self.allowed = enabled
+        self._pending: tuple | None = None       # (start event, end event, host seconds) of the timed step
+        self._decided = not enabled
+
+    def start(self, so: SchedulerOutput) -> tuple | None:
+        """Before the step's work is queued: a timing handle if this step is the one to time."""
+        self._judge()
+        if self._decided or self._pending is not None or not any(r.images for r in so.scheduled):
+            return None
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin, time.perf_counter()
+
+    def launched(self, timing: tuple) -> None:
+        begin, t0 = timing
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending = (begin, end, time.perf_counter() - t0)
+
+    def _judge(self) -> None:
+        if self._pending is None or not self._pending[1].query():
+            return
+        begin, end, host_s = self._pending
+        device_ms = begin.elapsed_time(end)
+        self._pending, self._decided = None, True
+        self.allowed = host_s * 1e3 < self.HOST_SHARE * device_ms
+        logger.info("Prefill behind the vision encoder: the host launched it op by op in %.1f ms, the device "
+                    "ran the step in %.1f ms: %s", host_s * 1e3, device_ms,
+                    "kept op by op (exact length)" if self.allowed else "back to the CUDA graphs")
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, cache: CacheEngine, kv: KVCacheManager,
                  block_size: int, device: torch.device, encoder_cache_tokens: int = 16384):
@@ -73,6 +116,7 @@ class ModelRunner:
         self.device = device
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self.graphs = None          # set by enable_cuda_graphs()
+        self.eager_check = EagerCheck(enabled=device.type == "cuda")
         self.vision_graphs = None   # likewise, for a multimodal model
         self._staging = None        # pinned host buffer for image uploads, reused (see _upload)
         self._staging_free = None   # event: the last upload from it has finished
@@ -89,16 +133,20 @@ class ModelRunner:
         # The vision encoder first: its ~13 ms on the device (a 1024x1024 image on an H200) then covers the
         # host's work of building the batch below, instead of waiting for it.
         misses = self.encoder_cache.misses
+        timing = self.eager_check.start(so)
         images = self.encode_images(so)
         inp = self.prepare_inputs(so, prev, images)
         # Behind a vision encoder run the host is ~10 ms ahead of the device, so launching the decoder layer by
-        # layer costs nothing, and the prefill runs at its exact length rather than padded to a graph's bucket
-        # (1067 tokens, bucket 1088: the qkv GEMM alone takes 94.5 us per layer padded, 77.6 exact).
-        behind_vision = self.encoder_cache.misses != misses
-        if self.graphs is not None and not behind_vision and self.graphs.can_run(inp):
+        # layer can cost nothing, and the prefill then runs at its exact length rather than padded to a graph's
+        # bucket (1067 tokens, bucket 1088: 35.5 against 37.6 ms on the device). EagerCheck turns this off on a
+        # host too slow to stay ahead.
+        eager = self.encoder_cache.misses != misses and self.eager_check.allowed
+        if self.graphs is not None and not eager and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
+        if eager and timing is not None:
+            self.eager_check.launched(timing)
         if not inp.sample_requests:
             return InflightStep(so, [], None, None)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
