@@ -69,32 +69,35 @@ class EagerCheck:
     """Whether launching the decoder op by op behind a vision encoder run keeps the host ahead of the device.
     One such step is timed, host launch time against the device's time for the step (CUDA events, read once
     done, never waited for): a host that took over HOST_SHARE of it may have left the device waiting, and later
-    steps replay the prefill graphs again. The first WARMUP_STEPS image steps are not timed: they capture the
-    vision encoder's graph and compile kernels, so host and device time are the same there (606 against 615 ms
-    on the H200)."""
+    steps replay the prefill graphs again. The first WARMUP_RUNS vision encoder runs are not timed: they capture
+    the encoder's graph and compile kernels, so host and device time are the same there (606 against 615 ms on
+    the H200). Only vision encoder runs call in, so text-only steps pay nothing."""
     HOST_SHARE = 0.9
-    WARMUP_STEPS = 2
+    WARMUP_RUNS = 2
 
     def __init__(self, enabled: bool):
         self.allowed = enabled
-        self._pending: tuple | None = None       # (start event, end event, host seconds) of the timed step
         self._decided = not enabled
-        self._image_steps = 0
+        self._runs = 0
+        self._begin: tuple | None = None         # (start event, host clock) of the step being timed
+        self._pending: tuple | None = None       # (start event, end event, host seconds) once it is launched
 
-    def start(self, so: SchedulerOutput) -> tuple | None:
-        """Before the step's work is queued: a timing handle if this step is the one to time."""
+    def vision_starting(self) -> None:
+        """The vision encoder is about to be queued: time this step if it is the one to time."""
         self._judge()
-        if self._decided or self._pending is not None or not any(r.images for r in so.scheduled):
-            return None
-        self._image_steps += 1
-        if self._image_steps <= self.WARMUP_STEPS:
-            return None
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return begin, time.perf_counter()
+        if self._decided or self._pending is not None:
+            return
+        self._runs += 1
+        if self._runs > self.WARMUP_RUNS:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self._begin = (begin, time.perf_counter())
 
-    def launched(self, timing: tuple) -> None:
-        begin, t0 = timing
+    def launched(self) -> None:
+        """The step behind the vision encoder has been queued, op by op."""
+        if self._begin is None:
+            return
+        (begin, t0), self._begin = self._begin, None
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._pending = (begin, end, time.perf_counter() - t0)
@@ -140,7 +143,6 @@ class ModelRunner:
         # The vision encoder first: its ~13 ms on the device (a 1024x1024 image on an H200) then covers the
         # host's work of building the batch below, instead of waiting for it.
         misses = self.encoder_cache.misses
-        timing = self.eager_check.start(so)
         images = self.encode_images(so)
         inp = self.prepare_inputs(so, prev, images)
         # Behind a vision encoder run the host is ~10 ms ahead of the device, so launching the decoder layer by
@@ -152,8 +154,8 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
-        if eager and timing is not None:
-            self.eager_check.launched(timing)
+        if eager:
+            self.eager_check.launched()
         if not inp.sample_requests:
             return InflightStep(so, [], None, None)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
@@ -279,6 +281,7 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
+        self.eager_check.vision_starting()
         dtype = self.model.visual.pos_embed.weight.dtype     # the pixels come out in the encoder's dtype
         parts = [i.to_pixels(raw, dtype) for i, raw in zip(images, self._upload([i.raw for i in images]))]
         pixels = parts[0] if len(parts) == 1 else torch.cat(parts)   # one image: no copy

@@ -3,8 +3,6 @@ first such step after the warm-up is timed (host launch time against the device'
 decides for the rest."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from engine import runner
@@ -27,10 +25,6 @@ class FakeEvent:
         return other.t - self.t
 
 
-def image_step():
-    return SimpleNamespace(scheduled=[SimpleNamespace(images=[object()])])
-
-
 @pytest.mark.parametrize("host_ms, device_ms, allowed", [(26.5, 35.5, True), (34.0, 35.5, False)])
 def test_the_first_timed_step_decides(monkeypatch, host_ms, device_ms, allowed):
     monkeypatch.setattr(runner.torch.cuda, "Event", FakeEvent)
@@ -38,21 +32,27 @@ def test_the_first_timed_step_decides(monkeypatch, host_ms, device_ms, allowed):
     monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
     FakeEvent.now, FakeEvent.done = [0.0], [False]
     check = runner.EagerCheck(enabled=True)
-    for _ in range(check.WARMUP_STEPS):        # graph captures and kernel compiles: not timed
-        assert check.start(image_step()) is None and check.allowed
-    timing = check.start(image_step())
+    for _ in range(check.WARMUP_RUNS):        # graph captures and kernel compiles: not timed
+        check.vision_starting()
+        check.launched()
+        assert check._pending is None and check.allowed
+    check.vision_starting()
     clock[0] = host_ms / 1e3                # the host has launched the step
     FakeEvent.now[0] = device_ms            # the device's end of the step, once it gets there
-    check.launched(timing)
-    assert check.start(image_step()) is None and check.allowed      # not done yet: nothing decided, no new timing
+    check.launched()
+    check.vision_starting()
+    assert check.allowed and check._begin is None    # not done yet: nothing decided, no new timing
     FakeEvent.done[0] = True
-    check.start(SimpleNamespace(scheduled=[]))
+    check.vision_starting()
     assert check.allowed is allowed
-    assert check.start(image_step()) is None                         # decided once, for good
+    check.vision_starting()
+    assert check._begin is None and check._pending is None           # decided once, for good
 
 
-def test_steps_without_images_are_not_timed_and_the_cpu_never_goes_eager(monkeypatch):
+def test_the_cpu_never_goes_eager(monkeypatch):
     monkeypatch.setattr(runner.torch.cuda, "Event", FakeEvent)
-    assert runner.EagerCheck(enabled=True).start(SimpleNamespace(scheduled=[SimpleNamespace(images=[])])) is None
     cpu = runner.EagerCheck(enabled=False)
-    assert not cpu.allowed and cpu.start(image_step()) is None
+    for _ in range(5):
+        cpu.vision_starting()
+        cpu.launched()
+    assert not cpu.allowed and cpu._begin is None and cpu._pending is None
