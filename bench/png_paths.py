@@ -1,6 +1,6 @@
 """The host's PNG decode of one 1024x1024 upload through each path engine/inputs/png.py can take, on the same
-images: ISA-L band by band (unfiltering in a worker behind the inflate), libdeflate whole (then runs of rows
-unfiltered on several threads), and libspng alone (its own zlib). Medians over fresh images, ms.
+images: ISA-L band by band (unfiltering in a worker behind the inflate), libdeflate whole (then bands
+unfiltered one after another), and libspng alone (its own zlib). Medians over fresh images, ms.
 
     python bench/png_paths.py [--json out.json]
 """

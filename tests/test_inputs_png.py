@@ -42,10 +42,9 @@ def pillow(data: bytes) -> np.ndarray:
 @pytest.fixture(params=["bands", "whole"])
 def inflate(request, monkeypatch) -> str:
     """Run the test through each fast path, whatever the data's compression ratio: ISA-L band by band, or
-    libdeflate whole and then runs of rows unfiltered on several threads (runs of a few rows here)."""
+    libdeflate whole and then unfiltered band by band (bands of a few rows here, so that images cross many)."""
     monkeypatch.setattr(png, "BANDS_RATIO", (0, float("inf")) if request.param == "bands" else (0, 0))
-    monkeypatch.setattr(png, "MIN_RUN_ROWS", 3)
-    monkeypatch.setattr(png, "UNFILTER_THREADS", 3)
+    monkeypatch.setattr(png, "BAND_ROWS", 3)
     return request.param
 
 
@@ -121,19 +120,20 @@ def test_the_fast_inflate_runs_and_libspng_only_unfilters(monkeypatch, inflate):
     assert seen and all(stored(handed) for handed in seen)
 
 
-def test_whole_inflates_unfilter_in_runs_that_start_at_rows_needing_no_row_above(monkeypatch):
+def test_whole_inflates_unfilter_band_by_band_each_seeded_by_the_row_above(monkeypatch):
     monkeypatch.setattr(png, "BANDS_RATIO", (0, 0))       # libdeflate whole, whatever the ratio
-    monkeypatch.setattr(png, "MIN_RUN_ROWS", 3)
-    monkeypatch.setattr(png, "UNFILTER_THREADS", 3)
+    monkeypatch.setattr(png, "BAND_ROWS", 16)
     rng = np.random.default_rng(5)
     rows = rng.integers(0, 256, (60, 1 + 3 * 20), dtype=np.uint8)
-    rows[:, 0] = rng.choice([2, 3, 4], 60)            # Up, Average, Paeth: they read the row above...
-    rows[[17, 33, 41], 0] = [0, 1, 1]                 # ...but None and Sub do not: runs can start there
+    rows[:, 0] = rng.choice([2, 3, 4], 60)            # Up, Average, Paeth only: every row reads the row above
     data = handmade_png(20, 60, scanlines=rows.tobytes())
     seen = spy_on_libspng(monkeypatch)
-    np.testing.assert_array_equal(decode_image(data), pillow(data))
-    # 3 threads besides the caller's aim at rows 15, 30 and 45: the runs start at 0, then 17 and 33 (none after 45)
-    assert sorted(struct.unpack_from(">I", handed, 20)[0] for handed in seen) == [16, 17, 27]    # IHDR height
+    got = []
+    out = decode_image(data, on_rows=lambda band: got.append(len(band)))
+    np.testing.assert_array_equal(out, pillow(data))
+    # bands of 16 rows; each after the first carries the row above it, decoded, as its first row
+    assert [struct.unpack_from(">I", handed, 20)[0] for handed in seen] == [16, 17, 17, 13]    # IHDR height
+    assert got == [16, 16, 16, 12]
 
 
 @pytest.mark.parametrize("have_libdeflate", [True, False])
@@ -174,8 +174,8 @@ def test_the_pngs_handed_to_libspng_carry_valid_checksums(monkeypatch, inflate):
         _, start, length = next(c for c in png.chunks(handed) if c[0] == b"IDAT")
         stream = handed[start:start + length]
         assert struct.unpack(">I", handed[start + length:start + length + 4])[0] == zlib.crc32(b"IDAT" + stream)
-        # a band after the first carries the row above as its first row (bands) or nothing extra (whole)
-        scanlines += zlib.decompress(stream)[(1 + 3 * 40) if inflate == "bands" and scanlines else 0:]
+        # a band after the first carries the row above as its first row
+        scanlines += zlib.decompress(stream)[(1 + 3 * 40) if scanlines else 0:]
     assert scanlines == zlib.decompress(b"".join(original[s:s + n] for kind, s, n in png.chunks(original)
                                                  if kind == b"IDAT"))
 

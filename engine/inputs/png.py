@@ -7,12 +7,14 @@ the scanlines go back in as *stored* deflate blocks (a copy plus block headers):
 and its filter code and output stay the ones every other PNG goes through.
 
 The inflate goes band by band (BAND_ROWS rows), and a worker thread unfilters each band while the next one
-inflates (both release the GIL): 1024x1024 photo 6.3 -> 4.8 ms here. The worker also hands each finished band
-to the caller's on_rows (the image processor hashes the pixels there, off the critical path); the last band,
-which nothing overlaps, is kept short (TAIL_ROWS).
+inflates: 1024x1024 photo 6.3 -> 4.8 ms here. ISA-L releases the GIL while it inflates; pyspng does not while
+libspng decodes (~0.35 ms a band), so the two overlap but two unfilters never would. The worker also hands each
+finished band to the caller's on_rows (the image processor hashes the pixels there, off the critical path); the
+last band, which nothing overlaps, is kept short (TAIL_ROWS).
 
-Image data compressed past 8:1 (screenshots, diagrams: long matches) inflates fast in zlib too; it goes to
-libspng whole, as the re-wrap's copies would cost more than ISA-L saves.
+Near-incompressible data (noise, ratio under 1.15) and data compressed past 6:1 (screenshots, diagrams: long
+matches) inflate fastest in libdeflate, in one call that cannot stop part way; libspng then unfilters the bands
+one after another.
 
 Checks: the zlib stream's Adler-32 (by ISA-L) and the inflated size, which must be exactly what IHDR implies;
 inflating stops one byte past it, so a stream that claims more (a decompression bomb) costs no more than the
@@ -21,7 +23,6 @@ IDAT chunk would also re-take the GIL ~25 times, up to 5 ms each while another s
 """
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,12 +50,8 @@ STORED_BLOCK = 65535              # the largest stored deflate block
 BANDS_RATIO = (1.15, 6.0)
 BAND_ROWS = 128                   # rows inflated, then unfiltered, at a time
 TAIL_ROWS = 32                    # the last band, unfiltered after the inflate ends: kept short
-# Runs of rows unfiltered at once after a whole inflate, besides the caller's (on a 2-core host, one more), each
-# of at least MIN_RUN_ROWS (a thread hand-off costs what ~10 rows do).
-UNFILTER_THREADS = max(0, min(4, (os.cpu_count() or 1) - 1))
-MIN_RUN_ROWS = 128
-# A banded decode keeps at most one band in a worker; a whole one up to UNFILTER_THREADS runs.
-_WORKERS = ThreadPoolExecutor(max_workers=max(1, UNFILTER_THREADS), thread_name_prefix="png-unfilter")
+# The banded decode's one worker: it unfilters a band while the caller inflates the next.
+_WORKERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="png-unfilter")
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", 0xAE426082)
 
 
@@ -85,7 +82,7 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]], on_rows: RowsC
     if isal_zlib is None or data[28] != 0:       # Adam7: scanline sizes vary by pass, libspng's own path
         out = pyspng.load(data, format="RGB")
     elif libdeflate is not None and not BANDS_RATIO[0] <= ratio < BANDS_RATIO[1]:
-        out = _decode_whole(data, parts, width, height)
+        return _decode_whole(data, parts, width, height, on_rows)
     elif ratio >= BANDS_RATIO[1]:
         out = pyspng.load(data, format="RGB")
     else:
@@ -95,9 +92,9 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]], on_rows: RowsC
     return out
 
 
-def _decode_whole(data: bytes, parts, width: int, height: int) -> np.ndarray:
+def _decode_whole(data: bytes, parts, width: int, height: int, on_rows: RowsCallback | None) -> np.ndarray:
     """libdeflate inflates all the image data in one call (the fastest inflate for near-incompressible data and
-    for long matches, but it cannot stop part way); libspng unfilters it re-wrapped as one stored PNG."""
+    for long matches, but it cannot stop part way); libspng then unfilters it band by band."""
     view = memoryview(data)
     idat = b"".join(view[start:start + length] for kind, start, length in parts if kind == b"IDAT")
     expected = height * (1 + 3 * width)
@@ -109,31 +106,14 @@ def _decode_whole(data: bytes, parts, width: int, height: int) -> np.ndarray:
     if len(scanlines) != expected:
         raise ValueError(f"PNG image data inflates to {len(scanlines)}{'+' if len(scanlines) > expected else ''} "
                          f"bytes; a {width}x{height} RGB image needs {expected}")
-    return _unfilter_in_parallel(scanlines, width, height)
-
-
-def _unfilter_in_parallel(scanlines: bytes, width: int, height: int) -> np.ndarray:
-    """Unfilter (libspng) runs of rows at once, each on its own thread. A row filtered None or Sub does not read
-    the row above, so a run that starts with one decodes alone, as a PNG of its own; runs start at such rows
-    near even splits (rows of other filters stay with the run above them)."""
-    row_bytes = 1 + 3 * width
-    filters = np.frombuffer(scanlines, dtype=np.uint8)[::row_bytes]
-    independent = np.flatnonzero(filters <= 1)              # filter type 0 (None) or 1 (Sub)
-    threads = min(UNFILTER_THREADS, height // MIN_RUN_ROWS - 1)
-    targets = [height * i // (threads + 1) for i in range(1, threads + 1)]
-    at = np.searchsorted(independent, targets)
-    starts = sorted({0, *(int(independent[i]) for i in at if i < len(independent))})
-    edges = list(zip(starts, starts[1:] + [height]))
     out = np.empty((height, width, 3), dtype=np.uint8)
-    view = memoryview(scanlines)
-
-    def run(top: int, bottom: int) -> None:
-        out[top:bottom] = pyspng.load(_stored_png(width, bottom - top, view[top * row_bytes:bottom * row_bytes]),
-                                      format="RGB")
-    pending = [_WORKERS.submit(run, top, bottom) for top, bottom in edges[1:]]
-    run(*edges[0])
-    for p in pending:
-        p.result()
+    row_bytes, view = 1 + 3 * width, memoryview(scanlines)
+    # On this thread, band after band: libspng holds the GIL while it decodes, so threads would take turns
+    # (1024x1024 noise, local host: 5 runs on 4 threads 2.6 ms, one after another 2.4). Bands rather than one
+    # stored PNG of it all: one 3 MB PNG and its 3 MB copies inside libspng cost 5.4 ms, mostly page faults.
+    edges = list(range(0, height, BAND_ROWS)) + [height]
+    for top, bottom in zip(edges, edges[1:]):
+        _unfilter_band(out, top, bottom, view[top * row_bytes:bottom * row_bytes], on_rows)
     return out
 
 
