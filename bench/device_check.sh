@@ -69,7 +69,9 @@ for s in $STAGES; do
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
     pngpaths)
       stage "PNG decode paths on this host"
-      timeout 120 python3 bench/png_paths.py --json "$OUT/png_paths.json" > "$OUT/png_paths.txt" 2>&1
+      # with OLD_TREE set, its png.py is also timed against this one's, image by image
+      timeout 120 python3 bench/png_paths.py --json "$OUT/png_paths.json" \
+        ${OLD_TREE:+--old "$OLD_TREE/engine/inputs/png.py"} > "$OUT/png_paths.txt" 2>&1
       echo "rc=$?"; tail -5 "$OUT/png_paths.txt" ;;
     imagetl)
       stage "image request timeline inside the HTTP server"
