@@ -53,9 +53,11 @@ class _Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        # The attributes Qwen3VLProcessor.__init__ would set (5.25 added the vision start/end pair).
         self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+        for name in ("image", "video", "vision_start", "vision_end"):
+            setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(getattr(self, f"{name}_token")))
 
 
 @pytest.fixture(scope="module")
