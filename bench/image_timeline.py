@@ -1,7 +1,8 @@
 """Where the time to first token of one image request goes, inside the real HTTP server: the server runs in
 this process with probes on the functions of the request path; a client process sends chat requests with a
 fresh 1024x1024 PNG each (bench/serve.py's image kinds) and reports its own TTFT. Printed per stage: the
-median time since the handler started, on the host, and the GPU's busy spans (CUDA events) on the same clock.
+median time since the handler started, on the host, and the GPU's busy spans (CUDA events) on the same clock;
+then the minor page faults of the process during the PNG decode.
 
     python bench/image_timeline.py --model DIR [--kinds photo screenshot] [--repeats 6] [engine flags, e.g.
         --load-format dummy]
@@ -12,6 +13,7 @@ import argparse
 import asyncio
 import functools
 import json
+import resource
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STAMPS: list[tuple[str, float]] = []        # (stage, seconds since the handler started), one request at a time
 GPU: list[tuple[str, object, object]] = []  # (span, start event, end event)
+FAULTS: list[int] = []                      # minor page faults of the process during each image's decode
 T0 = [0.0]
 
 
@@ -71,6 +74,21 @@ def probe(owner, attr: str, name: str, gpu: bool = False, first_only: bool = Fal
     setattr(owner, attr, wrapped)
 
 
+def count_faults(owner, attr: str) -> None:
+    """Wrap owner.attr so that the minor page faults of the whole process (every thread) during it are kept:
+    fresh memory (the decoded image's array) costs one fault per 4 KB page."""
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        try:
+            return fn(*a, **kw)
+        finally:
+            FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    setattr(owner, attr, wrapped)
+
+
 def install_probes() -> None:
     from aiohttp import web
 
@@ -88,6 +106,7 @@ def install_probes() -> None:
     async def first_stage(request):          # the handler's first await: the clock starts here
         STAMPS.clear()
         GPU.clear()
+        FAULTS.clear()
         T0[0] = time.perf_counter()
         GPU.append(("t0", _event(), None))
         return await handler(request)
@@ -100,6 +119,7 @@ def install_probes() -> None:
     probe(processor.InputProcessor, "_load_image", "image_load (worker)")
     probe(processor, "fetch_image_bytes", "base64")
     probe(processor, "decode_image", "png_decode")
+    count_faults(processor, "decode_image")
     probe(ChatTemplate, "render", "render")
     probe(processor.InputProcessor, "_encode", "tokenize")
     probe(processor.InputProcessor, "_content_hash", "content_hash")
@@ -175,7 +195,7 @@ async def run(args) -> None:
     runner = web.AppRunner(build_app(state, server_args), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    rows = defaultdict(list)
+    rows, faults = defaultdict(list), defaultdict(list)
     for round_ in range(args.rounds):
         # fresh images each round: a decoded-upload cache hit would skip the decoder
         client = await asyncio.create_subprocess_exec(
@@ -191,6 +211,7 @@ async def run(args) -> None:
                            for edge, t in zip(("start", "end"), span)})
             stages["client TTFT"] = r["ttft_ms"]
             rows[(r["kind"], round_)].append(stages)
+            faults[(r["kind"], round_)].append(sum(FAULTS))
         await client.wait()
     await runner.cleanup()
     engine.shutdown()
@@ -199,6 +220,7 @@ async def run(args) -> None:
         names = sorted({n for r in reqs for n in r}, key=lambda n: float(np.median([r[n] for r in reqs if n in r])))
         for n in names:
             print(f"  {np.median([r[n] for r in reqs if n in r]):8.2f}  {n}")
+        print(f"  minor page faults during the decode: median {np.median(faults[(kind, round_)]):.0f}")
 
 
 def main() -> None:

@@ -202,3 +202,15 @@ def test_a_corrupt_deflate_stream_is_an_image_error():
     bad = data[:start - 8] + chunk(b"IDAT", bytes(body)) + data[start + length + 4:]
     with pytest.raises(ImageError, match="could not decode image"):
         decode_image(bad)
+
+
+def test_images_of_one_size_decode_into_memory_of_their_own(inflate):
+    """The decoder takes its output from a pool refilled after each decode (engine/inputs/prefault.py): the
+    second image of a size must not land in the first one's array, which the caller still holds."""
+    datas = [handmade_png(64, 40, seed) for seed in range(3)]
+    outs = []
+    for data in datas:
+        outs.append(png.decode_rgb8(data, png.chunks(data)))
+        png.OUTPUTS.wait()
+    for data, out in zip(datas, outs):
+        assert np.array_equal(out, pillow(data))

@@ -16,6 +16,9 @@ Near-incompressible data (noise, ratio under 1.15) and data compressed past 6:1 
 matches) inflate fastest in libdeflate, in one call that cannot stop part way; libspng then unfilters the bands
 one after another.
 
+The output array comes from engine.inputs.prefault, mapped beforehand when an image of the same size came
+before.
+
 Checks: the zlib stream's Adler-32 (by ISA-L) and the inflated size, which must be exactly what IHDR implies;
 inflating stops one byte past it, so a stream that claims more (a decompression bomb) costs no more than the
 image. Chunk CRCs are not checked, as neither pyspng nor Pillow checks them for image data; a CRC call per
@@ -28,6 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from engine.inputs.prefault import OUTPUTS
 
 try:
     from isal import igzip_lib, isal_zlib
@@ -82,13 +87,19 @@ def decode_rgb8(data: bytes, parts: list[tuple[bytes, int, int]], on_rows: RowsC
     if isal_zlib is None or data[28] != 0:       # Adam7: scanline sizes vary by pass, libspng's own path
         out = pyspng.load(data, format="RGB")
     elif libdeflate is not None and not BANDS_RATIO[0] <= ratio < BANDS_RATIO[1]:
-        return _decode_whole(data, parts, width, height, on_rows)
+        return _refilled(_decode_whole(data, parts, width, height, on_rows))
     elif ratio >= BANDS_RATIO[1]:
         out = pyspng.load(data, format="RGB")
     else:
-        return _decode_in_bands(data, parts, width, height, on_rows)
+        return _refilled(_decode_in_bands(data, parts, width, height, on_rows))
     if on_rows is not None:
         on_rows(out)
+    return out
+
+
+def _refilled(out: np.ndarray) -> np.ndarray:
+    """`out`, once an array of its shape is being faulted in for the next image of this size."""
+    OUTPUTS.refill(out.shape)
     return out
 
 
@@ -106,7 +117,7 @@ def _decode_whole(data: bytes, parts, width: int, height: int, on_rows: RowsCall
     if len(scanlines) != expected:
         raise ValueError(f"PNG image data inflates to {len(scanlines)}{'+' if len(scanlines) > expected else ''} "
                          f"bytes; a {width}x{height} RGB image needs {expected}")
-    out = np.empty((height, width, 3), dtype=np.uint8)
+    out = OUTPUTS.take((height, width, 3))
     row_bytes, view = 1 + 3 * width, memoryview(scanlines)
     # On this thread, band after band: libspng holds the GIL while it decodes, so threads would take turns
     # (1024x1024 noise, local host: 5 runs on 4 threads 2.6 ms, one after another 2.4). Bands rather than one
@@ -137,7 +148,7 @@ def _decode_in_bands(data: bytes, parts, width: int, height: int, on_rows: RowsC
     # decompressobj grows its buffer step by step, re-taking the GIL each time, which behind a busy thread cost
     # 45 ms instead of 4.
     inflater = igzip_lib.IgzipDecompressor(flag=igzip_lib.DECOMP_ZLIB, hist_bits=15)
-    row_bytes, out = 1 + 3 * width, np.empty((height, width, 3), dtype=np.uint8)
+    row_bytes, out = 1 + 3 * width, OUTPUTS.take((height, width, 3))
     unfiltering = None
     edges = band_edges(height)
     for top, bottom in zip(edges, edges[1:]):
