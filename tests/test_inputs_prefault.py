@@ -76,3 +76,20 @@ def test_the_pool_holds_at_most_max_bytes():
     pool.refill((10, 10, 3))                # SHAPE plus this is over the bound: SHAPE goes
     pool.wait()
     assert pool.ready_shapes() == [(10, 10, 3)]
+
+
+def test_a_fill_without_memory_leaves_the_shape_to_be_asked_for_again(monkeypatch):
+    pool = PrefaultedArrays()
+    real_empty = np.empty
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(np, "empty", no_memory)
+    pool.refill(SHAPE)
+    pool.wait()
+    assert pool.ready_shapes() == []
+    monkeypatch.setattr(np, "empty", real_empty)
+    pool.refill(SHAPE)                     # not stuck as "being filled"
+    pool.wait()
+    assert pool.ready_shapes() == [SHAPE]

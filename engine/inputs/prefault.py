@@ -62,10 +62,15 @@ class PrefaultedArrays:
             future.result()
 
     def _fill(self, shape: tuple[int, ...]) -> None:
-        array = np.empty(shape, dtype=np.uint8)
-        array.reshape(-1)[::PAGE] = 0          # one write per page maps it
+        try:
+            array = np.empty(shape, dtype=np.uint8)
+            array.reshape(-1)[::PAGE] = 0      # one write per page maps it
+        except MemoryError:                    # no room now: that decode maps its own pages, as without a pool
+            array = None
         with self._lock:
             del self._filling[shape]
+            if array is None:
+                return
             self._ready[shape] = array
             while self._ready and (len(self._ready) > self.max_sizes or
                                    sum(a.nbytes for a in self._ready.values()) > self.max_bytes):
