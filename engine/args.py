@@ -18,6 +18,7 @@ class EngineArgs:
     max_model_len: int | None = None             # default: the model's context, capped by the KV pool
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
+    gpu_memory_limit: float | None = None        # GiB the whole engine may take on the GPU (replaces utilization)
     cpu_kv_cache_space: float | None = None      # GiB of KV pool when running on CPU (default: 2, capped by RAM)
     swap_space: float | None = None              # GiB of CPU swap pool (default: 4 on CUDA, 1 on CPU)
     num_gpu_blocks_override: int | None = None
@@ -44,6 +45,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:
+            raise ValueError(f"gpu_memory_limit is in GiB and must be positive, not {self.gpu_memory_limit}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.max_num_seqs < 1:
@@ -69,6 +72,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--gpu-memory-limit", type=gib, default=None, metavar="GiB",
+                   help="GPU memory the whole engine may take (weights, activations, KV cache, CUDA graphs), in GiB, "
+                        "e.g. 8 or 12GiB; replaces --gpu-memory-utilization; emulates a card of that size")
     p.add_argument("--cpu-kv-cache-space", type=float, default=None, help="GiB of KV pool on CPU")
     p.add_argument("--swap-space", type=float, default=None, help="GiB of CPU swap space for preempted KV")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -90,6 +96,20 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--demo-model", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def gib(text: str) -> float:
+    """A size in GiB, as `12`, `12.5` or `12GiB` (GB is refused: cards are sold in GiB, and 12 GB is not 12 GiB)."""
+    value = text.strip()
+    if value.lower().endswith("gib"):
+        value = value[:-3]
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 8, 11.5 or 12GiB)") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return number
 
 
 def api_key_from_env(cli_value: str | None) -> str | None:

@@ -35,6 +35,11 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
+def cuda_graphs_wanted(args, device: torch.device) -> bool:
+    """Whether steps will replay CUDA graphs (unless the KV pool turns out too small for their scratch blocks)."""
+    return device.type == "cuda" and not args.enforce_eager and triton_available()
+
+
 def scratch_blocks_needed(block_size: int) -> int:
     """KV blocks kept out of the pool: the dummy sequence's region, and a second one for the capture check."""
     return 2 * -(-PREFILL_BUCKETS[-1] // block_size)

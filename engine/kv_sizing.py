@@ -9,7 +9,8 @@ import torch
 from engine.cache_engine import CacheEngine
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.memory import GiB, MemoryProfile, cpu_kv_budget, profile_cuda
+from engine.memory import (GiB, MemoryProfile, cpu_kv_budget, encoder_cache_bytes, no_kv_room_message,
+                           profile_cuda)
 
 logger = init_logger(__name__)
 
@@ -28,16 +29,22 @@ class KVCachePlan:
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
         logger.info("Total blocks allocated: %d (%.1f MB)", self.num_gpu_blocks, gpu_bytes / 2**20)
-        if engine.device.type == "cuda":
+        if self.profile is not None and self.profile.limit_bytes is not None:
+            logger.info("GPU memory limit: %.2f GiB (--gpu-memory-limit; gpu_memory_utilization not used)",
+                        self.profile.limit_bytes / GiB)
+        elif engine.device.type == "cuda":
             logger.info("GPU memory utilization: %.2f", args.gpu_memory_utilization)
         else:
             logger.info("GPU memory utilization: %.2f (not used on CPU; KV pool from %s)",
                         args.gpu_memory_utilization, self.source)
         if self.profile is not None:
             p = self.profile
+            cap = "" if p.limit_bytes is None else (
+                f"; limit {p.limit_bytes / 1e9:.2f} GB ({p.limit_bytes / GiB:.2f} GiB): outside torch "
+                f"{p.non_torch_bytes / 1e9:.2f} GB, CUDA graphs + encoder cache {p.reserve_bytes / 1e9:.2f} GB")
             logger.info("Memory profile: weights %.2f GB, activation peak %.2f GB, KV cache %.2f GB of %.2f GB "
-                        "total", p.weights_bytes / 1e9, p.activation_peak_bytes / 1e9, gpu_bytes / 1e9,
-                        p.total_bytes / 1e9)
+                        "total%s", p.weights_bytes / 1e9, p.activation_peak_bytes / 1e9, gpu_bytes / 1e9,
+                        p.total_bytes / 1e9, cap)
         logger.info("CPU swap space: %d blocks (%.2f GiB)", self.num_cpu_blocks, cpu_bytes / GiB)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", engine.max_model_len,
                     self.num_gpu_blocks * bs / engine.max_model_len)
@@ -51,13 +58,22 @@ def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     elif engine.device.type == "cuda":
         weights = torch.cuda.memory_allocated(engine.device)
-        profile = profile_cuda(lambda: _worst_case_step(engine, max_len), weights,
-                               args.gpu_memory_utilization, engine.device)
-        num_gpu, source = profile.kv_budget_bytes // per_block, "gpu_memory_utilization"
+        # The profiled steps write their K/V here, outside the measured peaks: at run time that is the pool's part.
+        tokens = min(args.batched_tokens_budget, max_len)
+        scratch = CacheEngine(cfg, -(-tokens // args.block_size), 0, args.block_size, engine.dtype, engine.device)
+        limit = engine.gpu_memory_limit
+        reserve = 0 if limit is None else _limit_reserve(engine, max_len, scratch)
+        profile = profile_cuda(lambda: _worst_case_step(engine, tokens, max_len, scratch), weights,
+                               args.gpu_memory_utilization, engine.device, limit, reserve)
+        del scratch
+        num_gpu = max(profile.kv_budget_bytes, 0) // per_block
+        source = "gpu_memory_utilization" if limit is None else "gpu_memory_limit"
     else:
         budget = cpu_kv_budget(args.cpu_kv_cache_space)
         num_gpu, source = budget // per_block, f"cpu_kv_cache_space = {budget / GiB:.2f} GiB"
     if num_gpu < 1:
+        if profile is not None:
+            raise ModelLoadError(no_kv_room_message(profile, per_block, args.block_size))
         raise ModelLoadError(f"no memory left for the KV cache ({source}); lower max_num_batched_tokens, raise "
                              f"gpu_memory_utilization, or use a smaller model")
     swap_gib = args.swap_space if args.swap_space is not None else (4.0 if engine.device.type == "cuda" else 1.0)
@@ -65,17 +81,96 @@ def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
     return KVCachePlan(int(num_gpu), swap_bytes // per_block, per_block, source, profile)
 
 
+def _limit_reserve(engine, max_len: int, scratch: CacheEngine) -> int:
+    """Under a limit, what the utilization's headroom holds otherwise: the CUDA graph pools (when graphs will
+    be captured) and a full encoder cache."""
+    from engine.cuda_graphs import cuda_graphs_wanted
+
+    graphs = _graph_pool_bytes(engine, max_len, scratch) if cuda_graphs_wanted(engine.args, engine.device) else 0
+    return graphs + encoder_cache_bytes(engine.model_config, engine.args.encoder_cache_size, engine.dtype)
+
+
 @torch.inference_mode()
-def _worst_case_step(engine, max_len: int) -> None:
-    """The largest step the scheduler can build: max_num_batched_tokens prompt tokens through the decoder into a
-    scratch KV cache, logits and top-p sampling for max_num_seqs rows, and the largest image through the ViT."""
-    from engine.ops import AttentionMetadata
+def _graph_pool_bytes(engine, max_len: int, scratch: CacheEngine) -> int:
+    """The graphs' private pools, measured on eager runs of their largest shapes. Decoder graphs share one pool,
+    captured largest bucket first: its transient peak, plus every graph's output (each stays alive). Vision graphs
+    share another: the ViT's peak on the largest image a graph takes, plus that graph's static inputs."""
+    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.vision_graphs import MAX_GRAPH_PATCHES
+
+    cfg, dev = engine.model_config, engine.device
+    itemsize = torch.tensor([], dtype=engine.dtype).element_size()
+    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(engine.args.max_num_seqs))) * cfg.hidden_size * itemsize
+    total = _peak_bytes(lambda: _prefill_forward(engine, min(PREFILL_BUCKETS[-1], max_len), scratch), dev) + outputs
+    image = _largest_image(engine, max_len, MAX_GRAPH_PATCHES)
+    if image is not None:
+        pixels, grid = image
+        total += _peak_bytes(lambda: engine.model.encode_images(pixels, grid), dev)
+        total += pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize   # static inputs
+    return total
+
+
+def _peak_bytes(fn, device: torch.device) -> int:
+    """Bytes the allocator reserves at the peak of fn() beyond what it held before."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_reserved(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _largest_image(engine, max_len: int, max_patches: int | None = None):
+    """Random pixels and grid of the largest image a request may carry (its tokens within max_len, its patches
+    within max_patches), or None for a text-only model."""
+    processor = engine.input_processor.image_processor
+    if processor is None:
+        return None
+    budget = min(processor.max_pixels, max_len * processor.factor ** 2)
+    if max_patches is not None:
+        budget = min(budget, max_patches * processor.patch_size ** 2)
+    side = max(int(budget ** 0.5) // processor.factor, 1) * processor.factor
+    h, w = processor.resized_size(side, side)
+    t, gh, gw = processor.grid_thw(h, w)
+    pixels = torch.randn(t * gh * gw, 3 * processor.temporal_patch_size * processor.patch_size ** 2,
+                         device=engine.device)
+    return pixels, torch.tensor([[t, gh, gw]])
+
+
+@torch.inference_mode()
+def _worst_case_step(engine, tokens: int, max_len: int, scratch: CacheEngine) -> None:
+    """The largest step the scheduler can build: `tokens` (max_num_batched_tokens) prompt tokens through the
+    decoder into the scratch KV cache, logits and top-p sampling for max_num_seqs rows, and the largest image
+    through the ViT."""
     from engine.sampler import SamplingMetadata, sample
 
-    args, cfg, dev, bs = engine.args, engine.model_config, engine.device, engine.args.block_size
-    tokens = min(args.batched_tokens_budget, max_len)
+    args, dev = engine.args, engine.device
+    hidden = _prefill_forward(engine, tokens, scratch)
+    rows = min(args.max_num_seqs, tokens)
+    logits = engine.model.compute_logits(hidden[-rows:])
+    del hidden
+    fake = SamplingMetadata(
+        temperature=torch.ones(rows, device=dev), greedy=torch.zeros(rows, dtype=torch.bool, device=dev),
+        all_greedy=False, top_k=None, top_p=torch.full((rows,), 0.9, device=dev), min_p=None, presence=None,
+        frequency=None, repetition=None, output_ids=[[]] * rows, prompt_ids=[[]] * rows, banned=[], generators={},
+        max_logprobs=None)
+    sample(logits, fake)
+    image = _largest_image(engine, max_len)
+    if image is not None:
+        # The largest image a request may carry is encoded in one piece (chunked prefill splits only its
+        # placeholder tokens): profile the vision encoder on it.
+        engine.model.encode_images(*image)
+
+
+def _prefill_forward(engine, tokens: int, scratch: CacheEngine) -> torch.Tensor:
+    """One sequence of `tokens` prompt tokens through the decoder into `scratch`; its hidden states."""
+    from engine.ops import AttentionMetadata
+
+    cfg, dev, bs = engine.model_config, engine.device, engine.args.block_size
     blocks = -(-tokens // bs)
-    scratch = CacheEngine(cfg, blocks, 0, bs, engine.dtype, dev)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=dev)
     positions = torch.arange(tokens, device=dev)
     if cfg.mrope_section is not None:
@@ -86,23 +181,4 @@ def _worst_case_step(engine, max_len: int) -> None:
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], num_decodes=0, num_decode_tokens=0,
         max_query_len=tokens, max_seq_len=tokens, query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens])
-    hidden = engine.model(ids, positions, scratch.layer_caches(), md)
-    rows = min(args.max_num_seqs, tokens)
-    logits = engine.model.compute_logits(hidden[-rows:])
-    del hidden, scratch
-    fake = SamplingMetadata(
-        temperature=torch.ones(rows, device=dev), greedy=torch.zeros(rows, dtype=torch.bool, device=dev),
-        all_greedy=False, top_k=None, top_p=torch.full((rows,), 0.9, device=dev), min_p=None, presence=None,
-        frequency=None, repetition=None, output_ids=[[]] * rows, prompt_ids=[[]] * rows, banned=[], generators={},
-        max_logprobs=None)
-    sample(logits, fake)
-    processor = engine.input_processor.image_processor
-    if processor is not None:
-        # The largest image a request may carry is encoded in one piece (chunked prefill splits only its
-        # placeholder tokens): profile the vision encoder on it.
-        side = int(min(processor.max_pixels, max_len * processor.factor ** 2) ** 0.5) // processor.factor
-        side = max(side, 1) * processor.factor
-        h, w = processor.resized_size(side, side)
-        t, gh, gw = processor.grid_thw(h, w)
-        pixels = torch.randn(t * gh * gw, 3 * processor.temporal_patch_size * processor.patch_size ** 2, device=dev)
-        engine.model.encode_images(pixels, torch.tensor([[t, gh, gw]]))
+    return engine.model(ids, positions, scratch.layer_caches(), md)

@@ -12,7 +12,7 @@ import torch
 from engine.args import EngineArgs
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
-from engine.cuda_graphs import enable_cuda_graphs, scratch_blocks_needed
+from engine.cuda_graphs import cuda_graphs_wanted, enable_cuda_graphs, scratch_blocks_needed
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -21,8 +21,8 @@ from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
 from engine.inputs.setup import build_input_processor
 from engine.kv_sizing import plan_kv_cache
+from engine.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
 from engine.model.loader import build_model, load_model_config, load_weights
-from engine.ops.dispatch import triton_available
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.runner import InflightStep, ModelRunner
@@ -51,12 +51,19 @@ class LLMEngine:
         self.tokenizer = self.input_processor.tokenizer
 
         max_len = args.max_model_len or self.model_config.max_position_embeddings
-        self.model = build_model(self.model_config, max_len, self.dtype, self.device)
-        load_weights(self.model, args.model, args.load_format)
+        # Capped before the weights arrive, so that loading too runs as on a card of that size.
+        self.gpu_memory_limit = apply_gpu_memory_limit(args.gpu_memory_limit, self.device)
+        try:
+            self.model = build_model(self.model_config, max_len, self.dtype, self.device)
+            load_weights(self.model, args.model, args.load_format)
+        except torch.cuda.OutOfMemoryError as err:
+            if self.gpu_memory_limit is None:
+                raise
+            raise weights_out_of_memory(self.gpu_memory_limit, self.device, err) from None
 
         plan = plan_kv_cache(self, max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
-        use_graphs = self.device.type == "cuda" and not args.enforce_eager and triton_available()
+        use_graphs = cuda_graphs_wanted(args, self.device)
         # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool.
         # (Taken from the profiled budget; an explicit num_gpu_blocks_override gets them on top.)
         num_scratch = scratch_blocks_needed(args.block_size) if use_graphs else 0
@@ -68,8 +75,10 @@ class LLMEngine:
         self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
         if self.max_model_len < max_len:
-            logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens", max_len,
-                           self.max_model_len, self.num_gpu_blocks * args.block_size)
+            under = "" if self.gpu_memory_limit is None else \
+                f" under --gpu-memory-limit {self.gpu_memory_limit / GiB:.2f} GiB"
+            logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens%s", max_len,
+                           self.max_model_len, self.num_gpu_blocks * args.block_size, under)
         self.max_num_batched_tokens = args.batched_tokens_budget
         self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
                                  args.block_size, self.dtype, self.device)

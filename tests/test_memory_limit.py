@@ -1,0 +1,222 @@
+"""--gpu-memory-limit: the whole engine (weights, activation peak, CUDA graphs, encoder cache, KV pool, and what
+the process holds outside torch) stays under an absolute size, as on a card that size. The budget arithmetic and
+the CLI are checked here on the CPU; the CUDA wiring against a simulated allocator (torch.cuda's counters
+replaced), and for real in tests/test_gpu_memory_limit.py."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.args import EngineArgs, add_cli_args
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.memory import (GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit, check_limit,
+                           check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message, profile_cuda,
+                           usable_bytes)
+from engine_helpers import make_llm
+
+REFERENCE_8B = Path(__file__).resolve().parent.parent / "bench" / "model_configs" / "qwen3-vl-8b-instruct"
+
+
+# ---- the arithmetic ----------------------------------------------------------------------------------------
+def test_the_limit_replaces_the_utilization_share():
+    assert usable_bytes(total=140 * GiB, gpu_memory_utilization=0.9, limit=None) == int(126 * GiB)
+    assert usable_bytes(total=140 * GiB, gpu_memory_utilization=0.9, limit=8 * GiB) == 8 * GiB
+
+
+def test_kv_budget_is_what_the_fixed_costs_leave():
+    # an 8 GiB card, 4-bit weights of 6 GiB, a 0.75 GiB step, 0.5 GiB of CUDA context, 0.5 GiB of graph pools
+    assert kv_budget(8 * GiB, 6 * GiB, 3 * GiB // 4, GiB // 2, GiB // 2) == GiB // 4
+    assert kv_budget(8 * GiB, 8 * GiB, GiB, GiB // 2) < 0
+
+
+def test_the_allocator_cap_leaves_room_for_what_torch_does_not_hold():
+    assert allocator_fraction(limit=8 * GiB, non_torch=GiB // 2, total=140 * GiB) == pytest.approx(7.5 / 140)
+    assert allocator_fraction(limit=GiB, non_torch=2 * GiB, total=140 * GiB) == 0
+
+
+def test_a_limit_beyond_the_card_or_below_its_context_is_refused():
+    with pytest.raises(ModelLoadError, match=r"200\.00 GiB is more than this GPU has \(139\.80 GiB\)"):
+        check_limit(200 * GiB, int(139.8 * GiB), GiB // 2)
+    with pytest.raises(ModelLoadError, match=r"0\.40 GiB leaves nothing.*0\.50 GiB"):
+        check_limit(int(0.4 * GiB), 140 * GiB, GiB // 2)
+    check_limit(8 * GiB, 140 * GiB, GiB // 2)
+
+
+def test_weights_over_the_limit_are_refused_with_the_numbers():
+    with pytest.raises(ModelLoadError, match=r"weights \(16\.34 GiB\) do not fit under --gpu-memory-limit 8\.00 "
+                                             r"GiB.*quantized checkpoint"):
+        check_weights_fit(8 * GiB, int(16.34 * GiB), GiB // 2)
+    check_weights_fit(8 * GiB, 7 * GiB, GiB // 2)
+
+
+def test_no_room_for_kv_names_every_number_and_the_fixes():
+    p = MemoryProfile(weights_bytes=int(6.5 * GiB), activation_peak_bytes=int(1.25 * GiB),
+                      non_torch_bytes=GiB // 2, reserve_bytes=GiB, kv_budget_bytes=-int(1.25 * GiB),
+                      total_bytes=140 * GiB, limit_bytes=8 * GiB)
+    msg = no_kv_room_message(p, bytes_per_block=2_359_296, block_size=16)
+    for part in ("--gpu-memory-limit", "2.2 MiB", "weights 6.50 GiB", "activation peak 1.25 GiB",
+                 "outside torch 0.50 GiB", "graphs + encoder cache 1.00 GiB", "KV cache 0.00 GiB",
+                 "limit 8.00 GiB", "--max-num-batched-tokens", "max_pixels", "--enforce-eager"):
+        assert part in msg, part
+
+
+def test_encoder_cache_reserve_at_the_8b_shapes():
+    cfg = ModelConfig.from_model_dir(REFERENCE_8B)
+    # each LLM token of image: the merger's row and 3 deepstack rows of 4096 bf16 values
+    assert encoder_cache_bytes(cfg, 16384, torch.bfloat16) == 16384 * 4 * 4096 * 2
+    assert encoder_cache_bytes(cfg, 16384, torch.float32) == 16384 * 4 * 4096 * 4
+
+
+# ---- the CLI -----------------------------------------------------------------------------------------------
+def parse(*argv: str) -> argparse.Namespace:
+    return add_cli_args(argparse.ArgumentParser()).parse_args(["--model", "m", *argv])
+
+
+@pytest.mark.parametrize("text, gib", [("8", 8.0), ("11.5", 11.5), ("12GiB", 12.0), ("24gib", 24.0)])
+def test_cli_takes_gib(text, gib):
+    ns = parse("--gpu-memory-limit", text)
+    assert EngineArgs.from_cli(ns).gpu_memory_limit == gib
+    assert EngineArgs.from_cli(parse()).gpu_memory_limit is None
+
+
+@pytest.mark.parametrize("text", ["12GB", "eight", "0", "-4"])
+def test_cli_refuses_what_is_not_a_positive_size_in_gib(text, capsys):
+    with pytest.raises(SystemExit):
+        parse("--gpu-memory-limit", text)
+    assert "--gpu-memory-limit" in capsys.readouterr().err
+
+
+def test_engine_args_refuse_a_non_positive_limit():
+    with pytest.raises(ValueError, match="gpu_memory_limit"):
+        EngineArgs(model="m", gpu_memory_limit=0)
+
+
+# ---- the CUDA wiring, on a simulated allocator -------------------------------------------------------------
+class FakeAllocator:
+    """torch.cuda's memory counters for one device: `other` bytes held outside torch, torch's own blocks in
+    `reserved`, and a cap set by set_per_process_memory_fraction that allocations beyond raise at."""
+
+    def __init__(self, total: int, other: int, reserved: int = 0):
+        self.total, self.other, self.reserved, self.peak = total, other, reserved, reserved
+        self.fraction = 1.0
+
+    def alloc(self, n: int) -> None:
+        if self.reserved + n > self.fraction * self.total:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n / GiB:.2f} GiB")
+        self.reserved += n
+        self.peak = max(self.peak, self.reserved)
+
+    def free(self, n: int) -> None:
+        self.reserved -= n
+
+    def install(self, monkeypatch) -> None:
+        def set_fraction(f, device=None):
+            self.fraction = f
+        counters = {"mem_get_info": lambda device=None: (self.total - self.other - self.reserved, self.total),
+                    "memory_reserved": lambda device=None: self.reserved,
+                    "memory_allocated": lambda device=None: self.reserved,
+                    "max_memory_reserved": lambda device=None: self.peak,
+                    "max_memory_allocated": lambda device=None: self.peak,
+                    "reset_peak_memory_stats": lambda device=None: setattr(self, "peak", self.reserved),
+                    "synchronize": lambda device=None: None, "empty_cache": lambda: None,
+                    "set_per_process_memory_fraction": set_fraction}
+        for name, fn in counters.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+CUDA = torch.device("cuda", 0)
+
+
+def step_of(fake: FakeAllocator, nbytes: int):
+    def run():
+        fake.alloc(nbytes)
+        fake.free(nbytes)
+    return run
+
+
+def test_limit_caps_the_allocator_and_sizes_the_pool(monkeypatch):
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    limit = apply_gpu_memory_limit(8.0, CUDA)
+    assert limit == 8 * GiB and fake.fraction == pytest.approx(7.5 / 140)
+    fake.alloc(6 * GiB)                                       # the weights
+    p = profile_cuda(step_of(fake, GiB), 6 * GiB, 0.9, CUDA, limit, reserve_bytes=GiB // 4)
+    assert (p.weights_bytes, p.activation_peak_bytes, p.non_torch_bytes, p.reserve_bytes) == \
+        (6 * GiB, GiB, GiB // 2, GiB // 4)
+    assert p.kv_budget_bytes == GiB // 4 and p.usable_bytes == 8 * GiB
+    fake.alloc(p.kv_budget_bytes + p.reserve_bytes)           # the pool and the graphs fit ...
+    fake.alloc(p.activation_peak_bytes)                       # ... with the step's peak on top
+    with pytest.raises(torch.cuda.OutOfMemoryError):          # and nothing more: as on an 8 GiB card
+        fake.alloc(2 * 2**20)
+
+
+def test_weights_over_the_limit_stop_the_profile(monkeypatch):
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2, reserved=int(7.8 * GiB))
+    fake.install(monkeypatch)
+    with pytest.raises(ModelLoadError, match=r"weights \(7\.80 GiB\) do not fit under --gpu-memory-limit 8\.00"):
+        profile_cuda(step_of(fake, GiB), int(7.8 * GiB), 0.9, CUDA, 8 * GiB)
+
+
+def test_a_step_over_the_limit_is_a_load_error_naming_the_knobs(monkeypatch):
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    limit = apply_gpu_memory_limit(8, CUDA)
+    fake.alloc(6 * GiB)
+    with pytest.raises(ModelLoadError, match=r"worst-case step.*8\.00 GiB.*6\.00 GiB.*max-num-batched-tokens"):
+        profile_cuda(step_of(fake, 2 * GiB), 6 * GiB, 0.9, CUDA, limit)
+
+
+def test_without_a_limit_the_utilization_share_is_used_and_nothing_is_reserved(monkeypatch):
+    fake = FakeAllocator(total=100 * GiB, other=GiB)
+    fake.install(monkeypatch)
+    fake.alloc(17 * GiB)
+    p = profile_cuda(step_of(fake, 2 * GiB), 17 * GiB, 0.9, CUDA, None, reserve_bytes=GiB)
+    assert p.limit_bytes is None and p.reserve_bytes == 0
+    assert p.kv_budget_bytes == 90 * GiB - 17 * GiB - 2 * GiB - GiB
+    assert fake.fraction == 1.0
+
+
+def test_a_limit_larger_than_the_card_is_refused_before_loading(monkeypatch):
+    FakeAllocator(total=24 * GiB, other=GiB // 2).install(monkeypatch)
+    with pytest.raises(ModelLoadError, match=r"32\.00 GiB is more than this GPU has \(24\.00 GiB\)"):
+        apply_gpu_memory_limit(32, CUDA)
+
+
+def test_profiled_steps_and_graph_pool_estimate_run(qwen3_vl_dir, monkeypatch):
+    """The profile's steps on a real (tiny, CPU) model; the simulated counters see none of its memory, so the
+    graph-pool estimate is its fixed part: every graph's output, and the vision graph's static inputs."""
+    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.cache_engine import CacheEngine
+    from engine.kv_sizing import _graph_pool_bytes, _largest_image, _worst_case_step
+
+    llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
+    engine, cfg = llm.engine, llm.engine.model_config
+    FakeAllocator(total=140 * GiB, other=0).install(monkeypatch)
+    scratch = CacheEngine(cfg, 2048 // 16, 0, 16, engine.dtype, engine.device)
+    _worst_case_step(engine, 2048, 2048, scratch)
+    pixels, _ = _largest_image(engine, 2048, 16384)
+    itemsize = torch.tensor([], dtype=engine.dtype).element_size()
+    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(8))) * cfg.hidden_size * itemsize
+    static = pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize
+    assert _graph_pool_bytes(engine, 2048, scratch) == outputs + static
+
+
+# ---- on the CPU, the limit does not apply --------------------------------------------------------------------
+@pytest.fixture
+def engine_log(caplog):
+    logger = logging.getLogger("engine")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_on_cpu_the_limit_is_ignored_with_a_warning(qwen3_dir, engine_log):
+    llm = make_llm(qwen3_dir, device="cpu", gpu_memory_limit=8)
+    assert llm.engine.gpu_memory_limit is None
+    assert any("--gpu-memory-limit 8.00 GiB applies to CUDA devices only" in r.getMessage()
+               for r in engine_log.records)
