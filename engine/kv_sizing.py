@@ -9,8 +9,8 @@ import torch
 from engine.cache_engine import CacheEngine
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.memory import (GiB, MemoryProfile, cpu_kv_budget, encoder_cache_bytes, no_kv_room_message,
-                           profile_cuda)
+from engine.memory import (GiB, MemoryProfile, check_weights_fit, cpu_kv_budget, encoder_cache_bytes,
+                           no_kv_room_message, non_torch_bytes, profile_cuda, steps_out_of_memory)
 
 logger = init_logger(__name__)
 
@@ -57,17 +57,9 @@ def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
     if args.num_gpu_blocks_override:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     elif engine.device.type == "cuda":
-        weights = torch.cuda.memory_allocated(engine.device)
-        # The profiled steps write their K/V here, outside the measured peaks: at run time that is the pool's part.
-        tokens = min(args.batched_tokens_budget, max_len)
-        scratch = CacheEngine(cfg, -(-tokens // args.block_size), 0, args.block_size, engine.dtype, engine.device)
-        limit = engine.gpu_memory_limit
-        reserve = 0 if limit is None else _limit_reserve(engine, max_len, scratch)
-        profile = profile_cuda(lambda: _worst_case_step(engine, tokens, max_len, scratch), weights,
-                               args.gpu_memory_utilization, engine.device, limit, reserve)
-        del scratch
+        profile = _profile(engine, max_len)
         num_gpu = max(profile.kv_budget_bytes, 0) // per_block
-        source = "gpu_memory_utilization" if limit is None else "gpu_memory_limit"
+        source = "gpu_memory_utilization" if profile.limit_bytes is None else "gpu_memory_limit"
     else:
         budget = cpu_kv_budget(args.cpu_kv_cache_space)
         num_gpu, source = budget // per_block, f"cpu_kv_cache_space = {budget / GiB:.2f} GiB"
@@ -79,6 +71,29 @@ def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
     swap_gib = args.swap_space if args.swap_space is not None else (4.0 if engine.device.type == "cuda" else 1.0)
     swap_bytes = min(int(swap_gib * GiB), psutil.virtual_memory().available // 2)
     return KVCachePlan(int(num_gpu), swap_bytes // per_block, per_block, source, profile)
+
+
+def _profile(engine, max_len: int) -> MemoryProfile:
+    """The memory profile on CUDA: weights as loaded, then the profiled steps (and, under a limit, the reserve)."""
+    args, dev, limit = engine.args, engine.device, engine.gpu_memory_limit
+    weights = torch.cuda.memory_allocated(dev)
+    if limit is not None:
+        check_weights_fit(limit, weights, non_torch_bytes(dev))
+    tokens = min(args.batched_tokens_budget, max_len)
+    try:
+        # The profiled steps write their K/V here, outside the measured peaks: at run time the pool holds them.
+        scratch = CacheEngine(engine.model_config, -(-tokens // args.block_size), 0, args.block_size, engine.dtype,
+                              dev)
+        reserve = 0 if limit is None else _limit_reserve(engine, max_len, scratch)
+    except torch.cuda.OutOfMemoryError as err:
+        if limit is None:
+            raise
+        raise steps_out_of_memory(limit, weights, err) from None
+    profile = profile_cuda(lambda: _worst_case_step(engine, tokens, max_len, scratch), weights,
+                           args.gpu_memory_utilization, dev, limit, reserve)
+    del scratch
+    torch.cuda.empty_cache()        # its freed segment would otherwise stay reserved beside the pool
+    return profile
 
 
 def _limit_reserve(engine, max_len: int, scratch: CacheEngine) -> int:

@@ -146,6 +146,14 @@ def weights_out_of_memory(limit: int, device: torch.device, err: Exception) -> M
         f"memory with {placed / GiB:.2f} GiB placed ({first}); {LIMIT_HINTS[0]} or raise the limit")
 
 
+def steps_out_of_memory(limit: int, weights: int, err: Exception) -> ModelLoadError:
+    """The error for a profiled step that ran out of memory under the limit."""
+    return ModelLoadError(
+        f"the worst-case step (max_num_batched_tokens tokens, max_num_seqs rows sampled, the largest image) "
+        f"does not fit under --gpu-memory-limit {limit / GiB:.2f} GiB beside the weights ({weights / GiB:.2f} "
+        f"GiB): {str(err).split('.')[0]}; {LIMIT_HINTS[1]}")
+
+
 def profile_cuda(run_worst_case_step, weights_bytes: int, gpu_memory_utilization: float, device: torch.device,
                  limit: int | None = None, reserve_bytes: int = 0) -> MemoryProfile:
     """Run `run_worst_case_step()` (a forward over max_num_batched_tokens plus sampling for max_num_seqs rows),
@@ -162,10 +170,7 @@ def profile_cuda(run_worst_case_step, weights_bytes: int, gpu_memory_utilization
     except torch.cuda.OutOfMemoryError as err:
         if limit is None:
             raise
-        raise ModelLoadError(
-            f"the worst-case step (max_num_batched_tokens tokens, max_num_seqs rows sampled, the largest image) "
-            f"does not fit under --gpu-memory-limit {limit / GiB:.2f} GiB beside the weights "
-            f"({weights_bytes / GiB:.2f} GiB): {str(err).split('.')[0]}; {LIMIT_HINTS[1]}") from None
+        raise steps_out_of_memory(limit, weights_bytes, err) from None
     torch.cuda.synchronize(device)
     # Under a limit, what the allocator reserves is what its cap counts (blocks split and kept, not only in use).
     peak = (torch.cuda.max_memory_reserved(device) if limit is not None

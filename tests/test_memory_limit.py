@@ -187,18 +187,26 @@ def test_a_limit_larger_than_the_card_is_refused_before_loading(monkeypatch):
         apply_gpu_memory_limit(32, CUDA)
 
 
-def test_profiled_steps_and_graph_pool_estimate_run(qwen3_vl_dir, monkeypatch):
-    """The profile's steps on a real (tiny, CPU) model; the simulated counters see none of its memory, so the
-    graph-pool estimate is its fixed part: every graph's output, and the vision graph's static inputs."""
-    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch):
+    """The profile's steps on a real (tiny, CPU) model. The simulated counters see none of its memory, so what
+    they report is the fixed part: the reserve is a full encoder cache (no graphs off CUDA), and the graph-pool
+    estimate is every graph's output plus the vision graph's static inputs."""
     from engine.cache_engine import CacheEngine
-    from engine.kv_sizing import _graph_pool_bytes, _largest_image, _worst_case_step
+    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.kv_sizing import _graph_pool_bytes, _largest_image, _profile
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
     engine, cfg = llm.engine, llm.engine.model_config
-    FakeAllocator(total=140 * GiB, other=0).install(monkeypatch)
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    fake.alloc(GiB)                                           # the "weights"
+    engine.gpu_memory_limit = 4 * GiB
+    p = _profile(engine, 2048)
+    cache = encoder_cache_bytes(cfg, engine.args.encoder_cache_size, engine.dtype)
+    assert p.reserve_bytes == cache > 0
+    assert p.kv_budget_bytes == 4 * GiB - GiB - GiB // 2 - cache
+
     scratch = CacheEngine(cfg, 2048 // 16, 0, 16, engine.dtype, engine.device)
-    _worst_case_step(engine, 2048, 2048, scratch)
     pixels, _ = _largest_image(engine, 2048, 16384)
     itemsize = torch.tensor([], dtype=engine.dtype).element_size()
     outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(8))) * cfg.hidden_size * itemsize
