@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One click: set up .venv (first run only), then start the app and print the URL to open.
-#   ./run_app.sh                                     Qwen3-VL-8B-Instruct from the HF cache, else the demo model
+#   ./run_app.sh                                     Qwen3-VL-8B-Instruct from the HF cache (bf16, or a quantized
+#                                                    -FP8/-AWQ/-GPTQ/... one when it fits the GPU better), else the
+#                                                    demo model
 #   ./run_app.sh --model /path/to/Qwen3-VL-8B-Instruct [engine flags…]
 #   ./run_app.sh --install-only                      only set up .venv (run_tests.sh uses this)
 # Ctrl-C stops everything. Without a GPU, torch is the CPU build.

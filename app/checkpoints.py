@@ -1,0 +1,275 @@
+"""Qwen3-VL-8B-Instruct checkpoints in the Hugging Face cache, bf16 and quantized, and which one fits this GPU.
+
+A checkpoint's format comes from its config.json (`quantization_config`, as the engine reads it); its weight size
+is computed from the config's shapes: the decoder's linear layers in the checkpoint's format, the embeddings, the
+lm_head and the vision tower in bf16 (the published FP8, AWQ, GPTQ and compressed-tensors checkpoints keep those
+unquantized). Pure Python: the launcher must start without importing torch.
+
+    python -m app.checkpoints [CONFIG.json]     # the weight sizes of each format for that config
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1e9
+GiB = 1 << 30
+TARGET_MARK = "qwen3-vl-8b-instruct"
+# What a repo name carries when it holds a quantized checkpoint.
+QUANT_MARKER = re.compile(r"awq|gptq|fp8|w4a16|w8a8|w8a16|w4a8|int4|int8|4bit|8bit|4-bit|8-bit|nvfp4|mxfp4|"
+                          r"quantized|compressed", re.IGNORECASE)
+SUPPORTED_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
+# The 8B's shapes, for a cached config.json that lacks them (sizes are then those of the published model).
+REFERENCE_CONFIG = Path(__file__).resolve().parent.parent / "bench" / "model_configs" / "qwen3-vl-8b-instruct" / \
+    "config.json"
+# Beyond the weights, with default flags: CUDA context (~0.7 GB), the activation peak of an 8192-token step,
+# CUDA graph pools (~0.6 GB), a full encoder cache (0.5 GB) and a KV pool of some thousands of tokens.
+RUNTIME_BYTES = int(3.5 * GB)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the decoder's linear layers are stored."""
+    name: str                     # "bf16", "fp8", "awq 4-bit g128", ...
+    bits: int                     # 16, 8 or 4
+    group_size: int | None = None  # integer formats: values per scale (None: one per output channel)
+    zero_points: bool = False
+    block: tuple[int, int] | None = None   # fp8: a float32 scale per (out, in) block
+
+    @property
+    def precision_rank(self) -> int:
+        """Higher is closer to the original weights: the order of preference when several fit."""
+        return self.bits
+
+
+BF16 = WeightFormat("bf16", 16)
+
+
+def weight_format(config: dict) -> WeightFormat | str:
+    """The format of a checkpoint from its config.json, or why the engine cannot load it (a string)."""
+    q = config.get("quantization_config")
+    if not q:
+        return BF16
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        return WeightFormat("fp8", 8, block=tuple(block) if block else None)
+    if method in ("awq", "gptq"):
+        bits = int(q.get("bits", q.get("w_bit", 4)))
+        group = int(q.get("group_size", q.get("q_group_size", 128)))
+        zero = bool(q.get("zero_point", True)) if method == "awq" else not q.get("sym", True)
+        return WeightFormat(f"{method} {bits}-bit g{group}", bits, group if group > 0 else None, zero)
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(q)
+    return f"quant_method {method or '?'!r} is not one the engine loads ({', '.join(SUPPORTED_METHODS)})"
+
+
+def _compressed_tensors_format(q: dict) -> WeightFormat | str:
+    groups = list((q.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if not weights:
+        return "compressed-tensors without config_groups"
+    w = weights[0]
+    bits, kind, strategy = int(w.get("num_bits", 0)), w.get("type", "int"), w.get("strategy")
+    fmt = q.get("format", "")
+    if kind == "float" and bits == 8:
+        block = w.get("block_structure")
+        return WeightFormat(f"fp8 ({fmt})", 8, block=tuple(block) if block else None)
+    if kind == "int" and bits in (4, 8):
+        group = int(w["group_size"]) if strategy == "group" and w.get("group_size") else None
+        zero = not w.get("symmetric", True)
+        return WeightFormat(f"compressed-tensors int{bits}" + (f" g{group}" if group else ""), bits, group, zero)
+    return f"compressed-tensors weights {kind}{bits} ({fmt}) are not a layout the engine loads"
+
+
+# ---- sizes from the config -----------------------------------------------------------------------------------
+def decoder_linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of the decoder (the layers a quantized checkpoint stores quantized)."""
+    t = config.get("text_config", config)
+    h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    heads, kv = t["num_attention_heads"], t.get("num_key_value_heads", t["num_attention_heads"])
+    hd = t.get("head_dim") or h // heads
+    per_layer = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (inter, h), (inter, h), (h, inter)]
+    return per_layer * layers
+
+
+def other_params(config: dict) -> int:
+    """Parameters kept in bf16: embeddings, lm_head, norms and the vision tower (Qwen3-VL layout)."""
+    t = config.get("text_config", config)
+    h, heads = t["hidden_size"], t["num_attention_heads"]
+    hd = t.get("head_dim") or h // heads
+    vocab, layers = t["vocab_size"], t["num_hidden_layers"]
+    tied = config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    n = vocab * h * (1 if tied else 2) + layers * (2 * h + 2 * hd) + h     # + q/k norms, layer norms, final norm
+    v = config.get("vision_config")
+    if v:
+        vh, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+        block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + (vh * vi + vi) + (vi * vh + vh) + 4 * vh
+        patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh + vh
+        merged = vh * v["spatial_merge_size"] ** 2
+        merger = merged * merged + merged + merged * out + out        # fc1, fc2 (the norm is counted below)
+        deepstack = len(v.get("deepstack_visual_indexes", []))
+        n += v["depth"] * block + patch + v["num_position_embeddings"] * vh
+        n += (merger + 2 * vh) + deepstack * (merger + 2 * merged)
+    return n
+
+
+def weight_bytes(config: dict, fmt: WeightFormat) -> int:
+    """Device bytes of the weights in `fmt`: quantized values and their scales (and zero points)."""
+    linear = 0
+    for out, inp in decoder_linear_shapes(config):
+        n = out * inp
+        if fmt.bits == 16:
+            linear += 2 * n
+        elif fmt.block is not None:                                   # fp8 with a float32 scale per block
+            bo, bi = fmt.block
+            linear += n + 4 * (-(-out // bo)) * (-(-inp // bi))
+        else:
+            groups = out * (-(-inp // fmt.group_size)) if fmt.group_size else out
+            scales = 2 * groups                                       # fp16/bf16 scales
+            zeros = -(-groups * fmt.bits // 8) if fmt.zero_points else 0
+            linear += -(-n * fmt.bits // 8) + scales + zeros
+    return linear + 2 * other_params(config)
+
+
+def needed_bytes(config: dict, fmt: WeightFormat) -> int:
+    return weight_bytes(config, fmt) + RUNTIME_BYTES
+
+
+# ---- the cache -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CachedCheckpoint:
+    repo: str                     # "Qwen/Qwen3-VL-8B-Instruct-FP8"
+    path: Path                    # its newest complete snapshot
+    fmt: WeightFormat | None      # None when the engine cannot load it
+    weights: int = 0              # bytes, computed
+    skipped: str | None = None    # why it is not a candidate
+
+    @property
+    def needs(self) -> int:
+        return self.weights + RUNTIME_BYTES
+
+    def describe(self) -> str:
+        if self.fmt is None:
+            return f"{self.repo} (not used: {self.skipped})"
+        return f"{self.repo} ({self.fmt.name}, weights ~{self.weights / GB:.1f} GB, needs ~{self.needs / GB:.0f} GB)"
+
+
+def is_target_repo(repo: str) -> bool:
+    """The official bf16 repo, or a repo named after it with a quantization marker."""
+    name = repo.split("/")[-1].lower()
+    return repo.lower() == "qwen/" + TARGET_MARK or (TARGET_MARK in name and bool(QUANT_MARKER.search(name)))
+
+
+def cached_checkpoints(hub: Path, latest_snapshot) -> list[CachedCheckpoint]:
+    """Every Qwen3-VL-8B-Instruct repo (bf16 or quantized) with a complete snapshot under `hub`."""
+    found = []
+    for repo_dir in sorted(hub.glob("models--*")) if hub.is_dir() else []:
+        repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        if not is_target_repo(repo):
+            continue
+        snap = latest_snapshot(repo_dir)
+        if snap is None:
+            continue
+        try:
+            config = json.loads((snap / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            found.append(CachedCheckpoint(repo, snap, None, skipped=f"unreadable config.json: {err}"))
+            continue
+        fmt = weight_format(config)
+        if isinstance(fmt, str):
+            found.append(CachedCheckpoint(repo, snap, None, skipped=fmt))
+            continue
+        try:
+            size = weight_bytes(config, fmt)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            size = weight_bytes(json.loads(REFERENCE_CONFIG.read_text()), fmt)
+        found.append(CachedCheckpoint(repo, snap, fmt, size))
+    return found
+
+
+@dataclass(frozen=True)
+class Choice:
+    checkpoint: CachedCheckpoint
+    reason: str
+    others: list[CachedCheckpoint]
+
+
+def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None) -> Choice | None:
+    """The most precise checkpoint whose weights plus run-time memory fit the GPU's total memory; with none
+    fitting, the smallest; without a GPU to read, bf16 if present, else the most precise. Official Qwen repos
+    first among equals."""
+    usable = [c for c in found if c.fmt is not None]
+    if not usable:
+        return None
+    by_quality = sorted(usable, key=lambda c: (-c.fmt.precision_rank, not c.repo.startswith("Qwen/"), c.weights))
+    if gpu is None:
+        pick, reason = by_quality[0], "no NVIDIA GPU found (nvidia-smi): the most precise checkpoint"
+    else:
+        name, total = gpu
+        fits = [c for c in by_quality if c.needs <= total]
+        if fits:
+            pick = fits[0]
+            reason = (f"the most precise one that fits {name} ({total / GiB:.0f} GiB): needs ~{pick.needs / GB:.0f} "
+                      f"GB (weights {pick.weights / GB:.1f} GB + ~{RUNTIME_BYTES / GB:.1f} GB at run time)")
+        else:
+            pick = min(usable, key=lambda c: c.weights)
+            reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "
+                      f"~{pick.needs / GB:.0f} GB: lower --max-model-len, --max-num-batched-tokens and "
+                      f"--encoder-cache-size (README: 'Which checkpoint for which GPU')")
+    return Choice(pick, reason, [c for c in found if c is not pick])
+
+
+def gpu_memory(env=os.environ) -> tuple[str, int] | None:
+    """(name, total bytes) of the GPU the engine will use (CUDA_VISIBLE_DEVICES' first, else GPU 0), from
+    nvidia-smi; None without one. LOCALCHAT_GPU_MEMORY_GIB overrides it (choose as for a card of that size)."""
+    if env.get("LOCALCHAT_GPU_MEMORY_GIB"):
+        return "LOCALCHAT_GPU_MEMORY_GIB", int(float(env["LOCALCHAT_GPU_MEMORY_GIB"]) * GiB)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"))
+
+
+def parse_nvidia_smi(out: str, visible: str | None) -> tuple[str, int] | None:
+    rows = [line.rsplit(",", 1) for line in out.strip().splitlines() if "," in line]
+    index = 0
+    first = (visible or "").split(",")[0].strip()
+    if first.isdigit():
+        index = int(first)
+    if not rows or index >= len(rows):
+        return None
+    name, mib = rows[index]
+    try:
+        return name.strip(), int(float(mib)) * 2**20
+    except ValueError:
+        return None
+
+
+def main(argv: list[str]) -> None:
+    path = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent / "bench" / "model_configs" / \
+        "qwen3-vl-8b-instruct" / "config.json"
+    config = json.loads(path.read_text())
+    print(f"{path}: {len(decoder_linear_shapes(config))} decoder linear layers, "
+          f"{sum(o * i for o, i in decoder_linear_shapes(config)) / 1e9:.3f} G params; "
+          f"{other_params(config) / 1e9:.3f} G params kept in bf16")
+    for fmt in (BF16, WeightFormat("fp8 block 128x128", 8, block=(128, 128)),
+                WeightFormat("int8 g128 (symmetric)", 8, 128), WeightFormat("int4 g128 (symmetric)", 4, 128),
+                WeightFormat("int4 g128 + zero points", 4, 128, True)):
+        size = weight_bytes(config, fmt)
+        print(f"{fmt.name:>26}: weights {size / GB:6.2f} GB ({size / GiB:5.2f} GiB)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

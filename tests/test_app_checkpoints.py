@@ -1,0 +1,149 @@
+"""The launcher finds Qwen3-VL-8B-Instruct in the Hugging Face cache in bf16 and in quantized forms (FP8, AWQ,
+GPTQ, compressed-tensors), tells them apart by their config.json, computes their weight sizes from the shapes,
+and picks the most precise one that fits the GPU, saying why and what else it found."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.checkpoints import (BF16, GB, GiB, RUNTIME_BYTES, CachedCheckpoint, choose,
+                             decoder_linear_shapes, gpu_memory, other_params, parse_nvidia_smi, weight_bytes,
+                             weight_format)
+from app.models import resolve_model
+from test_app_launcher import clean_env, fake_snapshot  # noqa: F401  (clean_env is a fixture)
+
+REFERENCE = json.loads(open(__file__.rsplit("/", 2)[0] + "/bench/model_configs/qwen3-vl-8b-instruct/config.json")
+                       .read())
+
+# quantization_config as the published checkpoints write it
+QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", "model.visual"]}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*visual.*"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+CT_FP8_DYNAMIC = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+    "group_0": {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}}}
+BNB = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+
+
+def with_quant(q: dict | None) -> dict:
+    return {**REFERENCE, "quantization_config": q} if q else REFERENCE
+
+
+# ---- formats -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q, name, bits", [
+    (None, "bf16", 16), (QWEN_FP8, "fp8", 8), (AWQ, "awq 4-bit g128", 4), (GPTQ, "gptq 4-bit g128", 4),
+    (CT_W4A16, "compressed-tensors int4 g128", 4), (CT_FP8_DYNAMIC, "fp8 (float-quantized)", 8)])
+def test_format_comes_from_quantization_config(q, name, bits):
+    fmt = weight_format(with_quant(q))
+    assert (fmt.name, fmt.bits) == (name, bits)
+
+
+def test_a_method_the_engine_does_not_load_is_named():
+    assert "'bitsandbytes' is not one the engine loads" in weight_format(with_quant(BNB))
+
+
+# ---- sizes -----------------------------------------------------------------------------------------------------
+def test_parameter_count_of_the_8b_matches_the_meta_device_count():
+    linear = sum(o * i for o, i in decoder_linear_shapes(REFERENCE))
+    assert linear == 36 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 12288)       # 6.95 G
+    assert linear + other_params(REFERENCE) == 8_767_123_696       # QWEN3_VL.md: built on the meta device
+
+
+def test_weight_bytes_per_format():
+    linear = sum(o * i for o, i in decoder_linear_shapes(REFERENCE))
+    kept = 2 * other_params(REFERENCE)                             # embeddings, lm_head, vision tower in bf16
+    assert weight_bytes(REFERENCE, BF16) == 2 * 8_767_123_696
+    blocks = sum(-(-o // 128) * -(-i // 128) for o, i in decoder_linear_shapes(REFERENCE))
+    assert weight_bytes(REFERENCE, weight_format(with_quant(QWEN_FP8))) == linear + 4 * blocks + kept
+    groups = linear // 128
+    assert weight_bytes(REFERENCE, weight_format(with_quant(GPTQ))) == linear // 2 + 2 * groups + kept
+    assert weight_bytes(REFERENCE, weight_format(with_quant(AWQ))) == linear // 2 + 2 * groups + groups // 2 + kept
+    assert round(weight_bytes(REFERENCE, weight_format(with_quant(QWEN_FP8))) / GB, 2) == 10.59
+    assert round(weight_bytes(REFERENCE, weight_format(with_quant(AWQ))) / GB, 2) == 7.25
+
+
+# ---- the choice ------------------------------------------------------------------------------------------------
+def checkpoint(repo: str, q: dict | None) -> CachedCheckpoint:
+    fmt = weight_format(with_quant(q))
+    return CachedCheckpoint(repo, None, fmt, weight_bytes(REFERENCE, fmt))
+
+
+FOUND = [checkpoint("Qwen/Qwen3-VL-8B-Instruct", None), checkpoint("Qwen/Qwen3-VL-8B-Instruct-FP8", QWEN_FP8),
+         checkpoint("someone/Qwen3-VL-8B-Instruct-AWQ", AWQ)]
+
+
+@pytest.mark.parametrize("gib, repo", [(80, "Qwen/Qwen3-VL-8B-Instruct"), (24, "Qwen/Qwen3-VL-8B-Instruct"),
+                                       (16, "Qwen/Qwen3-VL-8B-Instruct-FP8"), (12, "someone/Qwen3-VL-8B-Instruct-AWQ")])
+def test_the_most_precise_checkpoint_that_fits_the_gpu(gib, repo):
+    choice = choose(FOUND, ("GPU", gib * GiB))
+    assert choice.checkpoint.repo == repo and "the most precise one that fits GPU" in choice.reason
+    assert choice.checkpoint.needs == choice.checkpoint.weights + RUNTIME_BYTES <= gib * GiB
+    assert {c.repo for c in choice.others} == {c.repo for c in FOUND} - {repo}
+
+
+def test_when_none_fits_the_smallest_with_the_flags_to_lower():
+    choice = choose(FOUND, ("RTX 3070", 8 * GiB))
+    assert choice.checkpoint.repo == "someone/Qwen3-VL-8B-Instruct-AWQ"
+    assert "none fits RTX 3070 (8 GiB)" in choice.reason and "--max-model-len" in choice.reason
+
+
+def test_without_a_gpu_bf16_else_the_most_precise():
+    assert choose(FOUND, None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct"
+    assert choose(FOUND[1:], None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct-FP8"
+    official_first = [checkpoint("someone/Qwen3-VL-8B-Instruct-FP8-dynamic", CT_FP8_DYNAMIC), FOUND[1]]
+    assert choose(official_first, None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct-FP8"
+
+
+# ---- the cache, end to end -----------------------------------------------------------------------------------
+def test_resolve_picks_from_the_cache_and_says_why(clean_env, tmp_path):
+    hf = tmp_path / "hf"
+    fake_snapshot(hf, config=REFERENCE)
+    fp8 = fake_snapshot(hf, repo_dir="models--Qwen--Qwen3-VL-8B-Instruct-FP8", config=with_quant(QWEN_FP8))
+    fake_snapshot(hf, repo_dir="models--someone--Qwen3-VL-8B-Instruct-AWQ-4bit", config=with_quant(AWQ))
+    fake_snapshot(hf, repo_dir="models--someone--Qwen3-VL-8B-Instruct-GPTQ-Int4", config=with_quant(GPTQ),
+                  present=["model-00001-of-00002.safetensors"])             # an interrupted download
+    fake_snapshot(hf, repo_dir="models--someone--Qwen3-VL-8B-Instruct-bnb-4bit", config=with_quant(BNB))
+    fake_snapshot(hf, repo_dir="models--Qwen--Qwen3-VL-8B-Thinking-FP8", config=with_quant(QWEN_FP8))
+    fake_snapshot(hf, repo_dir="models--someone--Qwen3-VL-8B-Instruct-abliterated", config=REFERENCE)
+
+    resolved = resolve_model(None, clean_env, gpu=lambda env: ("NVIDIA GeForce RTX 4080", 16 * GiB))
+    assert resolved.path == fp8 and resolved.served_name == "Qwen3-VL-8B-Instruct-FP8" and not resolved.demo
+    notes = "\n".join(resolved.notes)
+    assert notes.startswith("chosen from the Hugging Face cache: Qwen/Qwen3-VL-8B-Instruct-FP8 (fp8, weights "
+                            "~10.6 GB, needs ~14 GB); the most precise one that fits NVIDIA GeForce RTX 4080 (16 GiB)")
+    assert "also found: Qwen/Qwen3-VL-8B-Instruct (bf16, weights ~17.5 GB, needs ~21 GB)" in notes
+    assert "also found: someone/Qwen3-VL-8B-Instruct-AWQ-4bit (awq 4-bit g128, weights ~7.3 GB" in notes
+    assert "someone/Qwen3-VL-8B-Instruct-bnb-4bit (not used: quant_method 'bitsandbytes'" in notes
+    for absent in ("GPTQ", "Thinking", "abliterated"):
+        assert absent not in notes
+    assert "--model <its snapshot folder>" in notes
+
+    big = resolve_model(None, clean_env, gpu=lambda env: ("NVIDIA H200", 140 * GiB))
+    assert big.served_name == "Qwen3-VL-8B-Instruct" and big.path.parts[-3] == "models--Qwen--Qwen3-VL-8B-Instruct"
+
+
+def test_only_bf16_cached_needs_no_notes_beyond_the_choice(clean_env, tmp_path):
+    snap = fake_snapshot(tmp_path / "hf")
+    resolved = resolve_model(None, clean_env, gpu=lambda env: None)
+    assert resolved.path == snap and resolved.notes == (
+        "chosen from the Hugging Face cache: Qwen/Qwen3-VL-8B-Instruct (bf16, weights ~17.5 GB, needs ~21 GB); "
+        "no NVIDIA GPU found (nvidia-smi): the most precise checkpoint",)
+
+
+# ---- the GPU's memory ------------------------------------------------------------------------------------------
+def test_nvidia_smi_output_is_read_for_the_visible_gpu():
+    out = "NVIDIA GeForce RTX 3060, 12288\nNVIDIA H200, 143771\n"
+    assert parse_nvidia_smi(out, None) == ("NVIDIA GeForce RTX 3060", 12 * GiB)
+    assert parse_nvidia_smi(out, "1,0") == ("NVIDIA H200", 143771 * 2**20)
+    assert parse_nvidia_smi(out, "GPU-5f3c") == ("NVIDIA GeForce RTX 3060", 12 * GiB)   # a UUID: the first
+    assert parse_nvidia_smi(out, "7") is None
+    assert parse_nvidia_smi("No devices were found", None) is None
+
+
+def test_the_gpu_size_can_be_stated():
+    assert gpu_memory({"LOCALCHAT_GPU_MEMORY_GIB": "12"}) == ("LOCALCHAT_GPU_MEMORY_GIB", 12 * GiB)
+
