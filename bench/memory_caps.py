@@ -1,0 +1,245 @@
+"""The image chat under GPU memory caps: for each cap (GiB), start the engine server with --gpu-memory-limit CAP,
+and report whether it started (else the engine's reason), its KV pool and maximum context, then the time to first
+token and the decode speed of a chat carrying one 1024x1024 PNG and a question, over the HTTP API.
+
+    python bench/memory_caps.py [--model DIR] [--caps 8 12 16 24] [--out caps.json] [engine flags, e.g.
+        --quantization awq --max-model-len 8192]
+
+Without --model it serves Qwen3-VL-8B-Instruct's shapes with random weights (bench/synthetic_model.py,
+--load-format dummy). Every flag it does not know goes to the engine; unless given, it adds
+--mm-processor-kwargs '{"max_pixels": 1048576}' (images up to the benchmark's 1024x1024: the engine profiles and
+sets memory aside for the largest image it may be sent, by default 4096x4096). For an 8 GiB cap, e.g.:
+
+    python bench/memory_caps.py --caps 8 --quantization awq --max-model-len 4096 --max-num-batched-tokens 2048 \
+        --encoder-cache-size 2048 --max-num-seqs 16 The JSON is rewritten after every cap, and each
+server's log is kept beside it; a cap that fails to start, hangs or crashes is recorded and the next one runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serve import png_data_url, stream_request  # noqa: E402
+
+QUESTION = "Describe this image in detail."
+IMAGE_SIDE = 1024
+IMAGE_PIXELS = IMAGE_SIDE * IMAGE_SIDE
+# Lines of the engine's start-up log worth keeping per cap (the memory profile says where the memory went).
+LOG_PATTERNS = {
+    "memory_profile": re.compile(r"Memory profile: (.*)"),
+    "gpu_memory_limit": re.compile(r"GPU memory limit: (.*)"),
+    "limit_ignored": re.compile(r"--gpu-memory-limit (.* applies to CUDA devices only.*)"),
+    "weights": re.compile(r"Loading model weights took (.*)"),
+    "max_model_len_reduced": re.compile(r"max_model_len reduced from (.*)"),
+    "cuda_graphs": re.compile(r"Captured CUDA graphs (.*)"),
+    "error": re.compile(r"(?:ERROR .*?\] )(.*)"),
+}
+
+
+def parse_log(text: str) -> dict[str, str]:
+    """The last occurrence of each LOG_PATTERNS line in an engine log."""
+    found = {}
+    for line in text.splitlines():
+        for key, pattern in LOG_PATTERNS.items():
+            m = pattern.search(line)
+            if m:
+                found[key] = m.group(1).strip()
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None:
+    """None once /health answers 200; else why not (the server exited, or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the server exited with code {proc.returncode} while starting"
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return f"not ready after {timeout:.0f} s"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (the server's graceful stop), then SIGKILL; the server runs in its own process group."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def gpu_used_mib(pid: int) -> int | None:
+    """Device memory the server's process holds now, as nvidia-smi sees it (None without nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1])
+    return None
+
+
+async def image_chat(base: str, model: str, seed: int, max_tokens: int, timeout: float) -> dict:
+    """One streamed chat: a fresh 1024x1024 PNG (no encoder-cache hit) and a question; TTFT and decode tok/s."""
+    body = json.dumps({
+        "model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(IMAGE_SIDE, seed, "photo")}},
+            {"type": "text", "text": QUESTION}]}]}).encode()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        r = await stream_request(session, f"{base}/v1/chat/completions", body)
+    decode_s = r["e2e"] - r["ttft"]
+    return {"ttft_ms": r["ttft"] * 1e3, "completion_tokens": r["tokens"],
+            "decode_tok_s": (r["tokens"] - 1) / decode_s if r["tokens"] > 1 and decode_s > 0 else None}
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = log_dir / f"engine_cap{cap:g}GiB.log"
+    cmd = [sys.executable, "-m", "engine", "--model", args.model, "--port", str(port),
+           "--gpu-memory-limit", f"{cap:g}", "--disable-log-requests", "--disable-uvicorn-access-log", *engine_flags]
+    res: dict = {"cap_gib": cap, "command": " ".join(cmd), "log": str(log_path), "started": False}
+    print(f"\n== cap {cap:g} GiB: {' '.join(cmd)}", flush=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                                start_new_session=True)
+    try:
+        start = time.monotonic()
+        why = wait_ready(proc, base, args.start_timeout)
+        res["start_s"] = round(time.monotonic() - start, 1)
+        if why is not None:
+            res["reason"] = why
+            return res
+        res["started"] = True
+        measure(res, base, proc, args)
+    except Exception as err:           # a bench-side failure is recorded; the other caps still run
+        res["bench_error"] = f"{type(err).__name__}: {err}"[:500]
+    finally:
+        stop(proc)
+        res["log_lines"] = parse_log(log_path.read_text(errors="replace"))
+        if not res["started"] and "error" in res["log_lines"]:
+            res["reason"] = f"{res.get('reason', 'not started')}: {res['log_lines']['error']}"
+    return res
+
+
+def measure(res: dict, base: str, proc: subprocess.Popen, args) -> None:
+    card = http_json(f"{base}/v1/models")["data"][0]
+    stats = http_json(f"{base}/stats")
+    res.update(served_model=card["id"], max_model_len=card.get("max_model_len"),
+               kv_blocks=stats["num_total_gpu_blocks"], block_size=stats["block_size"],
+               kv_tokens=stats["num_total_gpu_blocks"] * stats["block_size"])
+    runs = []
+    for i in range(args.repeats + 1):        # the first one is a warm-up (vision graph capture, allocator)
+        try:
+            r = asyncio.run(image_chat(base, card["id"], i, args.max_tokens, args.request_timeout))
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as err:
+            res["request_error"] = f"request {i}: {type(err).__name__}: {err}"[:500]
+            break
+        if i:
+            runs.append(r)
+    res["runs"] = runs
+    res["ttft_ms_p50"] = median([r["ttft_ms"] for r in runs])
+    res["decode_tok_s_p50"] = median([r["decode_tok_s"] for r in runs])
+    res["gpu_used_mib"] = gpu_used_mib(proc.pid)
+    res["alive_after"] = proc.poll() is None
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| cap | started | KV pool (tokens) | max context | TTFT p50 ms | decode tok/s p50 | GPU used (nvidia-smi) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if not r["started"]:
+            rows.append(f"| {r['cap_gib']:g} GiB | no: {r.get('reason', '?')} | | | | | |")
+            continue
+        fmt = lambda v, spec: "—" if v is None else format(v, spec)   # noqa: E731
+        used = "—" if r.get("gpu_used_mib") is None else f"{r['gpu_used_mib'] / 1024:.2f} GiB"
+        note = "" if not r.get("request_error") else f" ({r['request_error'][:80]})"
+        if "limit_ignored" in r.get("log_lines", {}):
+            note += " (cap ignored: not on CUDA)"
+        rows.append(f"| {r['cap_gib']:g} GiB | yes{note} | {r['kv_tokens']} | {r['max_model_len']} | "
+                    f"{fmt(r.get('ttft_ms_p50'), '.1f')} | {fmt(r.get('decode_tok_s_p50'), '.1f')} | {used} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Other flags (e.g. --quantization awq, --max-model-len 8192) go to the engine.")
+    ap.add_argument("--model", default=None, help="model directory (default: Qwen3-VL-8B shapes, random weights)")
+    ap.add_argument("--caps", type=float, nargs="+", default=[8, 12, 16, 24], help="GiB")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per chat (ignore_eos)")
+    ap.add_argument("--repeats", type=int, default=3, help="measured chats per cap, after one warm-up")
+    ap.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to become ready")
+    ap.add_argument("--request-timeout", type=float, default=300, help="seconds per chat request")
+    ap.add_argument("--out", default=None, help="JSON results (default: memory_caps.json in the log folder)")
+    ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a new temp folder)")
+    args, engine_flags = ap.parse_known_args(argv)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="memory_caps_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        from bench.synthetic_model import build
+        args.model = str(build(log_dir / "qwen3-vl-8b-synthetic"))
+        if not any(f.startswith("--load-format") for f in engine_flags):
+            engine_flags += ["--load-format", "dummy"]
+    if not any(f.startswith("--mm-processor-kwargs") for f in engine_flags):
+        engine_flags += ["--mm-processor-kwargs", json.dumps({"max_pixels": IMAGE_PIXELS})]
+    out = Path(args.out) if args.out else log_dir / "memory_caps.json"
+    report = {"model": args.model, "engine_flags": engine_flags, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "question": QUESTION, "image": "1024x1024 PNG (bench/serve.py 'photo')",
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "caps": []}
+    for cap in args.caps:
+        res = run_cap(cap, args, engine_flags, log_dir)
+        report["caps"].append(res)
+        out.write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "command")}), flush=True)
+    print("\n" + table(report["caps"]))
+    print(f"\nJSON: {out}\nlogs: {log_dir}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""bench/memory_caps.py's host side: what it reads from an engine log, how it reports a cap that does not start,
+and its summary table. (Its full run, servers under 8-24 GiB caps, is for the GPU machine.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.memory_caps import main, parse_log, table
+
+LOG = """INFO 12-04 10:00:01 [memory.py:120] GPU memory limit: 8.00 GiB of 139.81 GiB (torch's allocator capped at 7.31 GiB; 0.69 GiB held outside it)
+INFO 12-04 10:00:02 [loader.py:67] Loading model weights took 7.25 GB and 2.10 seconds (random dummy weights)
+INFO 12-04 10:00:05 [kv_sizing.py:45] Memory profile: weights 7.25 GB, activation peak 0.40 GB, KV cache 0.31 GB of 150.11 GB total; limit 8.59 GB (8.00 GiB): outside torch 0.74 GB, CUDA graphs + encoder cache 0.62 GB
+WARNING 12-04 10:00:05 [llm_engine.py:75] max_model_len reduced from 4096 to 2096: the KV pool holds 2096 tokens under --gpu-memory-limit 8.00 GiB
+INFO 12-04 10:00:09 [cuda_graphs.py:137] Captured CUDA graphs for 5 decode batch sizes (1..16) and 32 prefill sizes (up to 2048 tokens) in 3.9 s, using 0.55 GiB
+"""
+
+
+def test_the_start_up_lines_that_explain_a_cap_are_kept():
+    lines = parse_log(LOG)
+    assert lines["gpu_memory_limit"].startswith("8.00 GiB of 139.81 GiB")
+    assert lines["weights"].startswith("7.25 GB")
+    assert lines["memory_profile"].endswith("CUDA graphs + encoder cache 0.62 GB")
+    assert lines["max_model_len_reduced"].startswith("4096 to 2096")
+    assert lines["cuda_graphs"].endswith("using 0.55 GiB")
+    assert "error" not in lines
+
+
+def test_summary_table_and_json(tmp_path):
+    failed = {"cap_gib": 8.0, "started": False, "reason": "the server exited with code 1 while starting: weights"}
+    ran = {"cap_gib": 16.0, "started": True, "kv_tokens": 61440, "max_model_len": 61440, "ttft_ms_p50": 96.5,
+           "decode_tok_s_p50": 310.2, "gpu_used_mib": 16000, "log_lines": {}}
+    text = table([failed, ran])
+    assert "| 8 GiB | no: the server exited with code 1 while starting: weights |" in text
+    assert "| 16 GiB | yes | 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB |" in text
+
+
+@pytest.mark.slow
+def test_a_cap_that_cannot_start_is_recorded_with_the_engines_reason(tmp_path):
+    out = tmp_path / "caps.json"
+    report = main(["--model", str(tmp_path / "missing"), "--caps", "12", "--log-dir", str(tmp_path),
+                   "--out", str(out), "--device", "cpu", "--start-timeout", "120"])
+    saved = json.loads(out.read_text())
+    res = saved["caps"][0]
+    assert res["cap_gib"] == 12 and res["started"] is False
+    assert "exited with code 1" in res["reason"] and "does not exist" in res["reason"]
+    assert "--gpu-memory-limit 12" in res["command"] and (tmp_path / "engine_cap12GiB.log").is_file()
+    assert saved["engine_flags"] == ["--device", "cpu", "--mm-processor-kwargs", '{"max_pixels": 1048576}']
+    assert report["caps"] == saved["caps"]
