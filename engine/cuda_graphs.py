@@ -216,7 +216,17 @@ def enable_cuda_graphs(engine) -> None:
                              engine.max_model_len, engine.args.block_size,
                              engine.model_config.mrope_section is not None, engine.device,
                              engine.scratch_blocks)
-    runner.capture()
+    try:
+        runner.capture()
+    except torch.cuda.OutOfMemoryError:
+        if engine.gpu_memory_limit is None:
+            raise
+        runner = None
+    if runner is None:
+        # The pools outgrew the share the limit set aside for them: eager steps fit the profiled budget.
+        torch.cuda.empty_cache()
+        logger.warning("CUDA graphs off: capturing them ran out of memory under --gpu-memory-limit; eager steps")
+        return
     engine.runner.graphs = runner
     if engine.model_config.is_multimodal:
         from engine.vision_graphs import VisionGraphs
