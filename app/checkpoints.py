@@ -1,9 +1,10 @@
 """Qwen3-VL-8B-Instruct checkpoints in the Hugging Face cache, bf16 and quantized, and which one fits this GPU.
 
 A checkpoint's format comes from its config.json (`quantization_config`, as the engine reads it); its weight size
-is computed from the config's shapes: the decoder's linear layers in the checkpoint's format, the embeddings, the
-lm_head and the vision tower in bf16 (the published FP8, AWQ, GPTQ and compressed-tensors checkpoints keep those
-unquantized). Pure Python: the launcher must start without importing torch.
+is computed from the config's shapes: the decoder's linear layers in the checkpoint's format, the vision blocks'
+linear layers too unless the config's exclusion list (`modules_to_not_convert`, `ignore`) names them, and the
+embeddings, lm_head, norms and vision mergers in bf16. Pure Python: the launcher must start without importing
+torch.
 
     python -m app.checkpoints [CONFIG.json]     # the weight sizes of each format for that config
 """
@@ -15,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GB = 1e9
@@ -41,6 +42,7 @@ class WeightFormat:
     group_size: int | None = None  # integer formats: values per scale (None: one per output channel)
     zero_points: bool = False
     block: tuple[int, int] | None = None   # fp8: a float32 scale per (out, in) block
+    vision_quantized: bool = False         # the vision blocks' linear layers too (not excluded by the config)
 
     @property
     def precision_rank(self) -> int:
@@ -57,6 +59,25 @@ def weight_format(config: dict) -> WeightFormat | str:
     if not q:
         return BF16
     method = str(q.get("quant_method", "")).lower()
+    fmt = _weight_format(q, method)
+    if isinstance(fmt, WeightFormat) and not _excluded(q, method, VISION_PROBE):
+        fmt = replace(fmt, vision_quantized=True)
+    return fmt
+
+
+# A vision block's linear layer as the checkpoints name it: whether the exclusion list covers the vision blocks.
+VISION_PROBE = "model.visual.blocks.0.attn.qkv"
+
+
+def _excluded(q: dict, method: str, name: str) -> bool:
+    """Whether the config keeps module `name` unquantized: `ignore` (compressed-tensors: exact names or `re:`
+    patterns) or `modules_to_not_convert` (awq, gptq, fp8: substrings, as vLLM and transformers read them)."""
+    if method == "compressed-tensors":
+        return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in q.get("ignore") or [])
+    return any(p in name for p in q.get("modules_to_not_convert") or [])
+
+
+def _weight_format(q: dict, method: str) -> WeightFormat | str:
     if method == "fp8":
         block = q.get("weight_block_size")
         return WeightFormat("fp8", 8, block=tuple(block) if block else None)
@@ -99,8 +120,18 @@ def decoder_linear_shapes(config: dict) -> list[tuple[int, int]]:
     return per_layer * layers
 
 
+def vision_linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) of the vision blocks' linear layers (qkv, proj, fc1, fc2); none for a text-only model."""
+    v = config.get("vision_config")
+    if not v:
+        return []
+    vh, vi = v["hidden_size"], v["intermediate_size"]
+    return [(3 * vh, vh), (vh, vh), (vi, vh), (vh, vi)] * v["depth"]
+
+
 def other_params(config: dict) -> int:
-    """Parameters kept in bf16: embeddings, lm_head, norms and the vision tower (Qwen3-VL layout)."""
+    """Parameters outside the decoder's and the vision blocks' linear weights: embeddings, lm_head, norms, biases,
+    the patch and position embeddings and the mergers (Qwen3-VL layout)."""
     t = config.get("text_config", config)
     h, heads = t["hidden_size"], t["num_attention_heads"]
     hd = t.get("head_dim") or h // heads
@@ -110,32 +141,33 @@ def other_params(config: dict) -> int:
     v = config.get("vision_config")
     if v:
         vh, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-        block = (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + (vh * vi + vi) + (vi * vh + vh) + 4 * vh
+        block_rest = 3 * vh + vh + vi + vh + 4 * vh                    # linear biases, two LayerNorms
         patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh + vh
         merged = vh * v["spatial_merge_size"] ** 2
         merger = merged * merged + merged + merged * out + out        # fc1, fc2 (the norm is counted below)
         deepstack = len(v.get("deepstack_visual_indexes", []))
-        n += v["depth"] * block + patch + v["num_position_embeddings"] * vh
+        n += v["depth"] * block_rest + patch + v["num_position_embeddings"] * vh
         n += (merger + 2 * vh) + deepstack * (merger + 2 * merged)
     return n
 
 
 def weight_bytes(config: dict, fmt: WeightFormat) -> int:
-    """Device bytes of the weights in `fmt`: quantized values and their scales (and zero points)."""
-    linear = 0
-    for out, inp in decoder_linear_shapes(config):
-        n = out * inp
-        if fmt.bits == 16:
-            linear += 2 * n
-        elif fmt.block is not None:                                   # fp8 with a float32 scale per block
-            bo, bi = fmt.block
-            linear += n + 4 * (-(-out // bo)) * (-(-inp // bi))
-        else:
-            groups = out * (-(-inp // fmt.group_size)) if fmt.group_size else out
-            scales = 2 * groups                                       # fp16/bf16 scales
-            zeros = -(-groups * fmt.bits // 8) if fmt.zero_points else 0
-            linear += -(-n * fmt.bits // 8) + scales + zeros
-    return linear + 2 * other_params(config)
+    """Device bytes of the weights in `fmt`: quantized values and their scales (and zero points), the rest bf16."""
+    quantized = decoder_linear_shapes(config) + (vision_linear_shapes(config) if fmt.vision_quantized else [])
+    kept = 0 if fmt.vision_quantized else sum(o * i for o, i in vision_linear_shapes(config))
+    return sum(_linear_bytes(out, inp, fmt) for out, inp in quantized) + 2 * (kept + other_params(config))
+
+
+def _linear_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
+    n = out * inp
+    if fmt.bits == 16:
+        return 2 * n
+    if fmt.block is not None:                                         # fp8 with a float32 scale per block
+        bo, bi = fmt.block
+        return n + 4 * (-(-out // bo)) * (-(-inp // bi))
+    groups = out * (-(-inp // fmt.group_size)) if fmt.group_size else out
+    zeros = -(-groups * fmt.bits // 8) if fmt.zero_points else 0
+    return -(-n * fmt.bits // 8) + 2 * groups + zeros                 # values, fp16/bf16 scales, zero points
 
 
 def needed_bytes(config: dict, fmt: WeightFormat) -> int:
@@ -261,14 +293,17 @@ def main(argv: list[str]) -> None:
     path = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent / "bench" / "model_configs" / \
         "qwen3-vl-8b-instruct" / "config.json"
     config = json.loads(path.read_text())
-    print(f"{path}: {len(decoder_linear_shapes(config))} decoder linear layers, "
-          f"{sum(o * i for o, i in decoder_linear_shapes(config)) / 1e9:.3f} G params; "
-          f"{other_params(config) / 1e9:.3f} G params kept in bf16")
+    decoder, vision = (sum(o * i for o, i in shapes(config)) for shapes in (decoder_linear_shapes,
+                                                                            vision_linear_shapes))
+    print(f"{path}: decoder linear layers {decoder / 1e9:.3f} G params, vision blocks' linear layers "
+          f"{vision / 1e9:.3f} G, the rest {other_params(config) / 1e9:.3f} G (always bf16)")
     for fmt in (BF16, WeightFormat("fp8 block 128x128", 8, block=(128, 128)),
                 WeightFormat("int8 g128 (symmetric)", 8, 128), WeightFormat("int4 g128 (symmetric)", 4, 128),
                 WeightFormat("int4 g128 + zero points", 4, 128, True)):
-        size = weight_bytes(config, fmt)
-        print(f"{fmt.name:>26}: weights {size / GB:6.2f} GB ({size / GiB:5.2f} GiB)")
+        sizes = [weight_bytes(config, replace(fmt, vision_quantized=v)) for v in (False, True)]
+        print(f"{fmt.name:>26}: weights {sizes[0] / GB:6.2f} GB ({sizes[0] / GiB:5.2f} GiB)" +
+              ("" if fmt.bits == 16 else f"; with the vision blocks quantized too {sizes[1] / GB:6.2f} GB "
+                                         f"({sizes[1] / GiB:5.2f} GiB)"))
 
 
 if __name__ == "__main__":

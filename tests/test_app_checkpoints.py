@@ -8,8 +8,8 @@ import json
 import pytest
 
 from app.checkpoints import (BF16, GB, GiB, RUNTIME_BYTES, CachedCheckpoint, choose,
-                             decoder_linear_shapes, gpu_memory, other_params, parse_nvidia_smi, weight_bytes,
-                             weight_format)
+                             decoder_linear_shapes, gpu_memory, other_params, parse_nvidia_smi,
+                             vision_linear_shapes, weight_bytes, weight_format)
 from app.models import resolve_model
 from test_app_launcher import clean_env, fake_snapshot  # noqa: F401  (clean_env is a fixture)
 
@@ -19,8 +19,10 @@ REFERENCE = json.loads(open(__file__.rsplit("/", 2)[0] + "/bench/model_configs/q
 # quantization_config as the published checkpoints write it
 QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "modules_to_not_convert": ["lm_head", "model.visual"]}
-AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+       "modules_to_not_convert": ["visual"]}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+        "modules_to_not_convert": ["visual"]}
 CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*visual.*"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
@@ -50,12 +52,15 @@ def test_a_method_the_engine_does_not_load_is_named():
 def test_parameter_count_of_the_8b_matches_the_meta_device_count():
     linear = sum(o * i for o, i in decoder_linear_shapes(REFERENCE))
     assert linear == 36 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 12288)       # 6.95 G
-    assert linear + other_params(REFERENCE) == 8_767_123_696       # QWEN3_VL.md: built on the meta device
+    vision = sum(o * i for o, i in vision_linear_shapes(REFERENCE))
+    assert vision == 27 * (1152 * 3456 + 1152 * 1152 + 2 * 1152 * 4304)                # 0.41 G
+    assert linear + vision + other_params(REFERENCE) == 8_767_123_696   # QWEN3_VL.md: built on the meta device
 
 
 def test_weight_bytes_per_format():
     linear = sum(o * i for o, i in decoder_linear_shapes(REFERENCE))
-    kept = 2 * other_params(REFERENCE)                             # embeddings, lm_head, vision tower in bf16
+    # embeddings, lm_head and the vision tower in bf16 (the configs here exclude "visual")
+    kept = 2 * (sum(o * i for o, i in vision_linear_shapes(REFERENCE)) + other_params(REFERENCE))
     assert weight_bytes(REFERENCE, BF16) == 2 * 8_767_123_696
     blocks = sum(-(-o // 128) * -(-i // 128) for o, i in decoder_linear_shapes(REFERENCE))
     assert weight_bytes(REFERENCE, weight_format(with_quant(QWEN_FP8))) == linear + 4 * blocks + kept
@@ -64,6 +69,18 @@ def test_weight_bytes_per_format():
     assert weight_bytes(REFERENCE, weight_format(with_quant(AWQ))) == linear // 2 + 2 * groups + groups // 2 + kept
     assert round(weight_bytes(REFERENCE, weight_format(with_quant(QWEN_FP8))) / GB, 2) == 10.59
     assert round(weight_bytes(REFERENCE, weight_format(with_quant(AWQ))) / GB, 2) == 7.25
+
+
+@pytest.mark.parametrize("q, vision_quantized, gb", [
+    (QWEN_FP8, False, 10.59),
+    ({**QWEN_FP8, "modules_to_not_convert": ["lm_head", "model.visual.merger", "model.visual.deepstack_merger_list"]},
+     True, 10.18),
+    ({**AWQ, "modules_to_not_convert": None}, True, 6.64),
+    (CT_W4A16, False, 7.22), ({**CT_W4A16, "ignore": ["lm_head"]}, True, 6.61)])
+def test_the_vision_blocks_are_quantized_unless_the_config_excludes_them(q, vision_quantized, gb):
+    fmt = weight_format(with_quant(q))
+    assert fmt.vision_quantized is vision_quantized
+    assert round(weight_bytes(REFERENCE, fmt) / GB, 2) == gb
 
 
 # ---- the choice ------------------------------------------------------------------------------------------------
