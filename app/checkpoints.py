@@ -248,8 +248,8 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None) -> Choice
         fits = [c for c in by_quality if c.needs <= total]
         if fits:
             pick = fits[0]
-            reason = (f"the most precise one that fits {name} ({total / GiB:.0f} GiB): needs ~{pick.needs / GB:.0f} "
-                      f"GB (weights {pick.weights / GB:.1f} GB + ~{RUNTIME_BYTES / GB:.1f} GB at run time)")
+            reason = (f"the most precise one that fits {name} ({total / GiB:.0f} GiB; a checkpoint needs its "
+                      f"weights + ~{RUNTIME_BYTES / GB:.1f} GB at run time)")
         else:
             pick = min(usable, key=lambda c: c.weights)
             reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "

@@ -131,7 +131,8 @@ def test_resolve_picks_from_the_cache_and_says_why(clean_env, tmp_path):
     assert resolved.path == fp8 and resolved.served_name == "Qwen3-VL-8B-Instruct-FP8" and not resolved.demo
     notes = "\n".join(resolved.notes)
     assert notes.startswith("chosen from the Hugging Face cache: Qwen/Qwen3-VL-8B-Instruct-FP8 (fp8, weights "
-                            "~10.6 GB, needs ~14 GB); the most precise one that fits NVIDIA GeForce RTX 4080 (16 GiB)")
+                            "~10.6 GB, needs ~14 GB); the most precise one that fits NVIDIA GeForce RTX 4080 (16 GiB; a "
+                            "checkpoint needs its weights + ~3.5 GB at run time)")
     assert "also found: Qwen/Qwen3-VL-8B-Instruct (bf16, weights ~17.5 GB, needs ~21 GB)" in notes
     assert "also found: someone/Qwen3-VL-8B-Instruct-AWQ-4bit (awq 4-bit g128, weights ~7.3 GB" in notes
     assert "someone/Qwen3-VL-8B-Instruct-bnb-4bit (not used: quant_method 'bitsandbytes'" in notes
