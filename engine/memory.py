@@ -7,6 +7,7 @@ an out-of-memory error, as it would there), and the budget also sets aside what 
 otherwise: the CUDA graph pools and the vision encoder's output cache."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import psutil
@@ -137,13 +138,18 @@ def apply_gpu_memory_limit(limit_gib: float | None, device: torch.device) -> int
     return limit
 
 
+def _oom_summary(err: Exception) -> str:
+    """torch's out-of-memory message cut to what it tried ("CUDA out of memory. Tried to allocate 2.00 GiB")."""
+    m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err))
+    return "out of memory" + (f": tried to allocate {m.group(1)}" if m else "")
+
+
 def weights_out_of_memory(limit: int, device: torch.device, err: Exception) -> ModelLoadError:
     """The error for a load that ran out of memory under the limit (the weights alone do not fit)."""
     placed = torch.cuda.memory_allocated(device)
-    first = str(err).split(".")[0]
     return ModelLoadError(
-        f"the model's weights do not fit under --gpu-memory-limit {limit / GiB:.2f} GiB: loading them ran out of "
-        f"memory with {placed / GiB:.2f} GiB placed ({first}); {LIMIT_HINTS[0]} or raise the limit")
+        f"the model's weights do not fit under --gpu-memory-limit {limit / GiB:.2f} GiB: loading them ran "
+        f"{_oom_summary(err)} with {placed / GiB:.2f} GiB placed; {LIMIT_HINTS[0]} or raise the limit")
 
 
 def steps_out_of_memory(limit: int, weights: int, err: Exception) -> ModelLoadError:
@@ -151,7 +157,7 @@ def steps_out_of_memory(limit: int, weights: int, err: Exception) -> ModelLoadEr
     return ModelLoadError(
         f"the worst-case step (max_num_batched_tokens tokens, max_num_seqs rows sampled, the largest image) "
         f"does not fit under --gpu-memory-limit {limit / GiB:.2f} GiB beside the weights ({weights / GiB:.2f} "
-        f"GiB): {str(err).split('.')[0]}; {LIMIT_HINTS[1]}")
+        f"GiB): {_oom_summary(err)}; {LIMIT_HINTS[1]}")
 
 
 def profile_cuda(run_worst_case_step, weights_bytes: int, gpu_memory_utilization: float, device: torch.device,

@@ -16,7 +16,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.memory import (GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit, check_limit,
                            check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message, profile_cuda,
-                           usable_bytes)
+                           usable_bytes, weights_out_of_memory)
 from engine_helpers import make_llm
 
 REFERENCE_8B = Path(__file__).resolve().parent.parent / "bench" / "model_configs" / "qwen3-vl-8b-instruct"
@@ -167,8 +167,22 @@ def test_a_step_over_the_limit_is_a_load_error_naming_the_knobs(monkeypatch):
     fake.install(monkeypatch)
     limit = apply_gpu_memory_limit(8, CUDA)
     fake.alloc(6 * GiB)
-    with pytest.raises(ModelLoadError, match=r"worst-case step.*8\.00 GiB.*6\.00 GiB.*max-num-batched-tokens"):
+    with pytest.raises(ModelLoadError, match=r"worst-case step.*8\.00 GiB.*6\.00 GiB\): out of memory: tried to "
+                                             r"allocate 2\.00 GiB; .*max-num-batched-tokens"):
         profile_cuda(step_of(fake, 2 * GiB), 6 * GiB, 0.9, CUDA, limit)
+
+
+def test_weights_that_run_out_of_memory_while_loading_are_a_load_error(monkeypatch):
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    limit = apply_gpu_memory_limit(8, CUDA)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as oom:
+        for _ in range(40):                               # a 17.5 GB model, placed tensor by tensor
+            fake.alloc(GiB // 2)
+    err = weights_out_of_memory(limit, CUDA, oom.value)
+    assert err.message == ("the model's weights do not fit under --gpu-memory-limit 8.00 GiB: loading them ran out "
+                           "of memory: tried to allocate 0.50 GiB with 7.50 GiB placed; use a quantized checkpoint "
+                           "(README: 'Which checkpoint for which GPU') or raise the limit")
 
 
 def test_without_a_limit_the_utilization_share_is_used_and_nothing_is_reserved(monkeypatch):
