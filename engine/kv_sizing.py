@@ -30,7 +30,7 @@ class KVCachePlan:
         logger.info("KV cache block size: %d tokens", bs)
         logger.info("Total blocks allocated: %d (%.1f MB)", self.num_gpu_blocks, gpu_bytes / 2**20)
         if self.profile is not None and self.profile.limit_bytes is not None:
-            logger.info("GPU memory limit: %.2f GiB (--gpu-memory-limit; gpu_memory_utilization not used)",
+            logger.info("GPU memory utilization: not used (--gpu-memory-limit %.2f GiB)",
                         self.profile.limit_bytes / GiB)
         elif engine.device.type == "cuda":
             logger.info("GPU memory utilization: %.2f", args.gpu_memory_utilization)
