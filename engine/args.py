@@ -45,7 +45,7 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:
+        if self.gpu_memory_limit is not None and not 0 < self.gpu_memory_limit < float("inf"):
             raise ValueError(f"gpu_memory_limit is in GiB and must be positive, not {self.gpu_memory_limit}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
@@ -107,8 +107,8 @@ def gib(text: str) -> float:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 8, 11.5 or 12GiB)") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive and finite")
     return number
 
 

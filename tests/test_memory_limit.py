@@ -84,7 +84,7 @@ def test_cli_takes_gib(text, gib):
     assert EngineArgs.from_cli(parse()).gpu_memory_limit is None
 
 
-@pytest.mark.parametrize("text", ["12GB", "eight", "0", "-4"])
+@pytest.mark.parametrize("text", ["12GB", "eight", "0", "-4", "inf", "nan"])
 def test_cli_refuses_what_is_not_a_positive_size_in_gib(text, capsys):
     with pytest.raises(SystemExit):
         parse("--gpu-memory-limit", text)
