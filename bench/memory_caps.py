@@ -161,9 +161,12 @@ def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
         res["bench_error"] = f"{type(err).__name__}: {err}"[:500]
     finally:
         stop(proc)
-        res["log_lines"] = parse_log(log_path.read_text(errors="replace"))
-        if not res["started"] and "error" in res["log_lines"]:
-            res["reason"] = f"{res.get('reason', 'not started')}: {res['log_lines']['error']}"
+        text = log_path.read_text(errors="replace")
+        res["log_lines"] = parse_log(text)
+        if not res["started"]:
+            # The engine's ERROR line, else the log's last line (argparse's usage error, a traceback's end).
+            last = next((line for line in reversed(text.splitlines()) if line.strip()), "")
+            res["reason"] = f"{res.get('reason', 'not started')}: {res['log_lines'].get('error', last.strip())}"
     return res
 
 
