@@ -27,6 +27,7 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
     load_format: str = "auto"                    # auto | safetensors | gguf | dummy
+    quantization: str | None = None              # fp8 | awq | gptq | compressed-tensors (default: the checkpoint's)
     scheduling_policy: str = "fcfs"              # fcfs | priority
     limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 8})
     mm_processor_kwargs: dict = field(default_factory=dict)   # e.g. {"max_pixels": 1003520}
@@ -49,6 +50,12 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_limit is in GiB and must be positive, not {self.gpu_memory_limit}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.quantization is not None:
+            from engine.model.quantization.config import canonical_method
+            try:
+                canonical_method(self.quantization)
+            except Exception as e:
+                raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
 
@@ -83,6 +90,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors", "gguf", "dummy"))
+    p.add_argument("--quantization", "-q", default=None,
+                   help="fp8, awq, gptq or compressed-tensors: the checkpoint's method (read from its "
+                        "quantization_config; must agree) or, with --load-format dummy, the layout of the random "
+                        "weights")
     p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=("fcfs", "priority"))
     p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
                    help='JSON, e.g. \'{"image": 4}\'')

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.model.quantization.config import QuantizationConfig
+from engine.model.quantization.parse import parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM", "LlamaForCausalLM")
 
@@ -66,6 +68,7 @@ class ModelConfig:
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    quantization: QuantizationConfig | None = None      # the checkpoint's quantization_config (or --quantization)
 
     @property
     def is_multimodal(self) -> bool:
@@ -110,6 +113,8 @@ class ModelConfig:
                             or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=_as_list(text.get("eos_token_id", cfg.get("eos_token_id"))),
             bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+            quantization=parse_quantization_config(cfg.get("quantization_config")
+                                                   or text.get("quantization_config")),
         )
         if arch == "Qwen3VLForConditionalGeneration":
             mc.mrope_section = list(scaling.pop("mrope_section", None) or [24, 20, 20])

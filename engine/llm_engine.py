@@ -40,7 +40,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.args = args
         self.device = _resolve_device(args.device)
-        self.model_config: ModelConfig = load_model_config(args.model)
+        self.model_config: ModelConfig = load_model_config(args.model, args.quantization, args.load_format)
         self.dtype = _resolve_dtype(args.dtype, self.model_config, self.device)
         self.model_name = args.served_model_name or Path(args.model).name
         logger.info("Initializing engine: model=%s, architecture=%s, dtype=%s, device=%s, block_size=%d, "

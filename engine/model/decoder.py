@@ -73,10 +73,13 @@ class DenseMultimodalEmbeds:
 
 
 class TextDecoder(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int):
+    """`prefix`: the decoder's name in the checkpoint (`model`, or `model.language_model` in Qwen3-VL)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
 

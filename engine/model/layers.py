@@ -10,6 +10,7 @@ from torch import nn
 
 from engine import ops
 from engine.config import ModelConfig
+from engine.model.quantization.layers import make_linear
 from engine.ops import AttentionMetadata
 
 
@@ -73,16 +74,19 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """GQA self-attention with a fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, and K/V
-    written to / read from this layer's slice of the paged cache."""
+    written to / read from this layer's slice of the paged cache. `prefix` is the layer's checkpoint name (it
+    decides, with the checkpoint's quantization_config, which projections hold quantized weights)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        quant = config.quantization
+        self.qkv_proj = make_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                    config.attention_bias, quant, [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.o_proj = make_linear(self.q_size, [config.hidden_size], False, quant, [f"{prefix}.o_proj"])
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -103,10 +107,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        hidden, inter, quant = config.hidden_size, config.intermediate_size, config.quantization
+        self.gate_up_proj = make_linear(hidden, [inter, inter], False, quant,
+                                        [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = make_linear(inter, [hidden], False, quant, [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -116,10 +122,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden state so that each RMSNorm can fuse the
     residual add before it (stream after the layer = returned hidden + returned residual)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = Attention(config, f"{prefix}.self_attn")
+        self.mlp = MLP(config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

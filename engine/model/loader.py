@@ -14,12 +14,16 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
+from engine.model.quantization.layers import Fp8BlockLinear, WNA16Linear
+from engine.model.quantization.loading import QuantizedTensorCollector
+from engine.model.quantization.parse import resolve_quantization
 
 logger = init_logger(__name__)
 
 # checkpoint projection -> (our fused parameter, shard). The loader copies each into its slice.
 _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+_SHARD_INDEX = {None: None, "q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -27,15 +31,21 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf")
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
+def load_model_config(path: str | Path, quantization: str | None = None, load_format: str = "auto") -> ModelConfig:
+    """The model's config; `quantization` (--quantization) states or, for dummy weights, picks the method."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist", code="model_not_found")
     if is_gguf(path):
+        if quantization is not None:
+            raise ModelLoadError(f"--quantization {quantization} does not apply to a GGUF file (its own "
+                                 f"quantization is dequantized at load)", code="quantization_mismatch")
         return _gguf_config(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file", code="model_not_found")
-    return ModelConfig.from_model_dir(path)
+    config = ModelConfig.from_model_dir(path)
+    config.quantization = resolve_quantization(config.quantization, quantization, load_format == "dummy")
+    return config
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -64,8 +74,10 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str) -> None:
     else:
         _load_named(model, _safetensors_weights(Path(path), next(model.parameters()).device))
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("Loading model weights took %.2f GB and %.2f seconds (%s)", nbytes / 1e9,
-                time.perf_counter() - start, "random dummy weights" if load_format == "dummy" else path)
+    quant = model.config.quantization
+    logger.info("Loading model weights took %.2f GB and %.2f seconds (%s%s)", nbytes / 1e9,
+                time.perf_counter() - start, f"{quant.describe()}; " if quant else "",
+                "random dummy weights" if load_format == "dummy" else path)
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------------
@@ -141,27 +153,57 @@ def _unpermute_llama_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # ---- mapping names into the model ----------------------------------------------------------------------------
+def _target(name: str, config: ModelConfig) -> tuple[str, object] | None:
+    """Checkpoint name -> (our parameter's name, shard of a fused projection or None); None: not ours to load."""
+    name = name.replace("model.language_model.", "language_model.", 1)
+    if name.startswith("lm_head.") and config.tie_word_embeddings:
+        return None
+    for part, fused, shard_id in _STACKED:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
+
+
 def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    config = model.config
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    collector = QuantizedTensorCollector(config.quantization) if config.quantization is not None else None
+    dtype = model.decoder.embed_tokens.weight.dtype
     filled: dict[str, set] = defaultdict(set)
     vision: list[tuple[str, torch.Tensor]] = []
+    dequantized: list[str] = []
     for name, tensor in weights:
+        if collector is not None and collector.accepts(name, tensor):
+            done = collector.add(name, tensor)
+            if done is None:
+                continue
+            layer, quantized = done
+            target = _target(layer + ".weight", config)
+            module = modules.get(target[0].rpartition(".")[0]) if target else None
+            if isinstance(module, (WNA16Linear, Fp8BlockLinear)):
+                module.load_shard(_SHARD_INDEX[target[1]], quantized, layer)
+                prefix = target[0].rpartition(".")[0]
+                for pname, _ in module.named_parameters():
+                    filled[f"{prefix}.{pname}"].add(target[1])
+                continue
+            # A layer the model keeps in its dtype (the vision tower, lm_head): dequantized once, here.
+            name, tensor = layer + ".weight", quantized.dequantize(dtype)
+            dequantized.append(layer)
         if name.startswith("model.visual."):
             vision.append((name[len("model.visual."):], tensor))
             continue
-        name = name.replace("model.language_model.", "language_model.", 1)
-        if name.startswith("lm_head.") and model.config.tie_word_embeddings:
-            continue
-        target, shard = name, None
-        for part, fused, shard_id in _STACKED:
-            if f".{part}." in name:
-                target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                break
-        param = params.get(target)
-        if param is None:
-            continue   # e.g. rotary inv_freq buffers saved by old checkpoints
-        _copy_shard(param, tensor, shard, model.config, target)
-        filled[target].add(shard)
+        target = _target(name, config)
+        if target is None or target[0] not in params:
+            continue   # tied lm_head; rotary inv_freq buffers saved by old checkpoints
+        _copy_shard(params[target[0]], tensor, target[1], config, target[0])
+        filled[target[0]].add(target[1])
+    if collector is not None:
+        collector.check_complete()
+    if dequantized:
+        logger.info("Dequantized %d quantized layers the model runs in %s (%s%s) at load", len(dequantized),
+                    str(dtype).removeprefix("torch."), ", ".join(dequantized[:3]),
+                    f" and {len(dequantized) - 3} more" if len(dequantized) > 3 else "")
     if vision:
         loaded = model.visual.load_weights(vision)
         for name in loaded:
@@ -199,7 +241,14 @@ def _complete(name: str, shards: set) -> bool:
 def _init_dummy(model: nn.Module) -> None:
     """Random weights of realistic scale: speed does not depend on the values, but NaNs and overflow would."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    quantized = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, (WNA16Linear, Fp8BlockLinear)):
+            module.init_dummy(gen)
+            quantized.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
     for name, p in model.named_parameters():
+        if name in quantized:
+            continue
         if p.dim() == 1 and "norm" in name:
             p.data.fill_(1.0)
         else:

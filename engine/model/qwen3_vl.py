@@ -15,7 +15,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.visual = Qwen3VLVisionModel(config.vision, dtype=torch.get_default_dtype())  # set by build_model
-        self.language_model = TextDecoder(config, max_positions)
+        self.language_model = TextDecoder(config, max_positions, prefix="model.language_model")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
