@@ -51,10 +51,11 @@ class EngineArgs:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.quantization is not None:
+            from engine.errors import ModelLoadError
             from engine.model.quantization.config import canonical_method
             try:
                 canonical_method(self.quantization)
-            except Exception as e:
+            except ModelLoadError as e:
                 raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
