@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.args import EngineArgs
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import QuantizationConfig, WNA16Scheme
@@ -159,3 +159,22 @@ def test_dummy_weights_in_each_format(qwen3_wide_dir, method):
     assert len(out.outputs[0].token_ids) == 4
     logits = llm.engine.model.compute_logits(torch.zeros(1, 128))
     assert torch.isfinite(logits).all()
+
+
+def test_a_layers_tensors_split_across_shard_files_load_as_one(awq_dir, tmp_path):
+    """qweight in one file, qzeros and scales in another (as sharded checkpoints split them)."""
+    import shutil
+    sharded = tmp_path / "sharded"
+    shutil.copytree(awq_dir, sharded, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = load_file(awq_dir / "model.safetensors")
+    files = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, tensor in state.items():
+        files[sorted(files)[name.endswith((".qzeros", ".scales"))]][name] = tensor
+    for file, tensors in files.items():
+        save_file(tensors, sharded / file)
+    index = {"metadata": {}, "weight_map": {n: f for f, ts in files.items() for n in ts}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [want] = make_llm(awq_dir).generate("The capital of France is", greedy)
+    [got] = make_llm(sharded).generate("The capital of France is", greedy)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
