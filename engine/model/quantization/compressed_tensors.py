@@ -9,8 +9,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
-from engine.ops.quant import unpack_int32_rows
+from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols, unpack_int32_rows
 
 LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 

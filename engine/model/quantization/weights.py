@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops.quant import fp8_block_dequantize, unpack_int32_rows
 
 
 @dataclass
@@ -34,7 +33,18 @@ class Fp8Weights:
     block_size: tuple[int, int]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return fp8_block_dequantize(self.weight, self.scale_inv, self.block_size).to(dtype)
+        (n, k), (bn, bk) = self.weight.shape, self.block_size
+        scale = self.scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        return (self.weight.float() * scale).to(dtype)
+
+
+def unpack_int32_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[K // pack, N] int32 packed along K, value k % pack of column n at bits [bits*(k % pack), ...)
+    -> [K, N] int32 of unsigned values."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
+    q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return q.reshape(packed.shape[0] * pack, packed.shape[1])
 
 
 def unpack_int32_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
