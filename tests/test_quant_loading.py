@@ -178,3 +178,13 @@ def test_a_layers_tensors_split_across_shard_files_load_as_one(awq_dir, tmp_path
     [want] = make_llm(awq_dir).generate("The capital of France is", greedy)
     [got] = make_llm(sharded).generate("The capital of France is", greedy)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused(qwen3_dir, tmp_path):
+    """Loaded as plain weights (no scales), an fp8 checkpoint would answer garbage: it is refused instead."""
+    quant_dir, _ = write_quantized(qwen3_dir, tmp_path, Spec("fp8", block_size=(32, 32)))
+    config = json.loads((quant_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\..*\.weight is float8_e4m3fn .* no fp8 quantization_config"):
+        make_llm(quant_dir)

@@ -190,6 +190,11 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
             # A layer the model keeps in its dtype (the vision tower, lm_head): dequantized once, here.
             name, tensor = layer + ".weight", quantized.dequantize(dtype)
             dequantized.append(layer)
+        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            # Cast to the model dtype without its scales, an fp8 weight would load and answer garbage.
+            raise ModelLoadError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} but the checkpoint's "
+                                 f"config.json has no fp8 quantization_config to say how it is scaled",
+                                 code="unsupported_quantization")
         if name.startswith("model.visual."):
             vision.append((name[len("model.visual."):], tensor))
             continue
