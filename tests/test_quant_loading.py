@@ -186,5 +186,6 @@ def test_fp8_weights_without_a_quantization_config_are_refused(qwen3_dir, tmp_pa
     config = json.loads((quant_dir / "config.json").read_text())
     del config["quantization_config"]
     (quant_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\..*\.weight is float8_e4m3fn .* no fp8 quantization_config"):
+    with pytest.raises(ModelLoadError,
+                       match=r"model\.layers\.0\..*\.weight is float8_e4m3fn .* no fp8 quantization_config"):
         make_llm(quant_dir)

@@ -31,13 +31,16 @@ class QuantizedTensorCollector:
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, WNA16Weights | Fp8Weights] | None:
         """Keep `tensor`; once its layer's set is complete, return (layer name, its converted weights)."""
         module, _, leaf = name.rpartition(".")
-        parts = self.pending.setdefault(module, {})
-        parts[leaf] = tensor
         scheme = self.quant.scheme_for(module)
         if scheme is None:
             raise ModelLoadError(f"the checkpoint stores {module} quantized ({leaf}) but its quantization_config "
                                  f"leaves that layer unquantized", code="unsupported_quantization")
-        if not self.format.required(scheme) <= parts.keys():
+        required = self.format.required(scheme)
+        if leaf not in required:
+            return None   # e.g. a g_idx of plain contiguous groups beside compressed-tensors' actorder "weight"
+        parts = self.pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if not required <= parts.keys():
             return None
         del self.pending[module]
         return module, self.format.convert(parts, scheme, module)
