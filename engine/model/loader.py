@@ -176,18 +176,10 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
     for name, tensor in weights:
         if collector is not None and collector.accepts(name, tensor):
             done = collector.add(name, tensor)
-            if done is None:
-                continue
-            layer, quantized = done
-            target = _target(layer + ".weight", config)
-            module = modules.get(target[0].rpartition(".")[0]) if target else None
-            if isinstance(module, (WNA16Linear, Fp8BlockLinear)):
-                module.load_shard(_SHARD_INDEX[target[1]], quantized, layer)
-                prefix = target[0].rpartition(".")[0]
-                for pname, _ in module.named_parameters():
-                    filled[f"{prefix}.{pname}"].add(target[1])
+            if done is None or _load_quantized(modules, filled, config, *done):
                 continue
             # A layer the model keeps in its dtype (the vision tower, lm_head): dequantized once, here.
+            layer, quantized = done
             name, tensor = layer + ".weight", quantized.dequantize(dtype)
             dequantized.append(layer)
         elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -217,6 +209,22 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint is missing tensors: {shown}", code="missing_weights")
+
+
+def _load_quantized(modules: dict[str, nn.Module], filled: dict[str, set], config: ModelConfig, layer: str,
+                    weights) -> bool:
+    """Put checkpoint layer `layer`'s converted weights into its (shard of a) quantized module, if the model
+    holds one there."""
+    target = _target(layer + ".weight", config)
+    prefix = target[0].rpartition(".")[0] if target else ""
+    module = modules.get(prefix)
+    if not isinstance(module, (WNA16Linear, Fp8BlockLinear)):
+        return False
+    module.load_shard(_SHARD_INDEX[target[1]], weights, layer)
+    for pname, _ in module.named_parameters():
+        if pname != "bias":   # biases are checkpoint tensors of their own
+            filled[f"{prefix}.{pname}"].add(target[1])
+    return True
 
 
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard, config: ModelConfig, name: str) -> None:
