@@ -3,7 +3,6 @@
 the next tokens on the device."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,55 +64,6 @@ class InflightStep:
         return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
 
 
-class EagerCheck:
-    """Whether launching the decoder op by op behind a vision encoder run keeps the host ahead of the device.
-    One such step is timed, host launch time against the device's time for the step (CUDA events, read once
-    done, never waited for): a host that took over HOST_SHARE of it may have left the device waiting, and later
-    steps replay the prefill graphs again. The first WARMUP_RUNS vision encoder runs are not timed: they capture
-    the encoder's graph and compile kernels, so host and device time are the same there (606 against 615 ms on
-    the H200). Only vision encoder runs call in, so text-only steps pay nothing."""
-    HOST_SHARE = 0.9
-    WARMUP_RUNS = 2
-
-    def __init__(self, enabled: bool):
-        self.allowed = enabled
-        self._decided = not enabled
-        self._runs = 0
-        self._begin: tuple | None = None         # (start event, host clock) of the step being timed
-        self._pending: tuple | None = None       # (start event, end event, host seconds) once it is launched
-
-    def vision_starting(self) -> None:
-        """The vision encoder is about to be queued: time this step if it is the one to time."""
-        self._judge()
-        if self._decided or self._pending is not None:
-            return
-        self._runs += 1
-        if self._runs > self.WARMUP_RUNS:
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            self._begin = (begin, time.perf_counter())
-
-    def launched(self) -> None:
-        """The step behind the vision encoder has been queued, op by op."""
-        if self._begin is None:
-            return
-        (begin, t0), self._begin = self._begin, None
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending = (begin, end, time.perf_counter() - t0)
-
-    def _judge(self) -> None:
-        if self._pending is None or not self._pending[1].query():
-            return
-        begin, end, host_s = self._pending
-        device_ms = begin.elapsed_time(end)
-        self._pending, self._decided = None, True
-        self.allowed = host_s * 1e3 < self.HOST_SHARE * device_ms
-        logger.info("Prefill behind the vision encoder: the host launched it op by op in %.1f ms, the device "
-                    "ran the step in %.1f ms: %s", host_s * 1e3, device_ms,
-                    "kept op by op (exact length)" if self.allowed else "back to the CUDA graphs")
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, cache: CacheEngine, kv: KVCacheManager,
                  block_size: int, device: torch.device, encoder_cache_tokens: int = 16384):
@@ -126,7 +76,6 @@ class ModelRunner:
         self.device = device
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self.graphs = None          # set by enable_cuda_graphs()
-        self.eager_check = EagerCheck(enabled=device.type == "cuda")
         self.vision_graphs = None   # likewise, for a multimodal model
         self._staging = None        # pinned host buffer for image uploads, reused (see _upload)
         self._staging_free = None   # event: the last upload from it has finished
@@ -140,22 +89,14 @@ class ModelRunner:
         self.cache.swap_in(so.blocks_to_swap_in)
         if not so.scheduled:
             return InflightStep(so, [], None, None)
-        # The vision encoder first: its ~13 ms on the device (a 1024x1024 image on an H200) then covers the
-        # host's work of building the batch below, instead of waiting for it.
-        misses = self.encoder_cache.misses
+        # The vision encoder first: its time on the device then covers the host's work of building the batch
+        # below, instead of waiting for it.
         images = self.encode_images(so)
         inp = self.prepare_inputs(so, prev, images)
-        # Behind a vision encoder run the host is ~10 ms ahead of the device, so launching the decoder layer by
-        # layer can cost nothing, and the prefill then runs at its exact length rather than padded to a graph's
-        # bucket (1067 tokens, bucket 1088: 35.5 against 37.6 ms on the device). EagerCheck turns this off on a
-        # host too slow to stay ahead.
-        eager = self.encoder_cache.misses != misses and self.eager_check.allowed
-        if self.graphs is not None and not eager and self.graphs.can_run(inp):
+        if self.graphs is not None and self.graphs.can_run(inp):
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
-        if eager:
-            self.eager_check.launched()
         if not inp.sample_requests:
             return InflightStep(so, [], None, None)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
@@ -281,7 +222,6 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        self.eager_check.vision_starting()
         dtype = self.model.visual.pos_embed.weight.dtype     # the pixels come out in the encoder's dtype
         parts = [i.to_pixels(raw, dtype) for i, raw in zip(images, self._upload([i.raw for i in images]))]
         pixels = parts[0] if len(parts) == 1 else torch.cat(parts)   # one image: no copy
