@@ -19,6 +19,12 @@ def qwen3_vl_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_transformers5_dir(qwen3_vl_dir, tmp_path_factory) -> Path:
+    """The same tiny Qwen3-VL, its processor saved as transformers 5 does (processor_config.json)."""
+    return tiny_models.save_processor_as_transformers5(qwen3_vl_dir, tmp_path_factory.mktemp("models") / "t5-vl")
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> Path:
     return tiny_models.build_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3")
 

@@ -1,7 +1,8 @@
 """Tiny random checkpoints in real Hugging Face layout, built in a temp dir for the oracle tests.
 
 Every directory holds what a real model directory holds: config.json, model.safetensors, a byte-level BPE
-tokenizer (tokenizer.json + tokenizer_config.json), a chat template and, for Qwen3-VL, preprocessor_config.json.
+tokenizer (tokenizer.json + tokenizer_config.json), a chat template and, for Qwen3-VL, preprocessor_config.json
+(or, as transformers 5 saves a processor, processor_config.json: see save_processor_as_transformers5).
 Weights are drawn with std 0.15 and norm weights in U(0.5, 1.5): the default init (std 0.02) makes every layer
 nearly the identity and hides bugs such as a swapped rotary axis.
 """
@@ -116,6 +117,38 @@ def build_qwen3_vl(out_dir: Path, seed: int = 0, use_reference_template: bool = 
     pre["size"] = {"longest_edge": 256 * 256, "shortest_edge": 32 * 32}
     (out_dir / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
     _write_generation_config(out_dir, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"])
+    return out_dir
+
+
+def image_only_qwen3_vl_processor(image_processor, tokenizer):
+    """transformers' Qwen3VLProcessor without its video processor (which needs torchvision, absent here)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+            # The attributes Qwen3VLProcessor.__init__ would set (5.25 added the vision start/end pair).
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+            for name in ("image", "video", "vision_start", "vision_end"):
+                setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(getattr(self, f"{name}_token")))
+    return Qwen3VLImageOnlyProcessor(image_processor, tokenizer)
+
+
+def save_processor_as_transformers5(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of a tiny Qwen3-VL directory whose tokenizer and image processor are saved by transformers' own
+    ProcessorMixin.save_pretrained: processor_config.json with the image processor nested inside, and no
+    preprocessor_config.json (the layout of checkpoints saved with transformers 5)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out_dir = Path(shutil.copytree(model_dir, out_dir))
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(out_dir)
+    (out_dir / "preprocessor_config.json").unlink()
+    image_only_qwen3_vl_processor(image_processor, AutoTokenizer.from_pretrained(out_dir)).save_pretrained(out_dir)
     return out_dir
 
 

@@ -21,7 +21,7 @@ from PIL import Image
 
 from engine import ops
 from engine.config import read_model_json
-from engine.errors import ImageError
+from engine.errors import ImageError, ModelLoadError
 from engine.inputs.image_io import to_rgb
 
 MAX_ASPECT_RATIO = 200  # the vision encoder's limit; smart_resize refuses more elongated images
@@ -67,7 +67,18 @@ class ImageProcessor:
     @classmethod
     def from_model_dir(cls, path: str | Path, min_pixels: int | None = None,
                        max_pixels: int | None = None) -> "ImageProcessor":
-        cfg = read_model_json(path, "preprocessor_config.json", "a vision model needs it")
+        """From preprocessor_config.json, or from the image_processor entry of processor_config.json, where
+        transformers 5 saves a processor's parts together."""
+        directory = Path(path)
+        if (directory / "processor_config.json").is_file() and not (directory / "preprocessor_config.json").is_file():
+            cfg = read_model_json(path, "processor_config.json", "a vision model needs it")
+            cfg = cfg.get("image_processor") if isinstance(cfg, dict) else None
+            if not isinstance(cfg, dict):
+                raise ModelLoadError(f"{directory / 'processor_config.json'} has no image_processor entry, and "
+                                     f"there is no preprocessor_config.json: a vision model needs one of them")
+        else:
+            cfg = read_model_json(path, "preprocessor_config.json", "a vision model needs it (or transformers 5's "
+                                  "processor_config.json with an image_processor entry)")
         return cls.from_config(cfg, min_pixels=min_pixels, max_pixels=max_pixels)
 
     # ---- sizes ----------------------------------------------------------------------------------------------
