@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imageparts pngpaths imagetl
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake
 #                                          hf serve imageab); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -18,14 +18,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # The device's copy of .git can be stale: the caller passes COMMIT=$(git rev-parse HEAD) where it matters.
 echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) [from the copy of .git on the device]}" | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
-#   pip download pybase64 pyspng orjson blake3 isal deflate py-spy --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
+#   pip download pybase64 orjson blake3 py-spy --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64     (py-spy: only for SPY=1)
-if [ -d .whl ] && ! python3 -c "import pybase64, pyspng, orjson, blake3, isal, deflate" 2>/dev/null; then
-  python3 -m pip install -q --no-index --find-links .whl pybase64 pyspng orjson blake3 isal deflate 2>&1 | tail -1
+# Every wheel there is installed, so that an older tree timed against this one (imageab) finds its own too.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --find-links .whl $(ls .whl/*.whl | grep -v py_spy) 2>&1 | tail -1
 fi
-python3 -c "import PIL, pybase64, pyspng, orjson, blake3, isal, deflate; print('pillow', PIL.__version__, \
-'pybase64', pybase64.__version__, 'pyspng', pyspng.__version__, 'orjson', orjson.__version__, 'blake3', \
-blake3.__version__, 'isal', isal.__version__, 'deflate', deflate.__version__)" | tee -a "$OUT/env.txt"
+python3 -c "import PIL, pybase64, orjson, blake3; print('pillow', PIL.__version__, 'pybase64', pybase64.__version__, \
+'orjson', orjson.__version__, 'blake3', blake3.__version__)" | tee -a "$OUT/env.txt"
 lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz)' | tr -s ' ' | tee -a "$OUT/env.txt"
 
 for s in $STAGES; do
@@ -67,17 +67,16 @@ for s in $STAGES; do
       timeout "${PARTS_T:-200}" python3 bench/image_gpu_parts.py --json "$OUT/image_gpu_parts.json" \
         ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
-    pngpaths)
-      stage "PNG decode paths on this host"
-      # with OLD_TREE set, its png.py is also timed against this one's, image by image
-      timeout 120 python3 bench/png_paths.py --json "$OUT/png_paths.json" \
-        ${OLD_TREE:+--old "$OLD_TREE/engine/inputs/png.py"} > "$OUT/png_paths.txt" 2>&1
-      echo "rc=$?"; tail -5 "$OUT/png_paths.txt" ;;
+    intake)
+      stage "image intake on this host (process_chat alone), trees in turns"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout 240 python3 bench/image_intake.py --model /tmp/q8 --alternate ${OLD_TREE:-$PWD} $PWD \
+        > "$OUT/image_intake.txt" 2>&1; echo "rc=$?"; tail -8 "$OUT/image_intake.txt" ;;
     imagetl)
       stage "image request timeline inside the HTTP server"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
       timeout "${TL_T:-200}" python3 bench/image_timeline.py --model /tmp/q8 --load-format dummy \
-        --kinds ${TL_KINDS:-photo screenshot noise} ${TL_ARGS:-} > "$OUT/image_timeline.txt" 2>&1
+        --kinds ${TL_KINDS:-jpeg screenshot photo} ${TL_ARGS:-} > "$OUT/image_timeline.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_timeline.txt" | tail -150 ;;
     hf)
       stage "transformers baseline"
@@ -98,7 +97,7 @@ for s in $STAGES; do
         spid=$!
         for _ in $(seq 120); do curl -sf localhost:3001/health > /dev/null && break; sleep 1; done
         echo "-- $tree"
-        timeout 150 python3 bench/serve.py ${AB_ARGS:---concurrency} --image-repeats 7 2>&1 | grep -E '^\| (image|[0-9])'
+        timeout 300 python3 bench/serve.py ${AB_ARGS:---concurrency} --image-repeats 7 2>&1 | grep -E '^\| (image|[0-9])'
         if [ -n "${SPY:-}" ]; then
           # py-spy (from .whl) samples this server's threads for 8 s of one more concurrency-256 level
           python3 -m pip install -q --no-index --find-links .whl py-spy 2>&1 | tail -1

@@ -1,5 +1,5 @@
 """Where the time to first token of one image request goes: the CPU phases of turning a data URL into a prompt
-(base64, PNG decode, hash, template and tokens), then torch.profiler kernel tables for the vision encoder and for
+(base64, decode, resize, hash, template and tokens), then torch.profiler kernel tables for the vision encoder and for
 the prefill step that follows it.
 
     python bench/image_profile.py --model DIR --load-format dummy [--out FILE]
@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import IMAGE_KINDS, png_data_url  # noqa: E402
+from serve import IMAGE_KINDS, describe, image_bytes, image_data_url  # noqa: E402
 
 
 def median_ms(fn, repeats: int = 7) -> float:
@@ -32,19 +32,19 @@ def median_ms(fn, repeats: int = 7) -> float:
 
 
 def cpu_phases(llm: LLM, kind: str) -> dict:
-    """Each CPU phase alone, median of 7, for one 1024x1024 image of this kind."""
-    from engine.inputs.image_cache import DecodedImageCache
-    from engine.inputs.image_io import decode_data_url, decode_image
+    """Each CPU phase alone, median of 7, for one image of this kind."""
+    from engine.inputs.image_cache import ImageCache
+    from engine.inputs.image_io import decode_data_url, load_image
     from engine.server.protocol import _loads
-    url = png_data_url(1024, 0, kind)
-    data = decode_data_url(url)
+    url = image_data_url(kind)
+    data = image_bytes(kind)
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "What is in this image?"}]}]
     body = json.dumps({"model": "m", "messages": msgs}).encode()
     cold = copy.copy(llm.engine.input_processor)
-    cold.decoded_images = DecodedImageCache(max_bytes=0)    # keeps nothing: every call decodes
-    return {"kind": kind, "png_bytes": len(data), "json_loads": median_ms(lambda: _loads(body)),
-            "base64": median_ms(lambda: decode_data_url(url)), "png_decode": median_ms(lambda: decode_image(data)),
+    cold.image_cache = ImageCache(max_bytes=0)    # keeps nothing: every call decodes
+    return {"kind": describe(kind), "bytes": len(data), "json_loads": median_ms(lambda: _loads(body)),
+            "base64": median_ms(lambda: decode_data_url(url)), "decode": median_ms(lambda: load_image(data)),
             # The whole request processing: cold (nothing kept), and for the image re-sent by a later chat turn.
             "process_chat_cold": median_ms(lambda: cold.process_chat(msgs)),
             "process_chat_resent": median_ms(lambda: llm.engine.input_processor.process_chat(msgs))}
@@ -104,7 +104,7 @@ def main() -> None:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in p.items()}))
 
     msgs = lambda seed: [{"role": "user", "content": [  # noqa: E731
-        {"type": "image_url", "image_url": {"url": png_data_url(1024, seed)}},
+        {"type": "image_url", "image_url": {"url": image_data_url("photo", seed)}},
         {"type": "text", "text": "What is in this image?"}]}]
     process = llm.engine.input_processor.process_chat
     prompt = process(msgs(1))

@@ -1,10 +1,10 @@
 """Where the time to first token of one image request goes, inside the real HTTP server: the server runs in
 this process with probes on the functions of the request path; a client process sends chat requests with a
-fresh 1024x1024 PNG each (bench/serve.py's image kinds) and reports its own TTFT. Printed per stage: the
-median time since the handler started, on the host, and the GPU's busy spans (CUDA events) on the same clock;
-then the minor page faults of the process during the PNG decode.
+fresh image each (bench/serve.py's image kinds: the page's 1280x960 JPEG, 1024x1024 PNGs) and reports its own
+TTFT. Printed per stage: the median time since the handler started, on the host, and the GPU's busy spans (CUDA
+events) on the same clock.
 
-    python bench/image_timeline.py --model DIR [--kinds photo screenshot] [--repeats 6] [engine flags, e.g.
+    python bench/image_timeline.py --model DIR [--kinds jpeg screenshot photo] [--repeats 6] [engine flags, e.g.
         --load-format dummy]
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import functools
 import json
-import resource
 import socket
 import subprocess
 import sys
@@ -28,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STAMPS: list[tuple[str, float]] = []        # (stage, seconds since the handler started), one request at a time
 GPU: list[tuple[str, object, object]] = []  # (span, start event, end event)
-FAULTS: list[int] = []                      # minor page faults of the process during each image's decode
 T0 = [0.0]
 
 
@@ -74,21 +72,6 @@ def probe(owner, attr: str, name: str, gpu: bool = False, first_only: bool = Fal
     setattr(owner, attr, wrapped)
 
 
-def count_faults(owner, attr: str) -> None:
-    """Wrap owner.attr so that the minor page faults of the whole process (every thread) during it are kept:
-    fresh memory (the decoded image's array) costs one fault per 4 KB page."""
-    fn = getattr(owner, attr)
-
-    @functools.wraps(fn)
-    def wrapped(*a, **kw):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        try:
-            return fn(*a, **kw)
-        finally:
-            FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    setattr(owner, attr, wrapped)
-
-
 def install_probes() -> None:
     from aiohttp import web
 
@@ -96,6 +79,7 @@ def install_probes() -> None:
     from engine.async_llm import AsyncLLM
     from engine.inputs import processor
     from engine.inputs.chat_template import ChatTemplate
+    from engine.inputs.image_processor import ImageProcessor
     from engine.llm_engine import LLMEngine
     from engine.runner import InflightStep, ModelRunner
     from engine.server import chat, data_urls, protocol
@@ -106,7 +90,6 @@ def install_probes() -> None:
     async def first_stage(request):          # the handler's first await: the clock starts here
         STAMPS.clear()
         GPU.clear()
-        FAULTS.clear()
         T0[0] = time.perf_counter()
         GPU.append(("t0", _event(), None))
         return await handler(request)
@@ -118,8 +101,8 @@ def install_probes() -> None:
     probe(processor.InputProcessor, "process_chat", "process_chat")
     probe(processor.InputProcessor, "_load_image", "image_load (worker)")
     probe(processor, "fetch_image_bytes", "base64")
-    probe(processor, "decode_image", "png_decode")
-    count_faults(processor, "decode_image")
+    probe(processor, "load_image", "decode")
+    probe(ImageProcessor, "resize", "resize")
     probe(ChatTemplate, "render", "render")
     probe(processor.InputProcessor, "_encode", "tokenize")
     probe(processor.InputProcessor, "_content_hash", "content_hash")
@@ -157,7 +140,7 @@ CLIENT = r"""
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[1])
 import aiohttp
-from serve import png_data_url, stream_request
+from serve import image_data_url, stream_request
 async def main(url, kinds, repeats, first_seed):
     async with aiohttp.ClientSession() as s:
         model = (await (await s.get(url + "/v1/models")).json())["data"][0]["id"]
@@ -165,7 +148,7 @@ async def main(url, kinds, repeats, first_seed):
             for seed in range(repeats + 1):
                 body = json.dumps({"model": model, "max_tokens": 1, "stream": True, "temperature": 0.0,
                     "messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": png_data_url(1024, first_seed + seed, kind)}},
+                        {"type": "image_url", "image_url": {"url": image_data_url(kind, first_seed + seed)}},
                         {"type": "text", "text": "What is in this image?"}]}]}).encode()
                 r = await stream_request(s, url + "/v1/chat/completions", body)
                 print(json.dumps({"kind": kind, "seed": seed, "ttft_ms": r["ttft"] * 1e3}), flush=True)
@@ -195,7 +178,7 @@ async def run(args) -> None:
     runner = web.AppRunner(build_app(state, server_args), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    rows, faults = defaultdict(list), defaultdict(list)
+    rows = defaultdict(list)
     for round_ in range(args.rounds):
         # fresh images each round: a decoded-upload cache hit would skip the decoder
         client = await asyncio.create_subprocess_exec(
@@ -211,7 +194,6 @@ async def run(args) -> None:
                            for edge, t in zip(("start", "end"), span)})
             stages["client TTFT"] = r["ttft_ms"]
             rows[(r["kind"], round_)].append(stages)
-            faults[(r["kind"], round_)].append(sum(FAULTS))
         await client.wait()
     await runner.cleanup()
     engine.shutdown()
@@ -220,13 +202,12 @@ async def run(args) -> None:
         names = sorted({n for r in reqs for n in r}, key=lambda n: float(np.median([r[n] for r in reqs if n in r])))
         for n in names:
             print(f"  {np.median([r[n] for r in reqs if n in r]):8.2f}  {n}")
-        print(f"  minor page faults during the decode: median {np.median(faults[(kind, round_)]):.0f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--kinds", nargs="+", default=["photo", "screenshot"])
+    ap.add_argument("--kinds", nargs="+", default=["jpeg", "screenshot", "photo"])
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=1, help="rounds of fresh images (each kind per round)")
     args, args.engine_args = ap.parse_known_args()     # the rest are engine flags, e.g. --load-format dummy

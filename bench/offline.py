@@ -69,11 +69,11 @@ def image_ttft(llm: LLM, size: int, repeats: int = 3) -> dict | None:
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
-    from serve import png_data_url
+    from serve import image_data_url
     from engine.inputs.image_io import decode_data_url, load_image
     pre, model, b64, png, vision = [], [], [], [], []
     for seed in range(repeats + 1):
-        url = png_data_url(size, seed)
+        url = image_data_url("noise", seed, (size, size))
         msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "What is in this image?"}]}]
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Serving benchmark over HTTP against the real server, reported as `vllm bench serve` does: TTFT, TPOT, ITL and
 end-to-end latency (p50/p99) and output tok/s at several concurrency levels; plus time to first token of a chat
-request carrying one 1024x1024 PNG as a data URL.
+request carrying one image as a data URL, by kind (IMAGE_KINDS: the page's 1280x960 JPEG, 1024x1024 PNGs).
 
     python bench/serve.py --url http://127.0.0.1:3001 --concurrency 1 8 64 256 --out serve.json
 """
@@ -88,49 +88,71 @@ async def engine_counters(session, base: str) -> dict[str, int]:
     return {k: stats[k] for k in ("num_preemptions", "num_swaps")}
 
 
-IMAGE_KINDS = ("noise", "photo", "screenshot")
+# name -> (format, width, height, what it stands for)
+IMAGE_KINDS = {
+    "jpeg": ("JPEG", 1280, 960, "a photo as the page sends it: static/attachments.js re-encodes pictures over "
+                                "1280 px or 1.5 MB as JPEG, quality 0.9, longest side 1280"),
+    "screenshot": ("PNG", 1024, 1024, "a UI capture: text and flat boxes"),
+    "photo": ("PNG", 1024, 1024, "a photo saved as PNG (the page passes PNGs under 1.5 MB through as they are)"),
+    "noise": ("PNG", 1024, 1024, "incompressible pixels: PNG's worst case"),
+}
 
 
-def synthetic_image(size: int, seed: int, kind: str) -> Image.Image:
-    """A size x size RGB test image. noise: uniform random bytes, the worst case for PNG (incompressible: ~3 MB
-    at 1024x1024). photo: smooth shapes and gradients plus sensor-like noise (sigma 3), which compresses about as
-    badly as a camera photo does. screenshot: text and flat boxes on white, as a UI capture or a chart is."""
+def synthetic_image(width: int, height: int, seed: int, kind: str) -> Image.Image:
+    """A width x height RGB test image. noise: uniform random bytes, the worst case for PNG (incompressible:
+    ~3 MB at 1024x1024). photo (and jpeg): smooth shapes and gradients plus sensor-like noise (sigma 3), which
+    compresses about as badly as a camera photo does. screenshot: text and flat boxes on white, as a UI capture
+    or a chart is."""
     rng = np.random.default_rng(seed)
     if kind == "noise":
-        return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
-    if kind == "photo":
-        low = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
+        return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    if kind in ("photo", "jpeg"):
+        low = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
         draw = ImageDraw.Draw(low)
         for _ in range(12):
-            x, y, r = (int(v) for v in rng.integers(0, size, 3) // (1, 1, 4))
+            x, y, r = (int(v) for v in rng.integers(0, (width, height, max(width, height))) // (1, 1, 4))
             draw.ellipse((x - r, y - r, x + r, y + r), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
         low = low.filter(ImageFilter.GaussianBlur(6))
-        noisy = np.asarray(low, dtype=np.float32) + rng.normal(0, 3, (size, size, 3))
+        noisy = np.asarray(low, dtype=np.float32) + rng.normal(0, 3, (height, width, 3))
         return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
     if kind == "screenshot":
-        img = Image.new("RGB", (size, size), "white")
+        img = Image.new("RGB", (width, height), "white")
         draw = ImageDraw.Draw(img)
-        draw.rectangle((0, 0, size, 40), fill=(40, 60, 90))
+        draw.rectangle((0, 0, width, 40), fill=(40, 60, 90))
         words = ["paged", "attention", "kv", "cache", "block", "prefill", "decode", "token", "graph", "swap"]
-        for y in range(60, size - 20, 18):
+        for y in range(60, height - 20, 18):
             line = " ".join(words[i] for i in rng.integers(0, len(words), 12))
             draw.text((20 + int(rng.integers(0, 40)), y), line, fill=(20, 20, 20))
         for _ in range(6):
-            x, y = (int(v) for v in rng.integers(0, size - 200, 2))
+            x, y = (int(v) for v in rng.integers(0, (width - 200, height - 200)))
             draw.rectangle((x, y, x + 180, y + 90), outline=(0, 90, 200), width=2)
         return img
-    raise ValueError(f"unknown image kind {kind!r}; choose from {IMAGE_KINDS}")
+    raise ValueError(f"unknown image kind {kind!r}; choose from {list(IMAGE_KINDS)}")
 
 
-def png_data_url(size: int = 1024, seed: int = 0, kind: str = "noise") -> str:
+def image_bytes(kind: str, seed: int = 0, size: tuple[int, int] | None = None) -> bytes:
+    """An image of this kind (IMAGE_KINDS), in its format, at its size or at `size` (width, height)."""
+    fmt, width, height, _ = IMAGE_KINDS[kind]
+    width, height = size or (width, height)
     buf = io.BytesIO()
-    synthetic_image(size, seed, kind).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    synthetic_image(width, height, seed, kind).save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def image_data_url(kind: str, seed: int = 0, size: tuple[int, int] | None = None) -> str:
+    """image_bytes as a data URL; each seed gives other pixels."""
+    data = image_bytes(kind, seed, size)
+    return f"data:image/{IMAGE_KINDS[kind][0].lower()};base64," + base64.b64encode(data).decode()
+
+
+def describe(kind: str) -> str:
+    fmt, width, height, _ = IMAGE_KINDS[kind]
+    return f"{width}x{height} {kind} {fmt}" if kind != "jpeg" else f"{width}x{height} photo JPEG"
 
 
 async def image_ttft(base: str, model: str, repeats: int, kind: str = "noise") -> dict:
-    """Chat with one 1024x1024 PNG (a fresh image each time: no encoder-cache hits) + a short question."""
-    urls = [png_data_url(1024, seed, kind) for seed in range(repeats + 1)]
+    """Chat with one image of this kind (a fresh image each time: no cache hits) + a short question."""
+    urls = [image_data_url(kind, seed) for seed in range(repeats + 1)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         times = []
         for i, url in enumerate(urls):
@@ -141,7 +163,7 @@ async def image_ttft(base: str, model: str, repeats: int, kind: str = "noise") -
             r = await stream_request(session, f"{base}/v1/chat/completions", body.encode())
             if i:   # the first one is a warm-up
                 times.append(r["ttft"] * 1e3)
-    return {"kind": kind, "png_bytes": len(base64.b64decode(urls[0].split(",", 1)[1])), "repeats": repeats,
+    return {"kind": kind, "image_bytes": len(base64.b64decode(urls[0].split(",", 1)[1])), "repeats": repeats,
             "ttft_p50_ms": pct(times, 50), "ttft_min_ms": min(times), "all_ms": times}
 
 
@@ -175,7 +197,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
     ap.add_argument("--image", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--image-repeats", type=int, default=5)
-    ap.add_argument("--image-kinds", nargs="+", default=list(IMAGE_KINDS), choices=IMAGE_KINDS)
+    ap.add_argument("--image-kinds", nargs="+", default=list(IMAGE_KINDS), choices=list(IMAGE_KINDS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = asyncio.run(main_async(args))
@@ -187,8 +209,8 @@ def main() -> None:
               f"{lv['tpot_p50_ms']:.2f} / {lv['tpot_p99_ms']:.2f} | {lv['itl_p50_ms']:.2f} / {lv['itl_p99_ms']:.2f} | "
               f"{lv['e2e_p50_ms']:.0f} / {lv['e2e_p99_ms']:.0f} | {lv['num_preemptions']} |")
     for im in res.get("image", []):
-        print(f"| image 1024x1024 {im['kind']} PNG ({im['png_bytes'] / 1e6:.2f} MB) TTFT p50 | "
-              f"{im['ttft_p50_ms']:.1f} ms |")
+        print(f"| image {describe(im['kind'])} ({im['image_bytes'] / 1e6:.2f} MB) TTFT p50 / min | "
+              f"{im['ttft_p50_ms']:.1f} / {im['ttft_min_ms']:.1f} ms |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

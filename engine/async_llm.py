@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
@@ -57,8 +55,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stopping = False
         self.dead_error: BaseException | None = None
-        # Prompt processing (templates, tokenizing, image decodes) off the event loop, as its default executor would
-        self._workers = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="prompt")
+        # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
+        # executor, which is shut down with the engine
+        self._workers = self.engine.input_processor.executor
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -156,7 +155,7 @@ class AsyncLLM:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.engine.input_processor.shutdown()
 
     # ---- the engine thread ---------------------------------------------------------------------------------
     def _send(self, command: tuple) -> None:

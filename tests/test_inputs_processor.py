@@ -12,8 +12,6 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-from transformers.processing_utils import ProcessorMixin
 
 from engine.config import ModelConfig
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
@@ -21,6 +19,7 @@ from engine.inputs.chat_template import ChatTemplate, load_chat_template
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.processor import InputLimits, InputProcessor
 from engine.inputs.tokenizer import load_tokenizer
+from tiny_models import image_only_qwen3_vl_processor
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -48,18 +47,6 @@ def make_processor(model_dir, limits: InputLimits | None = None, **image_kwargs)
     return InputProcessor(config, tokenizer, load_chat_template(model_dir, tokenizer), image_processor, limits)
 
 
-class _Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
-    """transformers' Qwen3VLProcessor without its video processor (which needs torchvision, absent here)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-        # The attributes Qwen3VLProcessor.__init__ would set (5.25 added the vision start/end pair).
-        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-        self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
-        for name in ("image", "video", "vision_start", "vision_end"):
-            setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(getattr(self, f"{name}_token")))
-
-
 @pytest.fixture(scope="module")
 def vl(qwen3_vl_dir) -> InputProcessor:
     return make_processor(qwen3_vl_dir)
@@ -70,7 +57,7 @@ def reference(qwen3_vl_dir):
     """The transformers pipeline: apply_chat_template -> Qwen3VLProcessor -> Qwen3VLModel.get_rope_index."""
     tokenizer = AutoTokenizer.from_pretrained(qwen3_vl_dir)
     config = json.loads((qwen3_vl_dir / "preprocessor_config.json").read_text())
-    processor = _Qwen3VLImageOnlyProcessor(Qwen2VLImageProcessorPil(**copy.deepcopy(config)), tokenizer)
+    processor = image_only_qwen3_vl_processor(Qwen2VLImageProcessorPil(**copy.deepcopy(config)), tokenizer)
     model = Qwen3VLModel(Qwen3VLConfig.from_pretrained(qwen3_vl_dir)).eval()
 
     def run(messages: list[dict], images: list[Image.Image]):
@@ -250,13 +237,38 @@ def test_an_image_the_encoder_cannot_take_is_refused_naming_it(vl):
     assert info.value.param == "multi_modal_data.image[1]"
 
 
-def test_a_chats_images_decode_off_the_callers_thread_and_the_first_bad_one_is_reported(vl, monkeypatch):
+def test_a_chats_images_load_on_the_executor_while_the_prompt_renders(qwen3_vl_dir, monkeypatch):
     import threading
 
     from engine.inputs import processor as processor_module
-    threads, real = [], processor_module.decode_image
-    monkeypatch.setattr(processor_module, "decode_image",
-                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    proc = make_processor(qwen3_vl_dir)
+    started, threads, real_load = threading.Event(), [], processor_module.load_image
+
+    def load(*a, **k):
+        threads.append(threading.current_thread().name)
+        started.set()
+        return real_load(*a, **k)
+    monkeypatch.setattr(processor_module, "load_image", load)
+    real_render = proc.chat_template.render
+    # the template waits until the image has started loading elsewhere: the two overlap
+    monkeypatch.setattr(proc.chat_template, "render", lambda *a, **k: started.wait(10) and real_render(*a, **k))
+    got = proc.process_chat([{"role": "user", "content": [image_part(noise(64, 64, 7))]}])
+    assert len(got.images) == 1 and threads and threads[0].startswith("input")
+
+
+def test_a_load_still_queued_runs_on_the_thread_that_needs_it(qwen3_vl_dir):
+    # In the server process_chat itself runs on the executor: with every worker busy processing a prompt, their
+    # images, queued behind them, must not be waited for.
+    from concurrent.futures import ThreadPoolExecutor
+    proc = make_processor(qwen3_vl_dir)
+    proc.executor = ThreadPoolExecutor(max_workers=1)
+    messages = [{"role": "user", "content": [image_part(noise(64, 64, i)) for i in range(3)]}]
+    got = proc.executor.submit(proc.process_chat, messages).result(timeout=60)
+    assert len(got.images) == 3
+    proc.shutdown()
+
+
+def test_the_first_bad_image_in_the_prompt_is_reported(vl):
     bad = {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}
     sliver = image_part(noise(402, 2))
     for parts, at, message in (([bad, image_part(noise(64, 64, 7)), sliver], 0, "could not decode image"),
@@ -264,7 +276,6 @@ def test_a_chats_images_decode_off_the_callers_thread_and_the_first_bad_one_is_r
         with pytest.raises(InvalidInputError, match=message) as info:
             vl.process_chat([{"role": "user", "content": parts}])
         assert info.value.param == f"messages[0].content[{at}].image_url"
-    assert threads and all(name.startswith("image-load") for name in threads)
 
 
 @pytest.mark.parametrize("messages, param, message", [
@@ -331,15 +342,15 @@ def lifted(image_or_url) -> dict:
 
 def test_preloaded_images_decode_once_and_give_the_same_prompt(vl, monkeypatch):
     from engine.inputs import processor as processor_module
-    calls, real = [], processor_module.decode_image
-    monkeypatch.setattr(processor_module, "decode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], processor_module.load_image
+    monkeypatch.setattr(processor_module, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
     image = noise(96, 64, 11)
     messages = [{"role": "user", "content": [lifted(image), {"type": "text", "text": "What is this?"}]}]
     vl.preload_images(messages)
     assert messages[0]["content"][0]["image_url"]["url"].loading is not None
     pre = vl.process_chat(messages)
     plain = vl.process_chat([{"role": "user", "content": [image_part(image), {"type": "text", "text": "What is this?"}]}])
-    assert calls == [1]          # the second request's bytes hit the decoded-image cache
+    assert calls == [1]          # the second request's bytes hit the image cache
     assert pre.prompt_token_ids == plain.prompt_token_ids
     assert [i.content_hash for i in pre.images] == [i.content_hash for i in plain.images]
     assert torch.equal(pre.mrope_positions, plain.mrope_positions)

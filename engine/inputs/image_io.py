@@ -18,17 +18,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+import pybase64
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-# Declared dependencies that only make large uploads faster; without them the standard paths do the same work.
-try:   # SIMD base64: a 4 MB data URL decodes in 0.2 ms instead of 10
-    import pybase64 as base64
-except ImportError:  # pragma: no cover
-    import base64
-
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
-from engine.inputs import png
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
@@ -68,13 +61,13 @@ def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
         raise PayloadTooLargeError(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes} "
                                    f"bytes", param=param)
     try:
-        return base64.b64decode(payload, validate=True)
+        return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         # Some clients wrap base64 at 76 columns: strip only when needed.
         stripped = "".join(payload.split()) if isinstance(payload, str) else b"".join(bytes(payload).split())
         if len(stripped) != len(payload):
             try:
-                return base64.b64decode(stripped, validate=True)
+                return pybase64.b64decode(stripped, validate=True)
             except (binascii.Error, ValueError) as e2:
                 e = e2
         raise ImageError(f"image data URL is not valid base64: {e}", param=param) from e
@@ -108,15 +101,6 @@ def fetch_image_bytes(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYT
 def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                param: str | None = None) -> Image.Image:
     """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos)."""
-    image = decode_image(data, max_bytes, max_pixels, param)
-    return Image.fromarray(image) if isinstance(image, np.ndarray) else image
-
-
-def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 param: str | None = None, on_rows: png.RowsCallback | None = None) -> Image.Image | np.ndarray:
-    """load_image, except that a plain 8-bit RGB PNG comes back as the decoder's uint8 [H, W, 3] array: the
-    image processor reads it without the two copies a PIL image costs (~1 ms for 1024x1024). For such a PNG,
-    on_rows gets the rows as they are decoded (png.decode_rgb8); for any other image it is not called."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -125,9 +109,6 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
-            parts = _plain_rgb_png(image, data)
-            if parts is not None:
-                return png.decode_rgb8(data, parts, on_rows)   # uint8 [H, W, 3]: RGB
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except ImageError:
@@ -139,16 +120,6 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt files
         raise ImageError(f"could not decode image: {e}", param=param) from e
     return to_rgb(image)
-
-
-def _plain_rgb_png(image: Image.Image, data: bytes) -> list[tuple[bytes, int, int]] | None:
-    """The chunks of an 8-bit RGB PNG without transparency or EXIF, which engine.inputs.png decodes to the
-    same pixels as Pillow in a third of its time (1024x1024 photo: ~5.5 ms against 16 ms here); None for
-    everything else, which goes through Pillow."""
-    if png.pyspng is None or image.format != "PNG" or data[24:26] != b"\x08\x02" or "transparency" in image.info:
-        return None                                   # IHDR bytes 24-25: bit depth 8, colour type 2 (RGB)
-    parts = png.chunks(data)
-    return None if any(kind == b"eXIf" for kind, _, _ in parts) else parts
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:

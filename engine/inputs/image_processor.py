@@ -124,25 +124,18 @@ class ImageProcessor:
         return t * h * w // self.merge_size ** 2
 
     # ---- pixels ---------------------------------------------------------------------------------------------
-    def __call__(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """pixel_values [h*w, C*T*P*P] float32 in merge-block order, and grid_thw (1, h, w) in patches."""
         raw, grid = self.resize(image)
         return self.to_pixel_values(raw), grid
 
-    def resize(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The image (a PIL image, or RGB uint8 [H, W, 3]) resized to the patch grid as uint8 [H, W, 3], and
-        grid_thw (1, h, w). An array already on the grid is used as is, without a copy."""
-        size = image.shape[:2] if isinstance(image, np.ndarray) else (image.height, image.width)
-        height, width = self.resized_size(*size)
-        grid = (1, height // self.patch_size, width // self.patch_size)
-        if isinstance(image, np.ndarray):
-            if (height, width) == size:
-                return torch.from_numpy(image), grid
-            image = Image.fromarray(image)
+    def resize(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The image in RGB, resized to the patch grid, as uint8 [H, W, 3], and grid_thw (1, h, w)."""
+        height, width = self.resized_size(image.height, image.width)
         image = to_rgb(image)
         if (width, height) != image.size:
             image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3), grid
+        return torch.from_numpy(np.array(image)), (1, height // self.patch_size, width // self.patch_size)
 
     def to_pixel_values(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 [H, W, 3] -> rescaled, normalized patch rows in `dtype`; runs on the tensor's device (CPU, or

@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+from blake3 import blake3
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
@@ -21,16 +21,13 @@ from engine.config import ModelConfig
 from engine.errors import EngineError, ImageError, InvalidInputError
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
-from engine.inputs.image_cache import DecodedImageCache, PixelDigest, new_hash
+from engine.inputs.image_cache import ImageCache
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DataURL, check_pixels,
-                                    decode_image, fetch_image_bytes, to_rgb)
+                                    fetch_image_bytes, load_image)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
-from engine.inputs.types import ImageItem, ProcessedPrompt
+from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
 
-# Decoding images from requests (each decode also keeps a png-unfilter worker busy): all of a request's images at
-# once, several requests' at once.
-_IMAGE_LOADERS = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4), thread_name_prefix="image-load")
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -42,7 +39,7 @@ class InputLimits:
     limit_images_per_prompt: int = 8                    # vLLM: --limit-mm-per-prompt
     allow_remote_media: bool = False                    # http(s) image URLs
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
-    decoded_image_cache_bytes: int = 256 * 2**20        # decoded uploads kept for re-sent chat history
+    image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
 
 
 class InputProcessor:
@@ -56,7 +53,15 @@ class InputProcessor:
         self.chat_template = chat_template
         self.image_processor = image_processor if model_config.is_multimodal else None
         self.limits = limits or InputLimits()
-        self.decoded_images = DecodedImageCache(self.limits.decoded_image_cache_bytes)
+        self.image_cache = ImageCache(self.limits.image_cache_bytes)
+        # The input side's one pool: the server processes prompts on it (AsyncLLM), and a chat's images load on it
+        # all at once, several requests' at once, while the prompt's own thread renders and tokenizes.
+        self.executor = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
+                                           thread_name_prefix="input")
+
+    def shutdown(self) -> None:
+        """Stop the executor: queued work is dropped, running work finishes on its own."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- entry points ---------------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
@@ -99,25 +104,23 @@ class InputProcessor:
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
-        # The images decode on worker threads, all at once (if preload_images has not started them already),
-        # while this thread renders and tokenizes; a template error still wins over an image error, and images
-        # not started by then are not started.
+        # The images load on the executor, all at once (if preload_images has not started them already), while
+        # this thread renders and tokenizes; a template error still wins over an image error, and images not
+        # started by then are not started.
         pending = [self._start_loading(ref) for ref in chat.images]
         try:
             text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
                                              tools=tools, **kwargs)
             token_ids = self._encode(text, add_special_tokens=False)
-            loaded = [_result(p, ref.param) for p, ref in zip(pending, chat.images)]
+            images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
         finally:
             for p in pending:
                 p.cancel()
-        return self._build(token_ids, [image for image, _ in loaded], text, param="messages",
-                           digests=[digest for _, digest in loaded])
+        return self._build(token_ids, images, text, param="messages")
 
     # ---- building the prompt --------------------------------------------------------------------------------
-    def _build(self, token_ids: list[int], images: list[Image.Image | np.ndarray], text: str | None,
-               param: str = "prompt", digests: list[PixelDigest | None] | None = None) -> ProcessedPrompt:
-        """`digests`: per image, the hash of its decoded pixels when the decoder made one on the way."""
+    def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
+               param: str = "prompt") -> ProcessedPrompt:
         mc = self.model_config
         if not mc.is_multimodal:
             if images:
@@ -134,14 +137,12 @@ class InputProcessor:
         ids: list[int] = []
         items: list[ImageItem] = []
         prev = 0
-        for slot, image, digest in zip(slots, images, digests or [None] * len(images)):
-            raw, grid = self.image_processor.resize(image)
-            length = grid[0] * grid[1] * grid[2] // merge ** 2
+        for slot, image in zip(slots, images):
+            t, h, w = image.grid_thw
+            length = t * h * w // merge ** 2
             ids += token_ids[prev:slot]
-            as_decoded = isinstance(image, np.ndarray) and tuple(raw.shape) == image.shape   # not resized
-            items.append(ImageItem(raw=raw, grid_thw=grid, offset=len(ids), length=length,
-                                   content_hash=self._content_hash(raw, digest if as_decoded else None),
-                                   to_pixels=self.image_processor.to_pixel_values))
+            items.append(ImageItem(raw=image.raw, grid_thw=image.grid_thw, offset=len(ids), length=length,
+                                   content_hash=image.content_hash, to_pixels=self.image_processor.to_pixel_values))
             ids += [mc.image_token_id] * length
             prev = slot + 1
         ids += token_ids[prev:]
@@ -169,7 +170,7 @@ class InputProcessor:
         return list(ids)
 
     # ---- images ---------------------------------------------------------------------------------------------
-    def _images_from_mm_data(self, mm_data: Any) -> list[Image.Image]:
+    def _images_from_mm_data(self, mm_data: Any) -> list[ProcessedImage]:
         if mm_data is None:
             return []
         if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
@@ -184,12 +185,12 @@ class InputProcessor:
             if not isinstance(image, Image.Image):
                 raise InvalidInputError(f"multi_modal_data.image[{i}] must be a PIL image, "
                                         f"got {type(image).__name__}", param="multi_modal_data")
-        return [self._checked(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
+        return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
     def preload_images(self, messages: Any) -> None:
-        """Start decoding a chat request's lifted image data URLs (engine/server/data_urls.py) now, as soon as
+        """Start loading a chat request's lifted image data URLs (engine/server/data_urls.py) now, as soon as
         its body is parsed, while the server validates the rest of the request: process_chat then takes the
-        decode already under way. Only for a model that takes images, and only as many as one prompt may hold;
+        load already under way. Only for a model that takes images, and only as many as one prompt may hold;
         whatever is wrong with the request or an image, process_chat reports."""
         if self.image_processor is None:
             return
@@ -198,49 +199,56 @@ class InputProcessor:
             return
         for url in urls:
             if url.loading is None:
-                url.loading = _IMAGE_LOADERS.submit(self._load_image, ImageRef(param="", url=url))
+                url.loading = self.executor.submit(self._load_image, ImageRef(param="", url=url))
 
     def _start_loading(self, ref: ImageRef) -> Future:
         if isinstance(ref.url, DataURL) and ref.url.loading is not None:
             return ref.url.loading
-        return _IMAGE_LOADERS.submit(self._load_image, ref)
+        return self.executor.submit(self._load_image, ref)
 
-    def _load_image(self, ref: ImageRef) -> tuple[Image.Image | np.ndarray, PixelDigest | None]:
-        """The image, checked (_checked), and the hash of its pixels if the decoder made one."""
-        lim = self.limits
+    def _finish_loading(self, loading: Future, ref: ImageRef) -> ProcessedImage:
+        """The loaded image; its error, if any, names where the image is in the request. A load still queued
+        runs on this thread instead: process_chat itself runs on the executor in the server, and a worker that
+        waited for work queued behind it could wait forever once every worker did."""
+        try:
+            return self._load_image(ref) if loading.cancel() else loading.result()
+        except EngineError as e:
+            if e.param == ref.param:
+                raise
+            err = copy.copy(e)
+            err.param = ref.param
+            raise err from None
+
+    def _load_image(self, ref: ImageRef) -> ProcessedImage:
+        """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes."""
         if ref.image is not None:
-            return self._checked(ref.image, ref.param), None
+            return self._process_image(ref.image, ref.param)
+        lim = self.limits
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        digest = PixelDigest()      # fed only if the image is decoded now (not a cache hit) by the PNG fast path
-        image = self.decoded_images.get_or_decode(data, lambda d: decode_image(
-            d, max_bytes=lim.max_image_bytes, max_pixels=lim.max_image_pixels, param=ref.param,
-            on_rows=digest.update))
-        return self._checked(image, ref.param), digest
+        return self.image_cache.get_or_process(data, lambda: self._process_image(
+            load_image(data, lim.max_image_bytes, lim.max_image_pixels, ref.param), ref.param))
 
-    def _checked(self, image: Image.Image | np.ndarray, param: str) -> Image.Image | np.ndarray:
-        """The image in RGB (a PIL image, or decoded RGB uint8 [H, W, 3]), once its size passes the limits and
-        the resize rules, so that a later error cannot lose track of which image it was."""
-        height, width = image.shape[:2] if isinstance(image, np.ndarray) else (image.height, image.width)
-        check_pixels(width, height, self.limits.max_image_pixels, param)
+    def _process_image(self, image: Image.Image, param: str) -> ProcessedImage:
+        """The image checked against the limits and the resize rules (errors name `param`), resized to the
+        patch grid, and its content hash."""
+        check_pixels(image.width, image.height, self.limits.max_image_pixels, param)
         try:
-            self.image_processor.resized_size(height, width)
+            raw, grid = self.image_processor.resize(image)
         except ImageError as e:
             raise ImageError(e.message, param=param) from e
-        return image if isinstance(image, np.ndarray) else to_rgb(image)
+        return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw))
 
     def _check_image_count(self, n: int, param: str) -> None:
         if n > self.limits.limit_images_per_prompt:
             raise InvalidInputError(f"{n} images in one prompt, over the limit of "
                                     f"{self.limits.limit_images_per_prompt}", param=param)
 
-    def _content_hash(self, raw: torch.Tensor, digest: PixelDigest | None = None) -> str:
+    def _content_hash(self, raw: torch.Tensor) -> str:
         """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
-        prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly.
-        `digest` holds the pixels' hash when the decoder computed it (raw is then the decoded array itself)."""
-        pixels = raw.numpy()
-        pixel_hash = (digest or PixelDigest()).digest(pixels)
-        return new_hash(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode() + pixel_hash).hexdigest()
+        prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
+        key = blake3(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode(), max_threads=blake3.AUTO)
+        return key.update(raw.numpy().data).hexdigest()
 
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
@@ -256,15 +264,3 @@ def _image_urls(messages: Any) -> list[Any]:
             image_url = part.get("image_url") if isinstance(part, dict) else None
             urls.append(image_url.get("url") if isinstance(image_url, dict) else image_url)
     return urls
-
-
-def _result(loading: Future, param: str):
-    """A loading image's result; its error, if any, names where the image is in the request."""
-    try:
-        return loading.result()
-    except EngineError as e:
-        if e.param == param:
-            raise
-        err = copy.copy(e)
-        err.param = param
-        raise err from None

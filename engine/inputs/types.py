@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class ProcessedImage:
+    """An image as the input processor makes it from an upload, before its place in a prompt is known."""
+    raw: torch.Tensor                   # [H, W, 3] uint8, resized to the patch grid; shared: never modified
+    grid_thw: tuple[int, int, int]      # (t, h, w) in patches (before the 2x2 merge)
+    content_hash: str                   # identifies the image's content + processing; prefix/encoder cache key
+
+
 @dataclass
 class ImageItem:
     """One preprocessed image and where its placeholder tokens sit in the prompt.
