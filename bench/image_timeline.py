@@ -82,10 +82,10 @@ def install_probes() -> None:
     from engine.inputs.image_processor import ImageProcessor
     from engine.llm_engine import LLMEngine
     from engine.runner import InflightStep, ModelRunner
-    from engine.server import chat, data_urls, protocol
+    from engine.server import protocol, serving
     from engine.server.sse import SSEWriter
 
-    handler = chat.read_json_body
+    handler = serving.read_json_body
 
     async def first_stage(request):          # the handler's first await: the clock starts here
         STAMPS.clear()
@@ -93,11 +93,9 @@ def install_probes() -> None:
         T0[0] = time.perf_counter()
         GPU.append(("t0", _event(), None))
         return await handler(request)
-    chat.read_json_body = first_stage
+    serving.read_json_body = first_stage
     probe(web.BaseRequest, "read", "body_read")
-    probe(data_urls, "lift", "lift")
     probe(protocol, "_loads", "json")
-    probe(processor.InputProcessor, "preload_images", "preload")
     probe(processor.InputProcessor, "process_chat", "process_chat")
     probe(processor.InputProcessor, "_load_image", "image_load (worker)")
     probe(processor, "fetch_image_bytes", "base64")

@@ -81,10 +81,6 @@ class AsyncLLM:
         return await self._on_worker(lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs),
                                      start)
 
-    def preload_images(self, messages) -> None:
-        """Start decoding a chat body's lifted image data URLs now, on worker threads (InputProcessor)."""
-        self.engine.input_processor.preload_images(messages)
-
     async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
         return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)
 

@@ -90,21 +90,6 @@ def test_chat_with_an_image_data_url(client):
     assert reply.usage.prompt_tokens >= text_only.usage.prompt_tokens + 4
 
 
-def test_a_large_image_reads_the_same_lifted_out_of_the_body_or_parsed(server):
-    """A 256x256 noise PNG (~260 KB of base64) is lifted out of the body before parsing; written with escaped
-    slashes (valid JSON the lifting leaves to the parser) it must give the same greedy reply."""
-    image = {"type": "image_url", "image_url": {"url": png_data_url(noise_image(256, 256, 4))}}
-    body = {"model": SERVED, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "messages": [
-        {"role": "user", "content": [image, {"type": "text", "text": "Describe the image."}]}]}
-    raw = json.dumps(body)
-    lifted, parsed = (http("POST", server.url + "/v1/chat/completions", text.encode(), server.auth)
-                      for text in (raw, raw.replace("/", "\\/")))
-    assert lifted.status == parsed.status == 200, (lifted.text, parsed.text)
-    a, b = json.loads(lifted.text), json.loads(parsed.text)
-    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
-    assert a["usage"] == b["usage"] and a["usage"]["prompt_tokens"] > 64
-
-
 def test_completions_with_text_and_token_ids(client):
     reply = client.completions.create(model=SERVED, prompt="The capital of France is", max_tokens=4,
                                       extra_body={"ignore_eos": True})

@@ -14,7 +14,6 @@ from typing import Any
 from PIL import Image
 
 from engine.errors import InvalidInputError
-from engine.inputs.image_io import DataURL
 
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_ROLES = ("user", "tool")  # the roles whose images chat templates render (Qwen3-VL: user and tool)
@@ -24,7 +23,7 @@ IMAGE_ROLES = ("user", "tool")  # the roles whose images chat templates render (
 class ImageRef:
     """An image found in the messages: a URL (data:, http(s), file) or an already decoded PIL image."""
     param: str                          # where it was, for error messages: messages[1].content[0].image_url
-    url: str | DataURL | None = None
+    url: str | None = None
     image: Image.Image | None = None
 
 
@@ -88,7 +87,7 @@ def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dic
     if kind == "image_url":
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, Mapping) else value   # {"url": ...} or a plain string
-        if not isinstance(url, (str, DataURL)) or not url:
+        if not isinstance(url, str) or not url:
             raise InvalidInputError(f"{where}.image_url must be {{\"url\": \"data:image/...;base64,...\"}}",
                                     param=f"{where}.image_url")
         images.append(ImageRef(param=f"{where}.image_url", url=url))

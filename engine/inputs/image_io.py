@@ -14,8 +14,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pybase64
@@ -30,26 +28,12 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
-@dataclass(eq=False)
-class DataURL:
-    """A data URL whose base64 characters stay where the request body has them: the server lifts large image
-    data URLs out of the body before parsing the JSON (engine/server/data_urls.py), so no multi-megabyte str
-    is scanned, built and scanned again on its way to the base64 decoder."""
-    header: str              # everything before the comma: "data:image/png;base64"
-    payload: memoryview      # the base64 characters
-    # The decode of this image, when InputProcessor.preload_images started it as soon as the body was read.
-    loading: Future | None = field(default=None, repr=False)
-
-
-def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
+def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
     """The bytes of a `data:image/<format>;base64,<data>` URL."""
-    if isinstance(url, DataURL):
-        header, payload = url.header, url.payload
-    else:
-        comma = url.find(",", 0, 256)     # the header is short; the payload may be megabytes: slice it once
-        if not url.startswith("data:") or comma < 0:
-            raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
-        header, payload = url[:comma], url[comma + 1:]
+    comma = url.find(",", 0, 256)     # the header is short; the payload may be megabytes: slice it once
+    if not url.startswith("data:") or comma < 0:
+        raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
+    header, payload = url[:comma], url[comma + 1:]
     media_type, *params = header[len("data:"):].split(";")
     if not media_type.lower().startswith("image/"):
         raise InvalidInputError(f"data URL has media type {media_type or '(none)'!r}; expected image/png, "
@@ -64,7 +48,7 @@ def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         # Some clients wrap base64 at 76 columns: strip only when needed.
-        stripped = "".join(payload.split()) if isinstance(payload, str) else b"".join(bytes(payload).split())
+        stripped = "".join(payload.split())
         if len(stripped) != len(payload):
             try:
                 return pybase64.b64decode(stripped, validate=True)
@@ -73,13 +57,13 @@ def decode_data_url(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
         raise ImageError(f"image data URL is not valid base64: {e}", param=param) from e
 
 
-def fetch_image_bytes(url: str | DataURL, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
+def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
                       allowed_local_media_path: str | Path | None = None, timeout: float = DEFAULT_FETCH_TIMEOUT_S,
                       param: str | None = None) -> bytes:
     """The bytes behind an image URL: data: always; http(s) only with allow_remote; file:// only inside
     allowed_local_media_path."""
     # Before urlsplit, which scans (and caches) the whole multi-MB string.
-    if isinstance(url, DataURL) or url[:5].lower() == "data:":
+    if url[:5].lower() == "data:":
         return decode_data_url(url, max_bytes, param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):

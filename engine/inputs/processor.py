@@ -6,7 +6,6 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 """
 from __future__ import annotations
 
-import copy
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,11 +17,11 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import EngineError, ImageError, InvalidInputError
+from engine.errors import ImageError, InvalidInputError
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
-from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DataURL, check_pixels,
+from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
                                     fetch_image_bytes, load_image)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
@@ -104,10 +103,9 @@ class InputProcessor:
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
-        # The images load on the executor, all at once (if preload_images has not started them already), while
-        # this thread renders and tokenizes; a template error still wins over an image error, and images not
-        # started by then are not started.
-        pending = [self._start_loading(ref) for ref in chat.images]
+        # The images load on the executor, all at once, while this thread renders and tokenizes; a template error
+        # still wins over an image error, and images not started by then are not started.
+        pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
         try:
             text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
                                              tools=tools, **kwargs)
@@ -187,37 +185,11 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def preload_images(self, messages: Any) -> None:
-        """Start loading a chat request's lifted image data URLs (engine/server/data_urls.py) now, as soon as
-        its body is parsed, while the server validates the rest of the request: process_chat then takes the
-        load already under way. Only for a model that takes images, and only as many as one prompt may hold;
-        whatever is wrong with the request or an image, process_chat reports."""
-        if self.image_processor is None:
-            return
-        urls = [url for url in _image_urls(messages) if isinstance(url, DataURL)]
-        if len(urls) > self.limits.limit_images_per_prompt:
-            return
-        for url in urls:
-            if url.loading is None:
-                url.loading = self.executor.submit(self._load_image, ImageRef(param="", url=url))
-
-    def _start_loading(self, ref: ImageRef) -> Future:
-        if isinstance(ref.url, DataURL) and ref.url.loading is not None:
-            return ref.url.loading
-        return self.executor.submit(self._load_image, ref)
-
     def _finish_loading(self, loading: Future, ref: ImageRef) -> ProcessedImage:
-        """The loaded image; its error, if any, names where the image is in the request. A load still queued
-        runs on this thread instead: process_chat itself runs on the executor in the server, and a worker that
-        waited for work queued behind it could wait forever once every worker did."""
-        try:
-            return self._load_image(ref) if loading.cancel() else loading.result()
-        except EngineError as e:
-            if e.param == ref.param:
-                raise
-            err = copy.copy(e)
-            err.param = ref.param
-            raise err from None
+        """The loaded image. A load still queued runs on this thread instead: process_chat itself runs on the
+        executor in the server, and a worker that waited for work queued behind it could wait forever once every
+        worker did."""
+        return self._load_image(ref) if loading.cancel() else loading.result()
 
     def _load_image(self, ref: ImageRef) -> ProcessedImage:
         """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes."""
@@ -253,14 +225,3 @@ class InputProcessor:
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
                                  f"accept images", param=param)
-
-
-def _image_urls(messages: Any) -> list[Any]:
-    """The image_url values of OpenAI-style chat messages (`{"url": ...}` or a bare string), unchecked."""
-    urls = []
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            image_url = part.get("image_url") if isinstance(part, dict) else None
-            urls.append(image_url.get("url") if isinstance(image_url, dict) else image_url)
-    return urls

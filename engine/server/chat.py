@@ -11,21 +11,13 @@ from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import chat_logprobs
-from engine.server.protocol import (Fields, check_token_ids_in_vocab, parse_options, read_json_body,
-                                    refuse_unsupported, renamed_params, sampling_params)
-from engine.server.serving import Generation, serve_generation, usage
-from engine.server.state import STATE, ServerState
+from engine.server.protocol import Fields, check_token_ids_in_vocab, renamed_params, sampling_params
+from engine.server.serving import Generation, read_request, serve_generation, usage
+from engine.server.state import ServerState
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body = await read_json_body(request)
-    # An uploaded image's decode (the longest part of processing the request) starts now, beside the checks below.
-    state.engine.preload_images(body.get("messages"))
-    f = Fields(body)
-    options = parse_options(f)
-    state.check_model(options.model)
-    refuse_unsupported(f)
+    state, f, options = await read_request(request)
     top_logprobs = _top_logprobs(f)
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one. The newer one wins.
     max_field = "max_completion_tokens" if f.given("max_completion_tokens") else "max_tokens"

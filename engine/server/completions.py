@@ -15,20 +15,15 @@ from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import completion_logprobs
-from engine.server.protocol import (Fields, check_token_ids_in_vocab, parse_options, read_json_body,
-                                    refuse_unsupported, renamed_params, sampling_params)
-from engine.server.serving import Generation, serve_generation, usage
-from engine.server.state import STATE, ServerState
+from engine.server.protocol import check_token_ids_in_vocab, renamed_params, sampling_params
+from engine.server.serving import Generation, read_request, serve_generation, usage
+from engine.server.state import ServerState
 
 DEFAULT_MAX_TOKENS = 16       # OpenAI's and vLLM's default for /v1/completions
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    f = Fields(await read_json_body(request))
-    options = parse_options(f)
-    state.check_model(options.model)
-    refuse_unsupported(f)
+    state, f, options = await read_request(request)
     prompt_input = parse_prompt(f.body.get("prompt"))
     user_max = f.integer("max_tokens", None)
     with renamed_params({"messages": "prompt", "multi_modal_data": "prompt"}):

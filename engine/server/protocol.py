@@ -12,30 +12,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson   # parses a 4 MB image request in half the standard library's time (3.5 ms against 7 here)
 from aiohttp import web
 
 from engine.errors import InvalidInputError
 from engine.sampling_params import SamplingParams
-from engine.server import data_urls
 from engine.server.defaults import SamplingDefaults
-
-try:   # parses a 4 MB image request in half the standard library's time (3.5 ms against 7 here)
-    import orjson
-except ImportError:  # pragma: no cover
-    orjson = None
 
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object, its large image data URLs lifted out (engine/server/data_urls.py). aiohttp
-    raises 413 past client_max_size while reading."""
+    """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
     raw = await request.read()
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
     try:
-        body = data_urls.parse(raw, _loads)
+        body = _loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(body, dict):
@@ -45,11 +39,10 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
 
 
 def _loads(raw: bytes) -> Any:
-    if orjson is not None:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass   # the standard parser decides: its error messages, and what it accepts (ints past 64 bits)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass   # the standard parser decides: its error messages, and what it accepts (ints past 64 bits)
     return json.loads(raw, parse_constant=_reject_constant)
 
 

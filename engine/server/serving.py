@@ -24,9 +24,10 @@ from engine.logger import init_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import dumps
-from engine.server.protocol import RequestOptions
+from engine.server.protocol import (Fields, RequestOptions, parse_options, read_json_body,
+                                    refuse_unsupported)
 from engine.server.sse import SSEWriter
-from engine.server.state import ServerState
+from engine.server.state import STATE, ServerState
 
 logger = init_logger(__name__)
 
@@ -48,6 +49,17 @@ class ResponseFormat(Protocol):
     def usage_chunk(self, final: RequestOutput) -> dict: ...
 
     def response(self, final: RequestOutput) -> dict: ...
+
+
+async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
+    """The server's state, the body's fields and the options every generation endpoint shares, once the body
+    has named the served model and nothing this server does not support."""
+    state = request.app[STATE]
+    f = Fields(await read_json_body(request))
+    options = parse_options(f)
+    state.check_model(options.model)
+    refuse_unsupported(f)
+    return state, f, options
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
