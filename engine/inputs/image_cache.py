@@ -27,7 +27,9 @@ class ImageCache:
         """The processed image for these bytes: from the cache, or process(), kept if it fits. Errors propagate
         and nothing is kept. Callers must not modify what they get back: it is shared."""
         # Cryptographic: a collision would hand one upload another's pixels, and with them another's cached KV.
-        key = blake3(data, max_threads=blake3.AUTO).digest()
+        # One thread (here and for the content hash): blake3's own pool would be a second pool beside the
+        # executor, and on a busy host it waits for cores.
+        key = blake3(data).digest()
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:

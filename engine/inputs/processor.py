@@ -219,7 +219,7 @@ class InputProcessor:
     def _content_hash(self, raw: torch.Tensor) -> str:
         """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
         prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
-        key = blake3(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode(), max_threads=blake3.AUTO)
+        key = blake3(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode())
         return key.update(raw.numpy().data).hexdigest()
 
     def _text_only_error(self, param: str) -> InvalidInputError:
