@@ -1,64 +1,144 @@
-"""Linear layers over quantized weights (the layouts are in QUANT_CONTRACT.md):
+"""Linear layers over quantized weights (QUANT_CONTRACT.md is the specification of the layouts).
 
-- wna16_linear: N-bit integer weights (4 or 8) in groups along K with a scale and a zero point per group, times
-  16-bit activations. One in-memory layout for AWQ, GPTQ and compressed-tensors checkpoints (the loader repacks).
-- fp8_block_linear: float8_e4m3fn weights with one inverse scale per (bn, bk) block (Qwen's FP8 checkpoints).
+wna16_linear: 4- or 8-bit integer weights in groups along K, bf16/fp16 activations. qweight int32 [K // pack, N]
+packs `pack = 32 // bits` consecutive k of one column, lowest bits first; W[k, n] = (q[k, n] - zeros[g, n]) *
+scales[g, n] with g = k // group_size. AWQ, GPTQ and compressed-tensors checkpoints are repacked to this at load.
 
-The references dequantize the whole weight and matmul: they are the specification and the CPU path."""
+fp8_block_linear: float8_e4m3fn weight [N, K] with one float32 `weight_scale_inv` per (bn, bk) block;
+W[n, k] = weight[n, k] * weight_scale_inv[n // bn, k // bk]. The reference is weight-only (no activation
+quantization); on GPUs with FP8 tensor cores the kernel path quantizes activations per token and group of bk
+(the checkpoints' dynamic activation scheme), which is why its results differ from the reference by FP8 rounding.
+"""
 from __future__ import annotations
 
 import torch
 
+from engine.ops.dispatch import use_triton
 
-def unpack_int32_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """[K // pack, N] int32 packed along K in plain order -> [K, N] int32 of unsigned values."""
+FP8_E4M3_MAX = 448.0
+
+
+def _check_wna16(x, qweight, scales, zeros, group_size: int, bits: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"wna16_linear supports 4- and 8-bit weights, got bits={bits}")
     pack = 32 // bits
-    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
-    q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
-    return q.reshape(packed.shape[0] * pack, packed.shape[1])
+    K = x.shape[-1]
+    if qweight.dtype != torch.int32 or qweight.shape[0] * pack != K:
+        raise ValueError(f"qweight must be int32 [K // {pack}, N] for K={K}, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    if K % group_size or group_size % pack:
+        raise ValueError(f"group_size {group_size} must divide K={K} and be a multiple of {pack}")
+    want = (K // group_size, qweight.shape[1])
+    if tuple(scales.shape) != want or tuple(zeros.shape) != want:
+        raise ValueError(f"scales and zeros must be {want}, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
 
 
-def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                     bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """W [K, N] in `dtype`: (q - zero) * scale of each element's group."""
-    q = unpack_int32_rows(qweight, bits).to(dtype)
-    z = zeros.to(dtype).repeat_interleave(group_size, dim=0)
-    s = scales.to(dtype).repeat_interleave(group_size, dim=0)
-    return (q - z) * s
+def unpack_int32(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [K // pack, N] -> int32 [K, N] of unsigned values 0 .. 2**bits - 1 (k = row * pack + i)."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits
+    q = (qweight.unsqueeze(1) >> shifts.view(1, pack, 1)) & ((1 << bits) - 1)
+    return q.reshape(qweight.shape[0] * pack, qweight.shape[1])
+
+
+def pack_int32(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int [K, N] of values 0 .. 2**bits - 1 -> int32 [K // pack, N]; the inverse of unpack_int32."""
+    pack = 32 // bits
+    q = q.to(torch.int64).reshape(q.shape[0] // pack, pack, q.shape[1])
+    shifts = torch.arange(pack, device=q.device, dtype=torch.int64) * bits
+    packed = (q << shifts.view(1, pack, 1)).sum(dim=1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement into int32
+
+
+def dequantize_wna16(qweight, scales, zeros, group_size: int, bits: int, dtype=torch.float32) -> torch.Tensor:
+    """The [K, N] weight in `dtype` (computed in float32)."""
+    q = unpack_int32(qweight, bits).to(torch.float32)
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)
+    z = zeros.to(torch.float32).repeat_interleave(group_size, dim=0)
+    return ((q - z) * s).to(dtype)
 
 
 def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    dtype = torch.float32 if x.device.type == "cpu" else x.dtype
-    w = wna16_dequantize(qweight, scales, zeros, group_size, bits, dtype)
-    y = x.to(dtype) @ w
+    """y = x @ W + bias, W dequantized as the module docstring says. x: [..., K] -> [..., N] in x.dtype."""
+    _check_wna16(x, qweight, scales, zeros, group_size, bits)
+    compute = torch.float32 if x.device.type == "cpu" else x.dtype
+    w = dequantize_wna16(qweight, scales, zeros, group_size, bits, compute)
+    y = x.to(compute) @ w
     if bias is not None:
-        y = y + bias.to(dtype)
-    return y.to(x.dtype)
-
-
-def fp8_block_dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         block_size: tuple[int, int]) -> torch.Tensor:
-    """W [N, K] float32: each e4m3 value times its (bn, bk) block's scale."""
-    n, k = weight.shape
-    bn, bk = block_size
-    s = weight_scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-    return weight.float() * s
-
-
-def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         block_size: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = x.float() @ fp8_block_dequantize(weight, weight_scale_inv, block_size).T
-    if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(compute)
     return y.to(x.dtype)
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(x):
+        _check_wna16(x, qweight, scales, zeros, group_size, bits)
+        from engine.ops.triton import wna16
+        return wna16.wna16_linear(x, qweight, scales, zeros, group_size, bits, bias)
     return wna16_linear_ref(x, qweight, scales, zeros, group_size, bits, bias)
+
+
+def _check_fp8(x, weight, weight_scale_inv, block_size) -> None:
+    bn, bk = block_size
+    N, K = weight.shape
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_block_linear needs a float8_e4m3fn weight, got {weight.dtype}")
+    if x.shape[-1] != K:
+        raise ValueError(f"x has K={x.shape[-1]} but the weight is [N={N}, K={K}]")
+    want = (-(-N // bn), -(-K // bk))
+    if tuple(weight_scale_inv.shape) != want or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(f"weight_scale_inv must be float32 {want} for blocks {tuple(block_size)}, got "
+                         f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
+
+
+def dequantize_fp8_block(weight, weight_scale_inv, block_size, dtype=torch.float32) -> torch.Tensor:
+    """The [N, K] weight in `dtype` (computed in float32)."""
+    bn, bk = block_size
+    N, K = weight.shape
+    s = weight_scale_inv.repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         block_size: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x.float() @ W.T + bias).to(x.dtype): weight-only, activations stay in x's precision."""
+    _check_fp8(x, weight, weight_scale_inv, block_size)
+    y = x.to(torch.float32) @ dequantize_fp8_block(weight, weight_scale_inv, block_size).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def quantize_fp8_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, K // group]) with x ~= q * scale per group: the
+    dynamic activation quantization of the W8A8 path (scale = amax / 448, at least 1e-10 / 448)."""
+    M, K = x.shape
+    g = x.to(torch.float32).reshape(M, K // group, group)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-10) / FP8_E4M3_MAX
+    q = (g / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(M, K), scale
+
+
+def fp8_block_linear_w8a8_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                              block_size: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the W8A8 kernels compute: activations quantized per token and group of bk, then the exact product of
+    the two dequantized operands in float32. Used by the tests to check those kernels tightly."""
+    _check_fp8(x, weight, weight_scale_inv, block_size)
+    bk = block_size[1]
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quantize_fp8_per_token_group_ref(x2, bk)
+    xd = (q.to(torch.float32).reshape(q.shape[0], -1, bk) * s.unsqueeze(-1)).reshape(q.shape)
+    y = xd @ dequantize_fp8_block(weight, weight_scale_inv, block_size).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      block_size: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(x):
+        _check_fp8(x, weight, weight_scale_inv, block_size)
+        from engine.ops.triton import fp8_block
+        return fp8_block.fp8_block_linear(x, weight, weight_scale_inv, tuple(block_size), bias)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)

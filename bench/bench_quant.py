@@ -1,0 +1,238 @@
+"""Quantized linear layers at Qwen3-VL-8B's decoder shapes on CUDA: bf16 cuBLAS vs wna16 (4-bit, group 128) vs
+fp8_block (128x128 blocks: the automatic path, and weight-only), each timed as replays of one CUDA graph.
+
+    python bench/bench_quant.py [--quick] [--sweep-only] [--json out.json]
+
+Per shape and token count M: ms per call, effective GB/s (the bytes the op must move: weights, scales,
+activations in and out) and TFLOP/s (2*M*N*K), next to the floor predicted from bytes at 3.36 TB/s (cuBLAS's
+measured batch-1 weight read) and FLOPs at 785 (bf16) / 1205 (FP8) TFLOP/s. Each graph calls the op on several
+copies of the weights (>= 150 MB in all) so that small weights are not served from the 60 MB L2.
+Then the whole decoder per step (36 layers x qkv, o, gate_up, down in one graph, distinct weights per layer).
+--sweep-only times kernel configurations of the small-M paths and prints the fastest per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine.ops.quant import fp8_block_linear, fp8_block_linear_w8a8_ref, pack_int32, wna16_linear  # noqa: E402
+from engine.ops.triton import fp8_block as tf  # noqa: E402
+from engine.ops.triton import wna16 as tw  # noqa: E402
+
+# (name, K, N) of one decoder layer's projections; fused qkv is 4096 + 2*1024 wide, gate_up 2*12288.
+LAYER = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
+LAYERS = 36
+DT = torch.bfloat16
+BW, BF16_RATE, FP8_RATE = 3.36e12, 785e12, 1205e12
+ROTATE_BYTES = 150e6
+
+
+def time_graph(calls, reps: int = 30) -> float:
+    """Median ms of one replay of a graph that runs every call in `calls` once."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return statistics.median(times)
+
+
+def make_bf16(K, N):
+    return (torch.randn(N, K, device="cuda", dtype=DT) * 0.02,)
+
+
+def make_w4(K, N, group=128):
+    q = torch.randint(0, 16, (K, N), dtype=torch.int32, device="cuda")
+    return (pack_int32(q, 4), torch.rand(K // group, N, device="cuda", dtype=DT) * 0.01,
+            torch.full((K // group, N), 8.0, device="cuda", dtype=DT), group, 4)
+
+
+def make_fp8(K, N):
+    w = (torch.randn(N, K, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return w, torch.rand(N // 128, K // 128, device="cuda") * 1e-3 + 1e-4, (128, 128)
+
+
+def weight_bytes(kind, K, N):
+    return {"bf16": 2 * K * N, "w4g128": K * N // 2 + 2 * 2 * (K // 128) * N,
+            "fp8": K * N + 4 * (K // 128) * (N // 128)}[kind]
+
+
+KINDS = {  # name -> (weight maker, op, env for ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP rate)
+    "bf16": (make_bf16, lambda x, w: F.linear(x, w), None, "bf16", BF16_RATE),
+    "w4g128": (make_w4, lambda x, *a: wna16_linear(x, *a), None, "w4g128", BF16_RATE),
+    "fp8": (make_fp8, lambda x, *a: fp8_block_linear(x, *a), "0", "fp8", FP8_RATE),
+    "fp8-wo": (make_fp8, lambda x, *a: fp8_block_linear(x, *a), "1", "fp8", BF16_RATE),
+}
+
+
+def set_env(env):
+    if env is not None:
+        os.environ["ENGINE_FP8_WEIGHT_ONLY"] = env
+
+
+def bench_shape(kind, K, N, M):
+    make, op, env, bkind, rate = KINDS[kind]
+    set_env(env)
+    wb = weight_bytes(bkind, K, N)
+    copies = max(1, min(8, int(ROTATE_BYTES // wb) + 1))
+    weights = [make(K, N) for _ in range(copies)]
+    x = torch.randn(M, K, device="cuda", dtype=DT)
+    ms = time_graph([lambda w=w: op(x, *w) for w in weights]) / copies
+    nbytes = wb + 2 * M * (K + N)
+    floor = max(nbytes / BW, 2 * M * N * K / rate) * 1e3
+    del weights
+    return {"kind": kind, "K": K, "N": N, "M": M, "ms": ms, "GB/s": nbytes / ms / 1e6,
+            "TFLOP/s": 2 * M * N * K / ms / 1e9, "floor_ms": floor}
+
+
+def bench_decoder(kind, M):
+    make, op, env, _, _ = KINDS[kind]
+    set_env(env)
+    layers = [[make(K, N) for _, K, N in LAYER] for _ in range(LAYERS)]
+    xs = {K: torch.randn(M, K, device="cuda", dtype=DT) for _, K, _ in LAYER}
+    calls = [lambda w=w, x=xs[K]: op(x, *w) for layer in layers for (_, K, _), w in zip(LAYER, layer)]
+    ms = time_graph(calls, reps=10)
+    del layers
+    torch.cuda.empty_cache()
+    return ms
+
+
+def probe_cublas_blockwise():
+    """Which calls torch._scaled_mm takes with 1x128 activation / 128x128 weight block scales, and how close
+    the result is to the W8A8 reference."""
+    rows = []
+    w, s, bs = make_fp8(4096, 1024)
+    for dtype in (torch.bfloat16, torch.float16):
+        for M in (1, 2, 7, 16, 64, 1000):
+            x = torch.randn(M, 4096, device="cuda", dtype=dtype)
+            xq, xs = tf.per_token_group_quant(x, 128)
+            try:
+                y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.t(), out_dtype=dtype)
+                ref = fp8_block_linear_w8a8_ref(x.float(), w, s, bs)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                rows.append(f"{str(dtype)[6:]} M={M}: ok, rel err {err:.2e}")
+            except Exception as e:  # noqa: BLE001 (a probe: report whatever it says)
+                rows.append(f"{str(dtype)[6:]} M={M}: refused: {str(e).splitlines()[0][:150]}")
+    return rows
+
+
+def sweep():
+    """Kernel configurations of the small-M paths, per decoder shape: (shape, M, path) -> sorted timings."""
+    out = {}
+    for name, K, N in LAYER:
+        w4 = [make_w4(K, N) for _ in range(3)]
+        f8 = [make_fp8(K, N) for _ in range(2)]
+        for M in (1, 16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=DT)
+            cands = []
+            if M == 1:
+                for bn in (32, 64, 128):
+                    for kp in (16, 32):
+                        for split in (1, 2, 4):
+                            for warps, stages in ((4, 3), (4, 4)):
+                                cands.append(("w4", tw.Wna16Config("gemv", 1, bn, kp, split, warps, stages)))
+                for bn in (8, 16, 32):
+                    for bk in (128, 256):
+                        for split in (1, 2, 4):
+                            cands.append(("fp8wo", tf.Fp8Config("gemv", 1, bn, bk, split, 4, 4)))
+            else:
+                for bm in ((16,) if M == 16 else (16, 64)):
+                    for bn in (32, 64, 128):
+                        for split in (1, 2, 4):
+                            for stages in (3, 4):
+                                cands.append(("w4", tw.Wna16Config("dot", bm, bn, 16, split, 4, stages)))
+                                cands.append(("fp8wo", tf.Fp8Config("dot", bm, bn, 128, split, 4, stages)))
+                    for bn in (64, 128):
+                        for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                            cands.append(("w8a8", tf.Fp8Config("w8a8", bm, bn, 128, 1, warps, stages)))
+            res = []
+            for kind, cfg in cands:
+                ws = w4 if kind == "w4" else f8
+                fn = tw.wna16_linear if kind == "w4" else tf.fp8_block_linear
+                try:
+                    ms = time_graph([lambda w=w: fn(x, *w, config=cfg) for w in ws], reps=10) / len(ws)
+                except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
+                    print(f"  skip {kind} {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
+                    continue
+                res.append((ms, kind, cfg))
+            for kind in ("w4", "fp8wo", "w8a8"):
+                best = sorted((r for r in res if r[1] == kind), key=lambda r: r[0])[:3]
+                for ms, _, cfg in best:
+                    print(f"sweep {name:8s} M={M:3d} {kind:6s} {ms * 1e3:8.1f} us  {cfg}", flush=True)
+                out[f"{name} M={M} {kind}"] = [(ms, repr(cfg)) for ms, _, cfg in best]
+        del w4, f8
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
+    ap.add_argument("--sweep-only", action="store_true", help="the cuBLAS probe and the config sweep only")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    result = {"probe": probe_cublas_blockwise()}
+    print("\n".join(result["probe"]), flush=True)
+    if args.sweep_only:
+        result["sweep"] = sweep()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return
+    rows = []
+    for M in ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
+        for name, K, N in LAYER:
+            for kind in KINDS:
+                r = bench_shape(kind, K, N, M) | {"layer": name}
+                rows.append(r)
+                print(f"{name:8s} {K:5d}->{N:5d} M={M:5d} {kind:7s} {r['ms'] * 1e3:9.1f} us  "
+                      f"(floor {r['floor_ms'] * 1e3:8.1f})  {r['GB/s']:7.0f} GB/s  {r['TFLOP/s']:6.1f} TFLOP/s",
+                      flush=True)
+    result["shapes"] = rows
+    dec = {}
+    for M in (1, 64, 256):
+        for kind in KINDS:
+            dec[f"{kind} M={M}"] = bench_decoder(kind, M)
+            print(f"decoder linears, 36 layers, {kind:7s} M={M:4d}: {dec[f'{kind} M={M}']:.3f} ms/step", flush=True)
+    result["decoder"] = dec
+    print("\nsummary: per-call us (M rows x kind), whole decoder per step at M=1")
+    for M in sorted({r["M"] for r in rows}):
+        for name, _, _ in LAYER:
+            cells = [f"{kind}={r['ms'] * 1e3:.1f}" for kind in KINDS for r in rows
+                     if r["M"] == M and r["layer"] == name and r["kind"] == kind]
+            print(f"M={M:5d} {name:8s} " + "  ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

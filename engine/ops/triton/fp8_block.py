@@ -1,0 +1,350 @@
+"""Block-wise FP8 (e4m3) weights x bf16/fp16 activations (Triton version of fp8_block_linear_ref).
+
+Two families of paths (QUANT_CONTRACT.md), chosen per call by fp8_block_linear below:
+- W8A8, on GPUs with FP8 tensor cores (sm89+): activations quantized to e4m3 per token and group of bk
+  (`per_token_group_quant`), then a block-scaled GEMM: cuBLAS through torch._scaled_mm where it takes block
+  scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`.
+- weight-only: the weight dequantized in registers and multiplied in x.dtype: a GEMV for one token, a tiled
+  dot kernel for small M, dequantize-then-cuBLAS for large M. This is the path of sm80/86 (no FP8 tensor
+  cores: e4m3 bytes are decoded with integer ops there) and of ENGINE_FP8_WEIGHT_ONLY=1.
+Everything captures in CUDA graphs (no host syncs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@triton.jit
+def _e4m3_to_f32(w, NATIVE: tl.constexpr):
+    """e4m3 values as float32. NATIVE: w is fp8e4nv (sm89+). Else w holds the raw bytes (uint8) and the bits are
+    moved into a float16 (same sign, exponent bias 15 instead of 7: times 2**8), which also maps e4m3's
+    subnormals exactly. The NaN byte (0x7f/0xff) decodes as 480; checkpoints hold no NaN weights."""
+    if NATIVE:
+        f = w.to(tl.float32)
+    else:
+        u = w.to(tl.uint16)
+        h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return f
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr,
+                      GROUPS_PER_PROG: tl.constexpr):
+    # One token, GROUPS_PER_PROG groups of GROUP: scale = amax / 448 (>= 1e-10 / 448), q = x / scale.
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g * GROUP < K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_asm, stride_asg,
+                       stride_bn, stride_bsn, stride_bsk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       HAS_BIAS: tl.constexpr):
+    # C[M, N] = sum over K blocks of (A_q @ B_q^T)_block * a_scale[m, kb] * b_scale[n // bn, kb]; the K step is
+    # one scale block (BLOCK_K = bk), so each partial product is scaled once and added in float32.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles walk the same weight columns together, so B tiles stay in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BK_BLK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // BN_BLK) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK_BLK)):
+        k_mask = offs_k < K - kb * BK_BLK
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_asg, mask=m_mask, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BK_BLK
+        b_ptrs += BK_BLK
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _block_scale(ws_ptr, n0, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK: tl.constexpr,
+                 BK_BLK: tl.constexpr, UNIFORM: tl.constexpr):
+    """Weight scales for the [BLOCK_N, BLOCK_K] tile at (n0, k0): one scalar when the tile lies inside one
+    scale block (the caller's tile sizes divide the block sizes), else one per element."""
+    if UNIFORM:
+        s = tl.load(ws_ptr + (n0 // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
+    else:
+        s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk)
+    return s
+
+
+@triton.jit(do_not_specialize=["K_SPLIT"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, K_SPLIT, stride_wn, stride_sn, stride_sk,
+                     BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UNIFORM: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    # One token, weight-only: program (n, s) streams rows [n*BN, (n+1)*BN) of the [N, K] weight (contiguous
+    # along K) over K range s, multiply-adding in float32; the block scale multiplies each tile's products.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        s = _block_scale(ws_ptr, pid_n * BLOCK_N, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK, BK_BLK,
+                         UNIFORM)
+        acc += _e4m3_to_f32(w, NATIVE) * x[None, :] * s
+    y = tl.sum(acc, axis=1)
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * N + offs_n, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+def _fp8_wo_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                       stride_sn, stride_sk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr,
+                       NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    # Weight-only tile [BM, BN]: each [BN, BK] weight tile is dequantized to x.dtype in registers and fed to
+    # the tensor cores with x's [BM, BK] tile.
+    dtype = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        s = _block_scale(ws_ptr, pid_n * BLOCK_N, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK, BK_BLK,
+                         UNIFORM)
+        wd = (_e4m3_to_f32(w, NATIVE) * s).to(dtype)
+        acc = tl.dot(a, tl.trans(wd), acc)
+    out_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * M * N + out_off, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr,
+                        BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UNIFORM: tl.constexpr, NATIVE: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    s = _block_scale(ws_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_K, offs_n, offs_k, stride_sn,
+                     stride_sk, BN_BLK, BK_BLK, UNIFORM)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+             (_e4m3_to_f32(w, NATIVE) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    path: str            # "cublas" / "w8a8" (W8A8), "gemv" / "dot" / "dequant" (weight-only)
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+# Token counts where the paths cross over (measured on an H200, BENCHMARKS.md).
+W8A8_MIN_M = 2           # below: the weight-only GEMV (one token reads the same bytes either way)
+WO_DEQUANT_MIN_M = 256   # weight-only path above this: dequantize to x.dtype, then cuBLAS
+
+_cublas_refused: set[tuple] = set()
+
+
+def weight_only_forced() -> bool:
+    return os.environ.get("ENGINE_FP8_WEIGHT_ONLY", "0") == "1"
+
+
+def _cublas_blockwise_ok(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) -> bool:
+    """cuBLAS block scaling (torch._scaled_mm with 1x128 activation and 128x128 weight scales) exists on sm90
+    only; it wants K-block counts in multiples of 4 (else padded scales) and 16-aligned matrices."""
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return (_capability(dev) == (9, 0) and tuple(block_size) == (128, 128) and K % 512 == 0 and N % 16 == 0
+            and (x.dtype, x.shape[0] % 16 == 0) not in _cublas_refused)
+
+
+def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) -> Fp8Config:
+    M = x.shape[0]
+    bk = block_size[1]
+    w8a8 = not weight_only_forced() and has_fp8_tensor_cores(x.device) and K % bk == 0 and M >= W8A8_MIN_M
+    if w8a8:
+        if _cublas_blockwise_ok(x, N, K, block_size):
+            return Fp8Config("cublas")
+        hopper = _capability(x.device.index or 0) >= (9, 0)
+        if M <= 16:
+            return Fp8Config("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4 if hopper else 3)
+        if M <= 64 or not hopper:
+            return Fp8Config("w8a8", block_m=64, block_n=128, num_warps=4, num_stages=4 if hopper else 3)
+        return Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
+    if M == 1:
+        cfg = Fp8Config("gemv", block_n=16, block_k=128, num_warps=4, num_stages=4)
+        programs = triton.cdiv(N, cfg.block_n)
+    elif M < WO_DEQUANT_MIN_M:
+        cfg = Fp8Config("dot", block_m=16 if M <= 16 else (32 if M <= 32 else 64), block_n=64, block_k=128,
+                        num_warps=4, num_stages=3)
+        programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    else:
+        return Fp8Config("dequant", block_n=32, block_k=128, num_warps=4)
+    steps = triton.cdiv(K, cfg.block_k)
+    split = 1
+    while programs * split < 256 and steps % (split * 2) == 0 and split < 8:
+        split *= 2
+    return Fp8Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % group == 0) -> (e4m3 [M, K], float32 scales [M, K // group]). The scales are stored
+    column-major (stride (1, M)): the layout cuBLAS wants for 1x128 block scales."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((K // group, M), dtype=torch.float32, device=x.device).t()
+    if M:
+        per_prog = max(1, min(8, 1024 // group, triton.next_power_of_2(K // group)))
+        grid = (M, triton.cdiv(K // group, per_prog))
+        _act_quant_kernel[grid](x, q, s, M, K, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
+                                GROUPS_PER_PROG=per_prog, num_warps=4)
+    return q, s
+
+
+def _uniform(cfg_n: int, cfg_k: int, block_size: tuple[int, int]) -> bool:
+    return block_size[0] % cfg_n == 0 and block_size[1] % cfg_k == 0
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     block_size: tuple[int, int], bias: torch.Tensor | None = None,
+                     config: Fp8Config | None = None) -> torch.Tensor:
+    from engine.ops.triton.wna16 import _splitk_reduce_kernel
+    lead = x.shape[:-1]
+    N, K = weight.shape
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M == 0:
+        return torch.empty((*lead, N), dtype=x.dtype, device=x.device)
+    bn, bk = block_size
+    cfg = config or choose_config(x2, N, K, block_size)
+    if cfg.path == "cublas":
+        y = _cublas_w8a8(x2, weight, weight_scale_inv, bk, bias)
+        if y is not None:
+            return y.reshape(*lead, N)
+        cfg = choose_config(x2, N, K, block_size)   # refused: _cublas_refused now holds this case
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else out
+    if cfg.path == "w8a8":
+        xq, xs = per_token_group_quant(x2, bk)
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+        _w8a8_block_kernel[grid](xq, xs, weight, weight_scale_inv, bias_arg, out, M, N, K, xs.stride(0),
+                                 xs.stride(1), weight.stride(0), weight_scale_inv.stride(0),
+                                 weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m,
+                                 BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, HAS_BIAS=bias is not None,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out.reshape(*lead, N)
+    native = has_fp8_tensor_cores(x.device)
+    w = weight if native else weight.view(torch.uint8)
+    uniform = _uniform(cfg.block_n, cfg.block_k, block_size)
+    if cfg.path == "dequant":
+        wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(K, cfg.block_k))
+        _fp8_dequant_kernel[grid](w, weight_scale_inv, wd, N, K, weight.stride(0), weight_scale_inv.stride(0),
+                                  weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n,
+                                  BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native, num_warps=cfg.num_warps)
+        return torch.nn.functional.linear(x2, wd, bias).reshape(*lead, N)
+    steps = triton.cdiv(K, cfg.block_k)
+    split = cfg.split_k
+    while steps % split:
+        split //= 2
+    k_split = (steps // split) * cfg.block_k
+    partial = split > 1
+    dst = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
+    common = dict(BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native,
+                  HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.path == "gemv":
+        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+            x2, w, weight_scale_inv, bias_arg, dst, N, K, k_split, weight.stride(0), weight_scale_inv.stride(0),
+            weight_scale_inv.stride(1), **common)
+    else:
+        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+        _fp8_wo_dot_kernel[grid](x2, w, weight_scale_inv, bias_arg, dst, M, N, K, k_split, x2.stride(0),
+                                 weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
+                                 BLOCK_M=cfg.block_m, **common)
+    if partial:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, bias_arg, out, M * N, N, SPLIT=split,
+                                                            BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out.reshape(*lead, N)
+
+
+def _cublas_w8a8(x2, weight, weight_scale_inv, bk, bias):
+    """cuBLAS block-scaled GEMM, or None (remembered) where this torch/cuBLAS refuses the case."""
+    xq, xs = per_token_group_quant(x2, bk)
+    try:
+        # B = weight.T is column-major [K, N]; its scales weight_scale_inv.T [K/128, N/128] are K-major in memory.
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_inv.t(), out_dtype=x2.dtype)
+    except (RuntimeError, NotImplementedError):
+        _cublas_refused.add((x2.dtype, x2.shape[0] % 16 == 0))
+        return None
+    return y if bias is None else y + bias

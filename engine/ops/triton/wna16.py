@@ -1,0 +1,258 @@
+"""4-/8-bit group-quantized weights x bf16/fp16 activations (Triton version of wna16_linear_ref).
+
+Three paths, chosen by the number of tokens M (thresholds measured on an H200, BENCHMARKS.md):
+- M == 1, GEMV: FMA dot products; each program streams a column strip of the packed weight once.
+- small M, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
+- large M: dequantize the whole weight to x.dtype once, then cuBLAS: the GEMM is compute-bound there and
+  the extra K*N*2 bytes written and read are a few percent of its time.
+All are plain Triton (no Hopper-only features) and capture in CUDA graphs (no host syncs).
+
+Unpacking: the int32 at packed row r of column n holds k = r*PACK + j in bits [BITS*j, BITS*(j+1)). A tile
+of BKP packed rows is split into its PACK bit-planes: plane j is a [BKP, BN] tile of the k = r*PACK + j, and
+is multiplied with x[:, r*PACK + j] (a strided load of x). So no reshape or interleave of registers is needed,
+and the weight bytes are loaded exactly once. A 4-bit value becomes a float with one OR and one subtract:
+the bits of float(2**23 + q) are 0x4B000000 | q, which avoids the slow int-to-float conversion.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
+MAGIC_F = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _dequant_plane(q, j: tl.constexpr, BITS: tl.constexpr):
+    """Bit-plane j of packed int32 tile q, as float32 values 0 .. 2**BITS - 1."""
+    v = ((q >> (BITS * j)) & ((1 << BITS) - 1)) | MAGIC
+    return v.to(tl.float32, bitcast=True) - MAGIC_F
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK: tl.constexpr, GROUP: tl.constexpr,
+                  PER_ROW: tl.constexpr):
+    """Scales and zeros for packed rows kp (kp0 the first): [BKP, BN] when a tile spans several groups, else
+    [1, BN] (G % PACK == 0, so the PACK values of a packed row share one group)."""
+    if PER_ROW:
+        off = ((kp * PACK) // GROUP)[:, None].to(tl.int64) * stride_sg + offs_n[None, :]
+    else:
+        off = (((kp0 * PACK) // GROUP).to(tl.int64) * stride_sg + offs_n)[None, :]
+    s = tl.load(s_ptr + off, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + off, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    return s, z
+
+
+@triton.jit(do_not_specialize=["K_SPLIT"])
+def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLIT, stride_qk, stride_sg,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    # One token. Program (n, s) owns columns [n*BN, (n+1)*BN) over K range [s*K_SPLIT, (s+1)*K_SPLIT).
+    # Per element: shift+mask+or, subtract, FMA; the zero point and scale are applied once per packed row
+    # to the sums over its PACK bit-planes (sum_j w_j x_j - z * sum_j x_j) * s.
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KP * PACK
+    PER_ROW: tl.constexpr = BLOCK_K > GROUP
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+        kp0 = k0 // PACK
+        kp = kp0 + tl.arange(0, BLOCK_KP)
+        q = tl.load(qw_ptr + kp[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=n_mask[None, :],
+                    other=0)
+        s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
+        t = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            xj = tl.load(x_ptr + kp * PACK + j).to(tl.float32)
+            t += _dequant_plane(q, j, BITS) * xj[:, None]
+            xs += xj
+        acc += (t - xs[:, None] * z) * s
+    y = tl.sum(acc, axis=0)
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * N + offs_n, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+def _wna16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_qk,
+                      stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PARTIAL: tl.constexpr):
+    # Tile [BM, BN] over K range [s*K_SPLIT, (s+1)*K_SPLIT): each packed [BKP, BN] tile is dequantized
+    # plane by plane to x.dtype and multiplied on the tensor cores with the matching strided columns of x.
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KP * PACK
+    PER_ROW: tl.constexpr = BLOCK_K > GROUP
+    dtype = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+        kp0 = k0 // PACK
+        kp = kp0 + tl.arange(0, BLOCK_KP)
+        q = tl.load(qw_ptr + kp[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=n_mask[None, :],
+                    other=0)
+        s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
+        for j in tl.static_range(PACK):
+            w = ((_dequant_plane(q, j, BITS) - z) * s).to(dtype)
+            a = tl.load(x_rows + (kp * PACK + j)[None, :], mask=m_mask[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+    out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * M * N + out_off, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wna16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qk, stride_sg, BITS: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    PER_ROW: tl.constexpr = BLOCK_KP * PACK > GROUP
+    kp0 = tl.program_id(0) * BLOCK_KP
+    kp = kp0 + tl.arange(0, BLOCK_KP)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    q = tl.load(qw_ptr + kp[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=n_mask[None, :], other=0)
+    s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
+    for j in tl.static_range(PACK):
+        w = (_dequant_plane(q, j, BITS) - z) * s
+        tl.store(w_ptr + (kp * PACK + j)[:, None].to(tl.int64) * N + offs_n[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class Wna16Config:
+    path: str            # "gemv", "dot" or "dequant"
+    block_m: int = 16
+    block_n: int = 128
+    block_kp: int = 16   # packed rows per K step (BLOCK_K = block_kp * 32 // bits)
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Tokens above which dequantize-then-cuBLAS beats the dot kernel (measured, BENCHMARKS.md).
+DEQUANT_MIN_M = 256
+
+
+def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Config:
+    if M > DEQUANT_MIN_M:
+        return Wna16Config("dequant", block_n=128, block_kp=8, num_warps=4)
+    pack = 32 // bits
+    if M == 1:
+        block_n = 64 if N >= 64 * 132 * 2 else 32
+        cfg = Wna16Config("gemv", block_n=block_n, block_kp=32, num_warps=4, num_stages=4)
+    else:
+        block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+        cfg = Wna16Config("dot", block_m=block_m, block_n=64, block_kp=16, num_warps=4, num_stages=3)
+    # Split K until the grid has about two programs per SM (132 on an H200), keeping whole K steps per split.
+    programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) if cfg.path == "dot" else \
+        triton.cdiv(N, cfg.block_n)
+    steps = K // (cfg.block_kp * pack)
+    split = 1
+    while programs * split < 256 and steps % (split * 2) == 0 and split < 8:
+        split *= 2
+    return Wna16Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_kp, split, cfg.num_warps, cfg.num_stages)
+
+
+def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
+    """The largest block_kp <= cfg's that divides K // pack (so no K step needs a mask)."""
+    kp_total = K // (32 // bits)
+    block_kp = cfg.block_kp
+    while kp_total % block_kp:
+        block_kp //= 2
+    return block_kp
+
+
+def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bits: int, bias: torch.Tensor | None = None,
+                 config: Wna16Config | None = None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    K = x.shape[-1]
+    N = qweight.shape[1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    cfg = config or choose_config(M, N, K, bits, group_size)
+    if cfg.path == "gemv" and M != 1:
+        raise ValueError("the gemv path takes one token")
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    block_kp = _fit_block_kp(cfg, K, bits)
+    if cfg.path == "dot" and block_kp < 16:   # tl.dot needs K >= 16 per plane
+        cfg = Wna16Config("dequant", block_n=128, block_kp=8)
+        block_kp = _fit_block_kp(cfg, K, bits)
+    bias_arg = bias if bias is not None else out
+    if cfg.path == "dequant":
+        w = torch.empty((K, N), dtype=x.dtype, device=x.device)
+        grid = (K // (32 // bits) // block_kp, triton.cdiv(N, cfg.block_n))
+        _wna16_dequant_kernel[grid](qweight, scales, zeros, w, N, qweight.stride(0), scales.stride(0), BITS=bits,
+                                    GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp,
+                                    num_warps=cfg.num_warps)
+        if bias is not None:
+            return torch.addmm(bias.to(x.dtype), x2, w, out=out).reshape(*lead, N)
+        return torch.mm(x2, w, out=out).reshape(*lead, N)
+    pack = 32 // bits
+    steps = K // (block_kp * pack)
+    split = cfg.split_k
+    while steps % split:
+        split //= 2
+    k_split = K // split
+    partial = split > 1
+    dst = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
+    if cfg.path == "gemv":
+        grid = (triton.cdiv(N, cfg.block_n), split)
+        _wna16_gemv_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, N, k_split, qweight.stride(0),
+                                 scales.stride(0), BITS=bits, GROUP=group_size, BLOCK_N=cfg.block_n,
+                                 BLOCK_KP=block_kp, HAS_BIAS=bias is not None, PARTIAL=partial,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
+        _wna16_dot_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, M, N, k_split, x2.stride(0),
+                                qweight.stride(0), scales.stride(0), N, BITS=bits, GROUP=group_size,
+                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp,
+                                HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
+    if partial:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, bias_arg, out, M * N, N, SPLIT=split,
+                                                            BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    return out.reshape(*lead, N)
