@@ -1,14 +1,14 @@
 """Quantized linear layers at Qwen3-VL-8B's decoder shapes on CUDA: bf16 cuBLAS vs wna16 (4-bit, group 128) vs
 fp8_block (128x128 blocks: the automatic path, and weight-only), each timed as replays of one CUDA graph.
 
-    python bench/bench_quant.py [--quick] [--sweep-only] [--json out.json]
+    python bench/bench_quant.py [--quick] [--sweep] [--json out.json]
 
 Per shape and token count M: ms per call, effective GB/s (the bytes the op must move: weights, scales,
 activations in and out) and TFLOP/s (2*M*N*K), next to the floor predicted from bytes at 3.36 TB/s (cuBLAS's
 measured batch-1 weight read) and FLOPs at 785 (bf16) / 1205 (FP8) TFLOP/s. Each graph calls the op on several
 copies of the weights (>= 150 MB in all) so that small weights are not served from the 60 MB L2.
 Then the whole decoder per step (36 layers x qkv, o, gate_up, down in one graph, distinct weights per layer).
---sweep-only times kernel configurations of the small-M paths and prints the fastest per shape.
+--sweep also times wna16 kernel configurations of the small-M paths and prints the fastest per shape.
 """
 from __future__ import annotations
 
@@ -84,12 +84,36 @@ def weight_bytes(kind, K, N):
             "fp8": K * N + 4 * (K // 128) * (N // 128)}[kind]
 
 
-KINDS = {  # name -> (weight maker, op, env for ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP rate)
+def _w4(cfg=None):
+    return lambda x, *a: tw.wna16_linear(x, *a, config=cfg(x) if cfg else None)
+
+
+def _fp8(cfg=None):
+    return lambda x, *a: tf.fp8_block_linear(x, *a, config=cfg(x) if cfg else None)
+
+
+def _w4_dequant(x):
+    return tw.Wna16Config("dequant", block_n=128, block_kp=8) if x.shape[0] > 1 else None
+
+
+def _fp8_triton(x):
+    M = x.shape[0]
+    if M <= 16:
+        return tf.Fp8Config("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4)
+    if M <= 64:
+        return tf.Fp8Config("w8a8", block_m=64, block_n=64, num_warps=4, num_stages=4)
+    return tf.Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP rate of the floor)
     "bf16": (make_bf16, lambda x, w: F.linear(x, w), None, "bf16", BF16_RATE),
-    "w4g128": (make_w4, lambda x, *a: wna16_linear(x, *a), None, "w4g128", BF16_RATE),
-    "fp8": (make_fp8, lambda x, *a: fp8_block_linear(x, *a), "0", "fp8", FP8_RATE),
-    "fp8-wo": (make_fp8, lambda x, *a: fp8_block_linear(x, *a), "1", "fp8", BF16_RATE),
+    "w4g128": (make_w4, _w4(), None, "w4g128", BF16_RATE),                 # automatic path
+    "w4-dq": (make_w4, _w4(_w4_dequant), None, "w4g128", BF16_RATE),       # dequantize + cuBLAS forced (M > 1)
+    "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (H200: cuBLAS W8A8)
+    "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
+    "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
 }
+DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "fp8", "fp8-wo"]
 
 
 def set_env(env):
@@ -144,50 +168,37 @@ def probe_cublas_blockwise():
 
 
 def sweep():
-    """Kernel configurations of the small-M paths, per decoder shape: (shape, M, path) -> sorted timings."""
+    """Kernel configurations of the small-M wna16 paths, per decoder shape -> the fastest three."""
     out = {}
     for name, K, N in LAYER:
         w4 = [make_w4(K, N) for _ in range(3)]
-        f8 = [make_fp8(K, N) for _ in range(2)]
         for M in (1, 16, 64):
             x = torch.randn(M, K, device="cuda", dtype=DT)
             cands = []
             if M == 1:
-                for bn in (32, 64, 128):
+                for bn in (32, 64):
                     for kp in (16, 32):
-                        for split in (1, 2, 4):
-                            for warps, stages in ((4, 3), (4, 4)):
-                                cands.append(("w4", tw.Wna16Config("gemv", 1, bn, kp, split, warps, stages)))
-                for bn in (8, 16, 32):
-                    for bk in (128, 256):
-                        for split in (1, 2, 4):
-                            cands.append(("fp8wo", tf.Fp8Config("gemv", 1, bn, bk, split, 4, 4)))
+                        for split in (2, 4):
+                            cands.append(tw.Wna16Config("gemv", 1, bn, kp, split, 4, 3))
             else:
                 for bm in ((16,) if M == 16 else (16, 64)):
-                    for bn in (32, 64, 128):
-                        for split in (1, 2, 4):
-                            for stages in (3, 4):
-                                cands.append(("w4", tw.Wna16Config("dot", bm, bn, 16, split, 4, stages)))
-                                cands.append(("fp8wo", tf.Fp8Config("dot", bm, bn, 128, split, 4, stages)))
                     for bn in (64, 128):
-                        for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                            cands.append(("w8a8", tf.Fp8Config("w8a8", bm, bn, 128, 1, warps, stages)))
+                        for swap in (True, False):
+                            for split in (1, 2, 4):
+                                cands.append(tw.Wna16Config("dot", bm, bn, 32, split, 4, 3, swap))
             res = []
-            for kind, cfg in cands:
-                ws = w4 if kind == "w4" else f8
-                fn = tw.wna16_linear if kind == "w4" else tf.fp8_block_linear
+            for cfg in cands:
                 try:
-                    ms = time_graph([lambda w=w: fn(x, *w, config=cfg) for w in ws], reps=10) / len(ws)
+                    ms = time_graph([lambda w=w: tw.wna16_linear(x, *w, config=cfg) for w in w4], reps=10) / len(w4)
                 except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
-                    print(f"  skip {kind} {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
+                    print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
-                res.append((ms, kind, cfg))
-            for kind in ("w4", "fp8wo", "w8a8"):
-                best = sorted((r for r in res if r[1] == kind), key=lambda r: r[0])[:3]
-                for ms, _, cfg in best:
-                    print(f"sweep {name:8s} M={M:3d} {kind:6s} {ms * 1e3:8.1f} us  {cfg}", flush=True)
-                out[f"{name} M={M} {kind}"] = [(ms, repr(cfg)) for ms, _, cfg in best]
-        del w4, f8
+                res.append((ms, cfg))
+            best = sorted(res, key=lambda r: r[0])[:3]
+            for ms, cfg in best:
+                print(f"sweep {name:8s} M={M:3d} {ms * 1e3:8.1f} us  {cfg}", flush=True)
+            out[f"{name} M={M}"] = [(ms, repr(cfg)) for ms, cfg in best]
+        del w4
         torch.cuda.empty_cache()
     return out
 
@@ -195,22 +206,20 @@ def sweep():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
-    ap.add_argument("--sweep-only", action="store_true", help="the cuBLAS probe and the config sweep only")
+    ap.add_argument("--sweep", action="store_true", help="also time wna16 kernel configurations")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     result = {"probe": probe_cublas_blockwise()}
     print("\n".join(result["probe"]), flush=True)
-    if args.sweep_only:
+    if args.sweep:
         result["sweep"] = sweep()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1, default=str)
-        return
     rows = []
     for M in ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
         for name, K, N in LAYER:
             for kind in KINDS:
+                if kind == "w4-dq" and M == 1:
+                    continue
                 r = bench_shape(kind, K, N, M) | {"layer": name}
                 rows.append(r)
                 print(f"{name:8s} {K:5d}->{N:5d} M={M:5d} {kind:7s} {r['ms'] * 1e3:9.1f} us  "
@@ -219,7 +228,9 @@ def main():
     result["shapes"] = rows
     dec = {}
     for M in (1, 64, 256):
-        for kind in KINDS:
+        for kind in DECODER_KINDS:
+            if kind == "w4-dq" and M == 1:
+                continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)
             print(f"decoder linears, 36 layers, {kind:7s} M={M:4d}: {dec[f'{kind} M={M}']:.3f} ms/step", flush=True)
     result["decoder"] = dec

@@ -49,11 +49,12 @@ def _e4m3_to_f32(w, NATIVE: tl.constexpr):
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_sm, stride_sg, GROUP: tl.constexpr,
                       GROUPS_PER_PROG: tl.constexpr):
     # One token, GROUPS_PER_PROG groups of GROUP: scale = amax / 448 (>= 1e-10 / 448), q = x / scale.
+    # Rows past M (padding that cuBLAS needs) quantize zeros.
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < K
-    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask & (m < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
     q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -208,10 +209,12 @@ class Fp8Config:
 
 
 # Token counts where the paths cross over (measured on an H200, BENCHMARKS.md).
-W8A8_MIN_M = 2           # below: the weight-only GEMV (one token reads the same bytes either way)
+W8A8_MIN_M = 1           # cuBLAS's block-scaled GEMM streams FP8 weights faster than the weight-only GEMV
+W8A8_TRITON_MIN_M = 2    # the Triton W8A8 kernel (sm89) has no split-K: one token goes to the GEMV
+CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
 WO_DEQUANT_MIN_M = 256   # weight-only path above this: dequantize to x.dtype, then cuBLAS
 
-_cublas_refused: set[tuple] = set()
+_cublas_refused: set[torch.dtype] = set()
 
 
 def weight_only_forced() -> bool:
@@ -223,16 +226,16 @@ def _cublas_blockwise_ok(x: torch.Tensor, N: int, K: int, block_size: tuple[int,
     only; it wants K-block counts in multiples of 4 (else padded scales) and 16-aligned matrices."""
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return (_capability(dev) == (9, 0) and tuple(block_size) == (128, 128) and K % 512 == 0 and N % 16 == 0
-            and (x.dtype, x.shape[0] % 16 == 0) not in _cublas_refused)
+            and x.dtype not in _cublas_refused)
 
 
 def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) -> Fp8Config:
     M = x.shape[0]
     bk = block_size[1]
     w8a8 = not weight_only_forced() and has_fp8_tensor_cores(x.device) and K % bk == 0 and M >= W8A8_MIN_M
-    if w8a8:
-        if _cublas_blockwise_ok(x, N, K, block_size):
-            return Fp8Config("cublas")
+    if w8a8 and _cublas_blockwise_ok(x, N, K, block_size):
+        return Fp8Config("cublas")
+    if w8a8 and M >= W8A8_TRITON_MIN_M:
         hopper = _capability(x.device.index or 0) >= (9, 0)
         if M <= 16:
             return Fp8Config("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4 if hopper else 3)
@@ -255,15 +258,17 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
     return Fp8Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % group == 0) -> (e4m3 [M, K], float32 scales [M, K // group]). The scales are stored
-    column-major (stride (1, M)): the layout cuBLAS wants for 1x128 block scales."""
+def per_token_group_quant(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % group == 0) -> (e4m3 [rows, K], float32 scales [rows, K // group]); rows >= M (default M)
+    pads with zero rows. The scales are stored column-major (stride (1, rows)): the layout cuBLAS wants for
+    1x128 block scales."""
     M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((K // group, M), dtype=torch.float32, device=x.device).t()
-    if M:
+    rows = M if rows is None else rows
+    q = torch.empty((rows, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((K // group, rows), dtype=torch.float32, device=x.device).t()
+    if rows:
         per_prog = max(1, min(8, 1024 // group, triton.next_power_of_2(K // group)))
-        grid = (M, triton.cdiv(K // group, per_prog))
+        grid = (rows, triton.cdiv(K // group, per_prog))
         _act_quant_kernel[grid](x, q, s, M, K, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
                                 GROUPS_PER_PROG=per_prog, num_warps=4)
     return q, s
@@ -339,12 +344,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
 
 def _cublas_w8a8(x2, weight, weight_scale_inv, bk, bias):
-    """cuBLAS block-scaled GEMM, or None (remembered) where this torch/cuBLAS refuses the case."""
-    xq, xs = per_token_group_quant(x2, bk)
+    """cuBLAS block-scaled GEMM, or None (remembered) where this torch/cuBLAS refuses the case. Tokens are padded
+    to a multiple of CUBLAS_ROW_ALIGN with zero rows; the result is a view of the first M rows."""
+    M = x2.shape[0]
+    xq, xs = per_token_group_quant(x2, bk, rows=-(-M // CUBLAS_ROW_ALIGN) * CUBLAS_ROW_ALIGN)
     try:
         # B = weight.T is column-major [K, N]; its scales weight_scale_inv.T [K/128, N/128] are K-major in memory.
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_inv.t(), out_dtype=x2.dtype)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_inv.t(), out_dtype=x2.dtype)[:M]
     except (RuntimeError, NotImplementedError):
-        _cublas_refused.add((x2.dtype, x2.shape[0] % 16 == 0))
+        _cublas_refused.add(x2.dtype)
         return None
     return y if bias is None else y + bias

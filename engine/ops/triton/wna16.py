@@ -62,11 +62,17 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
-    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
+    k_end = k_begin + K_SPLIT
+    q_ptrs = qw_ptr + (k_begin // PACK + tl.arange(0, BLOCK_KP))[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
+    q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        # Software prefetch: the next tile's load is issued before this tile's arithmetic (Triton's pipeliner
+        # only stages loads that feed a dot), so each program keeps a tile of weights in flight.
+        q = q_next
+        q_ptrs += BLOCK_KP * stride_qk
+        q_next = tl.load(q_ptrs, mask=n_mask[None, :] & (k0 + BLOCK_K < k_end), other=0)
         kp0 = k0 // PACK
         kp = kp0 + tl.arange(0, BLOCK_KP)
-        q = tl.load(qw_ptr + kp[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=n_mask[None, :],
-                    other=0)
         s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
         t = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
         xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
@@ -87,12 +93,15 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
 @triton.jit(do_not_specialize=["M", "K_SPLIT"])
 def _wna16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_qk,
                       stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
                       PARTIAL: tl.constexpr):
-    # Tile [BM, BN] over K range [s*K_SPLIT, (s+1)*K_SPLIT): each packed [BKP, BN] tile is dequantized
-    # plane by plane to x.dtype and multiplied on the tensor cores with the matching strided columns of x.
+    # Tile [BM, BN] over K range [s*K_SPLIT, (s+1)*K_SPLIT). The packed tile is loaded transposed, [BN, BKP],
+    # and each int32 is repeated PACK times along K by interleaving (in registers), so one shift per element by
+    # (k % PACK) * BITS yields W^T [BN, BK] in plain k order for a single tensor-core dot per K step.
+    # SWAP_AB computes out^T = W^T x^T: the weight tile is the dot's M side (>= 64 rows on Hopper's wgmma)
+    # and the few tokens its N side, which suits small M.
     PACK: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = BLOCK_KP * PACK
+    BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     dtype = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
@@ -102,27 +111,47 @@ def _wna16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K_SP
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    shifts = (tl.arange(0, BLOCK_K) % PACK) * BITS
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        kp0 = k0 // PACK
-        kp = kp0 + tl.arange(0, BLOCK_KP)
-        q = tl.load(qw_ptr + kp[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=n_mask[None, :],
+        kp = k0 // PACK + tl.arange(0, BLOCK_KP)
+        q = tl.load(qw_ptr + kp[None, :].to(tl.int64) * stride_qk + offs_n[:, None], mask=n_mask[:, None],
                     other=0)
-        s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
-        for j in tl.static_range(PACK):
-            w = ((_dequant_plane(q, j, BITS) - z) * s).to(dtype)
-            a = tl.load(x_rows + (kp * PACK + j)[None, :], mask=m_mask[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
+        q = tl.interleave(q, q)
+        q = tl.interleave(q, q)
+        if PACK == 8:
+            q = tl.interleave(q, q)
+        v = ((q >> shifts[None, :]) & ((1 << BITS) - 1)) | MAGIC
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if PER_ROW:
+            off = (offs_k // GROUP)[None, :].to(tl.int64) * stride_sg + offs_n[:, None]
+        else:
+            off = (offs_n + (k0 // GROUP) * stride_sg)[:, None]
+        s = tl.load(s_ptr + off, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        zs = tl.load(z_ptr + off, mask=n_mask[:, None], other=0.0).to(tl.float32) * s
+        w = ((v.to(tl.float32, bitcast=True) - MAGIC_F) * s - zs).to(dtype)      # W^T tile [BN, BK]
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        res = tl.trans(acc)
+    else:
+        res = acc
     out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k * M * N + out_off, acc, mask=mask)
+        tl.store(out_ptr + pid_k * M * N + out_off, res, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            res += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -164,10 +193,11 @@ class Wna16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = True
 
 
 # Tokens above which dequantize-then-cuBLAS beats the dot kernel (measured, BENCHMARKS.md).
-DEQUANT_MIN_M = 256
+DEQUANT_MIN_M = 64
 
 
 def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Config:
@@ -175,19 +205,20 @@ def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Co
         return Wna16Config("dequant", block_n=128, block_kp=8, num_warps=4)
     pack = 32 // bits
     if M == 1:
-        block_n = 64 if N >= 64 * 132 * 2 else 32
-        cfg = Wna16Config("gemv", block_n=block_n, block_kp=32, num_warps=4, num_stages=4)
+        # Narrow column strips and 4 K splits: enough programs to keep ~3 TB/s of loads in flight.
+        cfg = Wna16Config("gemv", block_n=32, block_kp=32, num_warps=4, num_stages=3)
+        programs = triton.cdiv(N, cfg.block_n)
     else:
         block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-        cfg = Wna16Config("dot", block_m=block_m, block_n=64, block_kp=16, num_warps=4, num_stages=3)
-    # Split K until the grid has about two programs per SM (132 on an H200), keeping whole K steps per split.
-    programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) if cfg.path == "dot" else \
-        triton.cdiv(N, cfg.block_n)
+        cfg = Wna16Config("dot", block_m=block_m, block_n=64, block_kp=128 // pack, num_warps=4, num_stages=3,
+                          swap_ab=True)
+        programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     steps = K // (cfg.block_kp * pack)
     split = 1
-    while programs * split < 256 and steps % (split * 2) == 0 and split < 8:
+    while programs * split < 1024 and steps % (split * 2) == 0 and split < 4:
         split *= 2
-    return Wna16Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_kp, split, cfg.num_warps, cfg.num_stages)
+    return Wna16Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_kp, split, cfg.num_warps, cfg.num_stages,
+                       cfg.swap_ab)
 
 
 def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
@@ -217,7 +248,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError("the gemv path takes one token")
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     block_kp = _fit_block_kp(cfg, K, bits)
-    if cfg.path == "dot" and block_kp < 16:   # tl.dot needs K >= 16 per plane
+    if cfg.path == "dot" and block_kp * (32 // bits) < 16:   # tl.dot needs K >= 16
         cfg = Wna16Config("dequant", block_n=128, block_kp=8)
         block_kp = _fit_block_kp(cfg, K, bits)
     bias_arg = bias if bias is not None else out
@@ -248,9 +279,9 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
         _wna16_dot_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, M, N, k_split, x2.stride(0),
                                 qweight.stride(0), scales.stride(0), N, BITS=bits, GROUP=group_size,
-                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_KP=block_kp,
-                                HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages)
+                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_kp * pack,
+                                SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, PARTIAL=partial,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if partial:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, bias_arg, out, M * N, N, SPLIT=split,
