@@ -113,7 +113,21 @@ KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP 
     "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
     "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "fp8", "fp8-wo"]
+def _w4_best(x, qweight, *rest):
+    cfg = BEST_GEMV.get((x.shape[1], qweight.shape[1])) if x.shape[0] == 1 else None
+    return tw.wna16_linear(x, qweight, *rest, config=cfg)
+
+
+def _fp8_mixed(x):
+    # One token: the Triton W8A8 kernel where K is small (its grid has no split-K), cuBLAS for down (K=12288).
+    return _fp8_triton(x) if x.shape[0] == 1 and x.shape[1] <= 4096 else None
+
+
+DECODER_ONLY = {  # one-token variants timed on the whole decoder only
+    "w4-best": (make_w4, _w4_best, None, "w4g128", BF16_RATE),   # the sweep's fastest GEMV config per shape
+    "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
+}
+DECODER_KINDS = ["bf16", "w4g128", "w4-best", "w4-dq", "fp8", "fp8-mixed", "fp8-wo"]
 
 
 def set_env(env):
@@ -137,7 +151,7 @@ def bench_shape(kind, K, N, M):
 
 
 def bench_decoder(kind, M):
-    make, op, env, _, _ = KINDS[kind]
+    make, op, env, _, _ = (KINDS | DECODER_ONLY)[kind]
     set_env(env)
     layers = [[make(K, N) for _, K, N in LAYER] for _ in range(LAYERS)]
     xs = {K: torch.randn(M, K, device="cuda", dtype=DT) for _, K, _ in LAYER}
@@ -167,38 +181,33 @@ def probe_cublas_blockwise():
     return rows
 
 
+BEST_GEMV: dict[tuple[int, int], tw.Wna16Config] = {}   # (K, N) -> fastest M=1 config found by sweep()
+
+
 def sweep():
-    """Kernel configurations of the small-M wna16 paths, per decoder shape -> the fastest three."""
+    """wna16 GEMV configurations (one token) per decoder shape -> the fastest three; fills BEST_GEMV."""
     out = {}
-    for name, K, N in LAYER[2:3]:   # gate_up: half of the bytes
-        w4 = [make_w4(K, N) for _ in range(3)]
-        for M in (1, 16, 64):
-            x = torch.randn(M, K, device="cuda", dtype=DT)
-            cands = []
-            if M == 1:
-                for bn in (32, 64):
-                    for kp in (16, 32):
-                        for split in (2, 4):
-                            cands.append(tw.Wna16Config("gemv", 1, bn, kp, split, 4, 3))
-            else:
-                for bm in ((16,) if M == 16 else (16, 64)):
-                    for bn in (64, 128):
-                        for swap in (True, False):
-                            for split in (1, 2, 4):
-                                if split != 2:
-                                    cands.append(tw.Wna16Config("dot", bm, bn, 32, split, 4, 3, swap))
-            res = []
-            for cfg in cands:
-                try:
-                    ms = time_graph([lambda w=w: tw.wna16_linear(x, *w, config=cfg) for w in w4], reps=10) / len(w4)
-                except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
-                    print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
-                    continue
-                res.append((ms, cfg))
-            best = sorted(res, key=lambda r: r[0])[:3]
-            for ms, cfg in best:
-                print(f"sweep {name:8s} M={M:3d} {ms * 1e3:8.1f} us  {cfg}", flush=True)
-            out[f"{name} M={M}"] = [(ms, repr(cfg)) for ms, cfg in best]
+    for name, K, N in LAYER:
+        w4 = [make_w4(K, N) for _ in range(max(2, int(ROTATE_BYTES // weight_bytes("w4g128", K, N)) + 1))]
+        x = torch.randn(1, K, device="cuda", dtype=DT)
+        res = []
+        for bn in (32, 64):
+            for kp in (32, 64, 128):
+                for split in (2, 4, 8):
+                    for warps in (4, 8):
+                        cfg = tw.Wna16Config("gemv", 1, bn, kp, split, warps, 3)
+                        try:
+                            ms = time_graph([lambda w=w: tw.wna16_linear(x, *w, config=cfg) for w in w4],
+                                            reps=10) / len(w4)
+                        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
+                            print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
+                            continue
+                        res.append((ms, cfg))
+        best = sorted(res, key=lambda r: r[0])[:3]
+        BEST_GEMV[(K, N)] = best[0][1]
+        for ms, cfg in best:
+            print(f"sweep {name:8s} M=1 {ms * 1e3:8.1f} us  {cfg}", flush=True)
+        out[f"{name} M=1"] = [(ms, repr(cfg)) for ms, cfg in best]
         del w4
         torch.cuda.empty_cache()
     return out
@@ -230,7 +239,7 @@ def main():
     dec = {}
     for M in (1, 64, 256):
         for kind in DECODER_KINDS:
-            if kind == "w4-dq" and M == 1:
+            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_GEMV)):
                 continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)
             print(f"decoder linears, 36 layers, {kind:7s} M={M:4d}: {dec[f'{kind} M={M}']:.3f} ms/step", flush=True)

@@ -202,7 +202,8 @@ DEQUANT_MIN_M = 64
 
 def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Config:
     if M > DEQUANT_MIN_M:
-        return Wna16Config("dequant", block_n=128, block_kp=8, num_warps=4)
+        # [16, 64] packed tiles: loads and stores share one register layout (no shared-memory round trip).
+        return Wna16Config("dequant", block_n=64, block_kp=16, num_warps=4)
     pack = 32 // bits
     if M == 1:
         # Narrow column strips and 4 K splits: enough programs to keep ~3 TB/s of loads in flight.
