@@ -268,7 +268,7 @@ def test_fp8_fp16_and_odd_shapes(gen, M, monkeypatch):
             _check_fp8(wo, w8a8, F16, not _runs_w8a8(M, N, K, block))
 
 
-@pytest.mark.parametrize("M", [2, 16, 64, 256, 1000])
+@pytest.mark.parametrize("M", [1, 2, 16, 64, 256, 1000])
 @gpu_test
 def test_fp8_triton_w8a8_kernel(gen, M):
     # The block-scaled GEMM of GPUs where cuBLAS has no block scales (sm89), forced here.

@@ -210,7 +210,7 @@ class Fp8Config:
 
 # Token counts where the paths cross over (measured on an H200, BENCHMARKS.md).
 W8A8_MIN_M = 1           # cuBLAS's block-scaled GEMM streams FP8 weights faster than the weight-only GEMV
-W8A8_TRITON_MIN_M = 2    # the Triton W8A8 kernel (sm89) has no split-K: one token goes to the GEMV
+W8A8_TRITON_MIN_M = 2    # where cuBLAS has no block scales (sm89), one token goes to the weight-only GEMV
 CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
 WO_DEQUANT_MIN_M = 256   # weight-only path above this: dequantize to x.dtype, then cuBLAS
 
@@ -230,17 +230,22 @@ def _cublas_blockwise_ok(x: torch.Tensor, N: int, K: int, block_size: tuple[int,
 
 
 def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) -> Fp8Config:
+    """Path and tiles by token count and GPU; the choices are the fastest measured at the 8B shapes on an H200."""
     M = x.shape[0]
     bk = block_size[1]
     w8a8 = not weight_only_forced() and has_fp8_tensor_cores(x.device) and K % bk == 0 and M >= W8A8_MIN_M
-    if w8a8 and _cublas_blockwise_ok(x, N, K, block_size):
+    hopper = _capability(x.device.index or 0) >= (9, 0)
+    # One token with K <= 4096: the Triton kernel streams the weights faster than cuBLAS (it needs no padded
+    # rows); for larger K (down_proj) its grid, which has no split-K, is too small and cuBLAS wins.
+    one_token_triton = M == 1 and K <= 4096
+    if w8a8 and not one_token_triton and _cublas_blockwise_ok(x, N, K, block_size):
         return Fp8Config("cublas")
-    if w8a8 and M >= W8A8_TRITON_MIN_M:
-        hopper = _capability(x.device.index or 0) >= (9, 0)
+    if w8a8 and (M >= W8A8_TRITON_MIN_M or one_token_triton):
         if M <= 16:
             return Fp8Config("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4 if hopper else 3)
         if M <= 64 or not hopper:
-            return Fp8Config("w8a8", block_m=64, block_n=128, num_warps=4, num_stages=4 if hopper else 3)
+            return Fp8Config("w8a8", block_m=64, block_n=64 if hopper else 128, num_warps=4,
+                             num_stages=4 if hopper else 3)
         return Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
     if M == 1:
         cfg = Fp8Config("gemv", block_n=16, block_k=128, num_warps=4, num_stages=4)
