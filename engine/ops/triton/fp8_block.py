@@ -212,7 +212,7 @@ class Fp8Config:
 W8A8_MIN_M = 1           # cuBLAS's block-scaled GEMM streams FP8 weights faster than the weight-only GEMV
 W8A8_TRITON_MIN_M = 2    # where cuBLAS has no block scales (sm89), one token goes to the weight-only GEMV
 CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
-WO_DEQUANT_MIN_M = 256   # weight-only path above this: dequantize to x.dtype, then cuBLAS
+WO_DEQUANT_MIN_M = 2     # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (the dot kernel is slower)
 
 _cublas_refused: set[torch.dtype] = set()
 
