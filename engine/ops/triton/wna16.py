@@ -1,17 +1,18 @@
 """4-/8-bit group-quantized weights x bf16/fp16 activations (Triton version of wna16_linear_ref).
 
-Three paths, chosen by the number of tokens M (thresholds measured on an H200, BENCHMARKS.md):
+Three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
 - M == 1, GEMV: FMA dot products; each program streams a column strip of the packed weight once.
-- small M, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
-- large M: dequantize the whole weight to x.dtype once, then cuBLAS: the GEMM is compute-bound there and
-  the extra K*N*2 bytes written and read are a few percent of its time.
+- 2 <= M <= 64, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
+- M > 64: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there).
 All are plain Triton (no Hopper-only features) and capture in CUDA graphs (no host syncs).
 
-Unpacking: the int32 at packed row r of column n holds k = r*PACK + j in bits [BITS*j, BITS*(j+1)). A tile
-of BKP packed rows is split into its PACK bit-planes: plane j is a [BKP, BN] tile of the k = r*PACK + j, and
-is multiplied with x[:, r*PACK + j] (a strided load of x). So no reshape or interleave of registers is needed,
-and the weight bytes are loaded exactly once. A 4-bit value becomes a float with one OR and one subtract:
-the bits of float(2**23 + q) are 0x4B000000 | q, which avoids the slow int-to-float conversion.
+Unpacking: the int32 at packed row r of column n holds k = r*PACK + j in bits [BITS*j, BITS*(j+1)).
+- The GEMV and the dequantize kernel split a [BKP, BN] packed tile into its PACK bit-planes: plane j holds the
+  k = r*PACK + j and is multiplied with x[r*PACK + j] (a strided load of x) or stored to rows r*PACK + j.
+- The dot kernel loads the tile transposed, [BN, BKP], and repeats each int32 PACK times along K with
+  tl.interleave, so one shift by (k % PACK) * BITS per element gives W^T in plain k order for a single dot.
+An integer q < 2**23 becomes a float with one OR and one subtract (the bits of float(2**23 + q) are
+0x4B000000 | q), which avoids the slow int-to-float conversion.
 """
 from __future__ import annotations
 
