@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant
 #                                          hf serve imageab); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -32,11 +32,11 @@ for s in $STAGES; do
   case $s in
     ops)
       stage "kernel tests"
-      timeout "${OPS_T:-180}" python3 -m pytest -m gpu tests/test_ops_triton.py -q -x -n 8 -p no:cacheprovider \
+      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_quant.py} -q -n 8 -p no:cacheprovider \
         > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
     engine)
       stage "GPU engine tests"
-      timeout "${ENG_T:-150}" python3 -m pytest -m gpu tests/test_gpu_engine.py -q -x -p no:cacheprovider \
+      timeout "${ENG_T:-150}" python3 -m pytest -m gpu ${ENG_TESTS:-tests/test_gpu_engine.py tests/test_gpu_quant_engine.py tests/test_gpu_memory_limit.py} -q -p no:cacheprovider \
         > "$OUT/engine_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/engine_tests.txt" | tail -25 ;;
     opsbench)
       stage "kernel benchmark"
@@ -67,6 +67,18 @@ for s in $STAGES; do
       timeout "${PARTS_T:-200}" python3 bench/image_gpu_parts.py --json "$OUT/image_gpu_parts.json" \
         ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
+    quant)
+      # The offline benchmark once per weight format (QUANTS: "none" is bf16), dummy weights at the 8B shapes.
+      for q in ${QUANTS:-none awq fp8}; do
+        stage "offline benchmark, weights: $q"
+        dir=/tmp/q8-$q
+        if [ "$q" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
+        else python3 bench/synthetic_model.py $dir --quantization $q > /dev/null; fi
+        timeout "${QBENCH_T:-200}" python3 bench/offline.py --model $dir --load-format dummy ${QBENCH_ARGS:-} \
+          --out "$OUT/offline_$q.json" > "$OUT/offline_$q.txt" 2>&1; echo "rc=$?"
+        grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4
+        grep -E '^\| ' "$OUT/offline_$q.txt" | tail -10
+      done ;;
     intake)
       stage "image intake on this host (process_chat alone), trees in turns"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
