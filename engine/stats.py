@@ -97,5 +97,6 @@ class StatLogger:
             "max_num_seqs": e.args.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "multimodal": e.model_config.is_multimodal,
+            "max_images_per_prompt": e.input_processor.limits.limit_images_per_prompt,
             "demo_model": e.args.demo_model,
         }

@@ -5,6 +5,7 @@
 | GET /, /chat.html      | the chat page (static/chat.html)                                        |
 | GET /static/{file}     | the page's assets (no directory traversal: resolved inside static_dir)  |
 | GET /api/health        | proxy alive; 200 {"engine": "ready"} or 503 + OpenAI error (why not)    |
+| GET /api/page-config   | the page's limits (upload bytes) and which static/vendor/ libraries exist |
 | * /v1/{...}            | forwarded to the engine, streamed, API key added                        |
 | GET /stats, /metrics, /version | forwarded to the engine                                         |
 """
@@ -19,6 +20,7 @@ from aiohttp import web
 from proxy.config import CONFIG, SESSION, ProxyConfig
 from proxy.errors import engine_unavailable, error_response
 from proxy.forward import forward
+from proxy.page import add_page_routes
 
 log = logging.getLogger("proxy")
 
@@ -81,6 +83,7 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app.router.add_get("/chat.html", page)
     app.router.add_get("/static/{path:.+}", asset)
     app.router.add_get("/api/health", health)
+    add_page_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", forward_engine)
     for path in ("/stats", "/metrics", "/version"):
         app.router.add_get(path, forward_engine)

@@ -8,49 +8,24 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
 import signal
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from servers import (REPO, SERVED_NAME, engine, long_generation_tokens, proxy, start_engine,  # noqa: F401
+from browser_helpers import browser, delta, expect, last_answer, new_page, screenshot, send, sse  # noqa: F401
+from servers import (SERVED_NAME, engine, long_generation_tokens, proxy, start_engine,  # noqa: F401
                      start_proxy, wait_idle)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-# Without the background-networking flags Chromium keeps dialing Google hosts that this closed network refuses.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (./run_tests.sh does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
 
 @pytest.fixture
 def page(browser):
-    context = browser.new_context(viewport={"width": 1200, "height": 820})
-    pg = context.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda err: errors.append(str(err)))
+    context, pg, errors = new_page(browser)
     yield pg
     context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
-
-
-def expect(locator):
-    from playwright.sync_api import expect as pw_expect
-    return pw_expect(locator)
+    assert not errors, f"errors on the page: {errors}"
 
 
 def open_chat(page, server):
@@ -71,31 +46,6 @@ def extend_chat_requests(page, **extra) -> list[dict]:
 
     page.route("**/v1/chat/completions", handle)
     return sent
-
-
-def send(page, text):
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def last_answer(page):
-    return page.locator(".msg.assistant").last
-
-
-def screenshot(page, tmp_path, name):
-    path = tmp_path / name
-    page.screenshot(path=str(path), full_page=True)
-    out = REPO / "test-output"
-    out.mkdir(exist_ok=True)
-    shutil.copy(path, out / name)
-
-
-def sse(*events) -> str:
-    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
-
-
-def delta(text):
-    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
 
 
 def test_send_message_streams_answer(page, proxy, tmp_path):
@@ -120,7 +70,7 @@ def test_send_message_streams_answer(page, proxy, tmp_path):
     meta = answer.locator(".meta")
     expect(meta).to_contain_text("to first token")
     expect(meta).to_contain_text("tok/s")
-    expect(page.locator(".msg.user").last).to_have_text("Hello, who are you?")
+    expect(page.locator(".msg.user .content").last).to_have_text("Hello, who are you?")
     assert page.input_value("#prompt") == ""
     expect(page.locator("#kv-used")).not_to_have_text("—")  # the KV panel shows live /stats
 
@@ -206,6 +156,7 @@ def test_markdown_rendered_without_raw_html(page, proxy):
 
 
 def test_errors_are_shown(page, proxy):
+    page.expected_errors.append("status of 400")
     open_chat(page, proxy)
     # An error event after the stream began: the partial answer stays, marked incomplete.
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
@@ -248,6 +199,7 @@ def test_demo_model_banner_and_text_only(page, proxy):
 def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
     eng = start_engine(qwen3_vl_dir, tmp_path)
     prx = start_proxy(eng.url, tmp_path)
+    page.expected_errors.append("status of 503")   # the chat request sent while the engine is gone
     try:
         open_chat(page, prx)
         n = long_generation_tokens(eng, seconds=30)

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from aiohttp import web
 
 from engine import __version__
@@ -41,7 +43,10 @@ def _model_card(state: ServerState) -> dict:
     stats = state.engine.stats()
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
-            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"]}
+            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"],
+            # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
+            "max_images_per_prompt": stats.get("max_images_per_prompt"),
+            "sampling_defaults": asdict(state.sampling_defaults)}
 
 
 async def list_models(request: web.Request) -> web.Response:

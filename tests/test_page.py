@@ -1,0 +1,317 @@
+"""The chat page in Chromium against the real proxy, with the engine's side played in the page: /api/status,
+/v1/models and /stats are answered by page.route, answers come from the fake stream (browser_helpers.py).
+Fast (no model), so each behaviour of the page gets its own test; test_browser.py runs the page end to end.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+
+import pytest
+from PIL import Image
+
+from browser_helpers import (browser, expect, last_answer, new_page, screenshot, script_replies,  # noqa: F401
+                             send, sent_requests)
+from servers import free_port, start_proxy
+
+pytestmark = [pytest.mark.browser]
+
+MODEL = "tiny-qwen3-vl"
+
+
+def model_card(**over):
+    card = {"id": MODEL, "object": "model", "max_model_len": 4096, "multimodal": True, "demo_model": False,
+            "max_images_per_prompt": 8, "sampling_defaults": {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                              "min_p": 0.0, "repetition_penalty": 1.0,
+                                                              "max_tokens": None}}
+    return {**card, **over}
+
+
+def engine_stats(**over):
+    stats = {"num_total_gpu_blocks": 64, "num_free_gpu_blocks": 60, "num_used_gpu_blocks": 4, "num_cached_blocks": 2,
+             "num_total_cpu_blocks": 0, "num_free_cpu_blocks": 0, "block_size": 16, "num_running": 0,
+             "num_waiting": 0, "num_swapped": 0, "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_swaps": 0,
+             "model": MODEL, "demo_model": False, "multimodal": True}
+    return {**stats, **over}
+
+
+class FakeEngine:
+    """The engine as the page sees it through the proxy; tests change its fields while the page runs."""
+
+    def __init__(self, page, **card):
+        self.status = {"proxy": "ok", "engine": "ready"}
+        self.card = model_card(**card)
+        self.stats = engine_stats(multimodal=self.card["multimodal"])
+        self.page_config = None
+        page.route("**/api/status", lambda r: r.fulfill(json=self.status))
+        page.route("**/v1/models", lambda r: r.fulfill(json={"object": "list", "data": [self.card]}))
+        page.route("**/stats", lambda r: r.fulfill(json=self.stats))
+        page.route("**/api/page-config", self._config)
+
+    def _config(self, route):
+        if self.page_config is None:
+            route.continue_()
+        else:
+            route.fulfill(json=self.page_config)
+
+
+@pytest.fixture(scope="module")
+def page_proxy(tmp_path_factory):
+    """The proxy, serving the page; its engine URL leads nowhere (the tests answer for the engine)."""
+    server = start_proxy(f"http://127.0.0.1:{free_port()}", tmp_path_factory.mktemp("proxy-logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def chat(browser, page_proxy):
+    context, page, errors = new_page(browser, fake_stream=True)
+    engine = FakeEngine(page)
+    page.engine = engine
+    page.base_url = page_proxy.url
+    yield page
+    context.close()
+    assert not errors, f"errors in the page: {errors}"
+
+
+def open_page(page, **card):
+    page.engine.card.update(card)
+    if "multimodal" in card:
+        page.engine.stats["multimodal"] = card["multimodal"]
+    page.goto(page.base_url + "/")
+    expect(page.locator("#status")).to_have_attribute("data-state", "ready")
+    expect(page.locator("#model-name")).to_have_text(MODEL)
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+
+
+def answer_done(page, n=None):
+    answer = page.locator(".msg.assistant").nth(n) if n is not None else last_answer(page)
+    expect(answer).to_have_attribute("data-status", "done")
+    return answer
+
+
+def png_file(tmp_path, name, size=(64, 48), color=(200, 30, 30), noise=False):
+    img = Image.new("RGB", size, color)
+    if noise:   # incompressible pixels: a file of a predictable, large size
+        img = Image.frombytes("RGB", size, random.Random(name).randbytes(size[0] * size[1] * 3))
+    path = tmp_path / name
+    img.save(path)
+    return path
+
+
+def sent_images(request) -> list[list[str]]:
+    """Per message: the image data URLs it carries."""
+    out = []
+    for m in request["messages"]:
+        parts = m["content"] if isinstance(m["content"], list) else []
+        out.append([p["image_url"]["url"] for p in parts if p["type"] == "image_url"])
+    return out
+
+
+# ---- 1. the bugs of issue 16 ---------------------------------------------------------------------------------
+def test_earlier_images_beyond_the_engine_limit_are_not_sent_again(chat, tmp_path):
+    open_page(chat, max_images_per_prompt=2)
+    for turn in range(3):
+        chat.set_input_files("#file-input", [str(png_file(tmp_path, f"{turn}.png", color=(turn * 80, 10, 10)))])
+        expect(chat.locator(".thumb")).to_have_count(1)
+        script_replies(chat, {"chunks": [f"answer {turn}"]})
+        send(chat, f"image {turn}")
+        answer_done(chat, turn)
+    last = sent_requests(chat)[-1]
+    assert [len(i) for i in sent_images(last)] == [0, 0, 1, 0, 1], "the two newest images, the oldest dropped"
+    first_user = last["messages"][0]["content"]
+    assert first_user == [{"type": "text", "text": "(an earlier image, not sent again)\nimage 0"}]
+    expect(chat.locator("#send-note")).to_contain_text("1 earlier image is not sent again")
+    expect(chat.locator("#send-note")).to_contain_text("at most 2 images per prompt")
+    expect(chat.locator("#error")).to_be_hidden()
+
+    # The user's choice: only this message's images.
+    chat.click("#settings summary")
+    chat.select_option("#earlier-images", "none")
+    chat.set_input_files("#file-input", [str(png_file(tmp_path, "3.png"))])
+    script_replies(chat, {"chunks": ["answer 3"]})
+    send(chat, "image 3")
+    answer_done(chat, 3)
+    assert [len(i) for i in sent_images(sent_requests(chat)[-1])] == [0, 0, 0, 0, 0, 0, 1]
+    expect(chat.locator("#send-note")).to_contain_text("3 earlier images are not sent again")
+
+
+def test_a_conversation_never_outgrows_the_upload_limit(chat, tmp_path):
+    chat.engine.page_config = {"max_upload_bytes": 300_000, "vendor": ["marked", "dompurify", "highlight", "katex"]}
+    open_page(chat)
+    for turn in range(4):   # each image is about 110 KB as a data URL: two fit in 300 KB, three do not
+        chat.set_input_files("#file-input", [str(png_file(tmp_path, f"{turn}.png", size=(150, 180), noise=True))])
+        expect(chat.locator(".thumb")).to_have_count(1)
+        script_replies(chat, {"chunks": ["ok"]})
+        send(chat, f"photo {turn}")
+        answer_done(chat, turn)
+    for request in sent_requests(chat):
+        assert len(json.dumps(request)) < 300_000
+    assert sum(map(len, sent_images(sent_requests(chat)[-1]))) == 2
+    expect(chat.locator("#send-note")).to_contain_text("2 earlier images are not sent again")
+    expect(chat.locator("#error")).to_be_hidden()
+
+
+def test_max_tokens_is_left_to_the_server_or_fitted_to_the_context_left(chat):
+    open_page(chat)
+    script_replies(chat, {"chunks": ["one"]})
+    send(chat, "hello")
+    answer_done(chat)
+    assert "max_tokens" not in sent_requests(chat)[-1]   # empty field: the server fits it to the room left
+    expect(chat.locator("#max-tokens")).to_have_attribute("placeholder", "fit to context")
+
+    chat.click("#settings summary")
+    chat.fill("#max-tokens", "1024")
+    too_long = {"error": {"message": "this model's maximum context length is 4096 tokens; the prompt has 3533 "
+                                     "tokens and max_tokens asks for 1024 more (4557 in all); lower max_tokens to at "
+                                     "most 563 or shorten the prompt", "type": "invalid_request_error",
+                          "param": "max_tokens", "code": "context_length"}}
+    script_replies(chat, {"status": 400, "body": too_long}, {"chunks": ["two"]})
+    send(chat, "again")
+    answer = answer_done(chat, 1)
+    assert [r.get("max_tokens") for r in sent_requests(chat)[-2:]] == [1024, 563]
+    expect(answer.locator(".meta")).to_contain_text("max tokens lowered from 1024 to 563")
+    expect(chat.locator("#error")).to_be_hidden()
+
+
+def test_status_shows_loading_progress_clears_stale_numbers_and_recovers(chat):
+    engine = chat.engine
+    engine.status = {"proxy": "ok", "engine": "starting", "progress": 0.42, "phase": "loading weights"}
+    chat.goto(chat.base_url + "/")
+    status = chat.locator("#status")
+    expect(status).to_have_attribute("data-state", "starting")
+    expect(status).to_have_text("Loading model… 42%")
+    engine.status = {"proxy": "ok", "engine": "ready"}
+    expect(status).to_have_attribute("data-state", "ready")
+    expect(chat.locator("#model-name")).to_have_text(MODEL)
+    expect(chat.locator("#kv-used")).to_have_text("4")
+
+    # The engine goes away: the page stops showing what it said before.
+    engine.status = {"proxy": "ok", "engine": "unreachable", "error": {"message": "not reachable"}}
+    expect(status).to_have_attribute("data-state", "unreachable")
+    expect(status).to_have_text("Engine not reachable")
+    expect(chat.locator("#model-name")).to_have_text("—")
+    expect(chat.locator("#kv-used")).to_have_text("—")
+    expect(chat.locator("#kv-gpu-text")).to_have_text("—")
+    script_replies(chat, {"status": 503, "body": {"error": {"message": "The inference engine is not reachable."}}})
+    send(chat, "are you there?")
+    expect(chat.locator("#error")).to_contain_text("not reachable")
+
+    # Back: the error that said so goes away by itself.
+    engine.status = {"proxy": "ok", "engine": "ready"}
+    expect(status).to_have_attribute("data-state", "ready")
+    expect(chat.locator("#error")).to_be_hidden()
+    expect(chat.locator("#kv-used")).to_have_text("4")
+
+
+def test_new_chat_shows_the_empty_chat_hint_again(chat):
+    open_page(chat)
+    expect(chat.locator("#empty-state")).to_be_visible()
+    script_replies(chat, {"chunks": ["hi"]})
+    send(chat, "hello")
+    answer_done(chat)
+    expect(chat.locator("#empty-state")).to_have_count(0)
+    chat.click("#new-chat")
+    expect(chat.locator("#empty-state")).to_be_visible()
+    expect(chat.locator(".msg")).to_have_count(0)
+
+
+def test_a_selection_survives_streaming(chat):
+    open_page(chat)
+    chunks = ["First paragraph, ", "finished early.\n\n", "Second ", "paragraph ", "grows"] + \
+             [f" word{i}" for i in range(30)] + ["\n\nThird paragraph."]
+    script_replies(chat, {"chunks": chunks, "pauseAfter": 3, "delayMs": 15})
+    send(chat, "write three paragraphs")
+    first = last_answer(chat).locator(".content p").first
+    expect(first).to_have_text("First paragraph, finished early.")
+    chat.evaluate("""() => {
+        const p = document.querySelector('.msg.assistant .content p');
+        const range = document.createRange();
+        range.selectNodeContents(p);
+        getSelection().removeAllRanges();
+        getSelection().addRange(range);
+        window.__firstP = p;
+    }""")
+    chat.evaluate("window.__chat.go = true")
+    answer_done(chat)
+    expect(last_answer(chat).locator(".content p")).to_have_count(3)
+    assert chat.evaluate("getSelection().toString()") == "First paragraph, finished early."
+    assert chat.evaluate("window.__firstP.isConnected"), "the finished paragraph was rebuilt while streaming"
+
+
+def test_markdown_images_and_bare_urls(chat):
+    open_page(chat)
+    dot = base64.b64encode(_png_bytes()).decode()
+    text = (f"Inline ![a red dot](data:image/png;base64,{dot}) and ![remote](https://example.com/cat.png).\n\n"
+            "See https://example.com/docs, or [the site](https://example.com/).")
+    script_replies(chat, {"chunks": [text[i:i + 9] for i in range(0, len(text), 9)]})
+    send(chat, "images")
+    content = answer_done(chat).locator(".content")
+    expect(content.locator("img")).to_have_count(1)
+    assert content.locator("img").get_attribute("alt") == "a red dot"
+    remote = content.locator("button.remote-image")
+    expect(remote).to_contain_text("remote (example.com)")   # a web image is fetched only when asked
+    links = content.locator("a")
+    expect(links).to_have_count(2)
+    assert links.nth(0).get_attribute("href") == "https://example.com/docs"
+    expect(links.nth(0)).to_have_text("https://example.com/docs")
+    assert "!" not in content.inner_text().split("Inline")[1].split("and")[0]
+
+
+def _png_bytes():
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_settings_values_are_checked_before_sending(chat):
+    open_page(chat)
+    chat.click("#settings summary")
+    chat.fill("#temperature", "5")
+    chat.fill("#max-tokens", "0")
+    send(chat, "hello")
+    expect(chat.locator("#error")).to_contain_text("Temperature must be between 0 and 2")
+    expect(chat.locator("#error")).to_contain_text("Max tokens must be between 1")
+    expect(chat.locator("#temperature")).to_have_attribute("aria-invalid", "true")
+    assert sent_requests(chat) == []
+    assert chat.input_value("#prompt") == "hello"       # nothing lost
+    expect(chat.locator(".msg")).to_have_count(0)
+
+    chat.fill("#temperature", "0.3")
+    chat.fill("#max-tokens", "64")
+    script_replies(chat, {"chunks": ["fine"]})
+    send(chat, "hello")
+    answer_done(chat)
+    request = sent_requests(chat)[-1]
+    assert request["temperature"] == 0.3 and request["max_tokens"] == 64
+    expect(chat.locator("#temperature")).to_have_attribute("aria-invalid", "false")
+
+
+def test_conversation_keeps_its_width_at_390px_with_panels_open(browser, page_proxy, tmp_path):
+    context, page, errors = new_page(browser, viewport=(390, 844), fake_stream=True)
+    page.engine, page.base_url = FakeEngine(page), page_proxy.url
+    open_page(page)
+    script_replies(page, {"chunks": ["A reply that is long enough to wrap over a few lines on a phone screen."]})
+    send(page, "hello from a phone")
+    answer_done(page)
+    page.click("#toggle-kv")
+    page.click("#toggle-sidebar")
+    expect(page.locator("#kv")).to_be_visible()
+    expect(page.locator("#sidebar")).to_be_visible()
+    box = page.locator("#messages").bounding_box()
+    assert box["width"] >= 340 and box["height"] >= 300, box
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390   # nothing sticks out sideways
+    page.click("#toggle-kv")
+    page.click("#toggle-sidebar")
+    screenshot(page, tmp_path, "mobile.png")
+    context.close()
+    assert not errors, errors
+
+
+def test_text_only_model_says_so_in_the_empty_chat(chat):
+    open_page(chat, multimodal=False)
+    expect(chat.locator("#attach")).to_be_disabled()
+    expect(chat.locator("#empty-state")).to_contain_text("This model reads text only")
+    expect(chat.locator("#empty-state")).not_to_contain_text("Attach images")
