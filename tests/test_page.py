@@ -315,3 +315,107 @@ def test_text_only_model_says_so_in_the_empty_chat(chat):
     expect(chat.locator("#attach")).to_be_disabled()
     expect(chat.locator("#empty-state")).to_contain_text("This model reads text only")
     expect(chat.locator("#empty-state")).not_to_contain_text("Attach images")
+
+
+# ---- 2. chats kept in the browser ------------------------------------------------------------------------------
+def chat_titles(page) -> list[str]:
+    return page.locator("#chat-list .chat-open").all_inner_texts()
+
+
+def test_chats_survive_a_reload_with_their_images(chat, tmp_path):
+    open_page(chat)
+    chat.set_input_files("#file-input", [str(png_file(tmp_path, "a.png"))])
+    script_replies(chat, {"chunks": ["About ", "the picture."]})
+    send(chat, "What is in this picture?\nSecond line.")
+    answer_done(chat)
+    chat.click("#new-chat")
+    script_replies(chat, {"chunks": ["Paris."]})
+    send(chat, "Capital of France?")
+    answer_done(chat)
+    expect(chat.locator("#chat-list .chat-open")).to_have_count(2)
+    assert chat_titles(chat) == ["Capital of France?", "What is in this picture?"]   # newest first, first line
+
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    assert chat_titles(chat) == ["Capital of France?", "What is in this picture?"]
+    expect(chat.locator(".msg.assistant .content")).to_have_text("Paris.")    # the chat open before the reload
+    chat.locator("#chat-list .chat-open", has_text="picture").click()
+    expect(chat.locator(".msg.user .content p")).to_have_text("What is in this picture?\nSecond line.")
+    expect(chat.locator(".msg.user img")).to_have_count(1)
+    assert chat.locator(".msg.user img").get_attribute("src").startswith("data:image/png;base64,")
+    expect(chat.locator(".msg.assistant .content")).to_have_text("About the picture.")
+    expect(chat.locator(".msg.assistant .meta")).to_contain_text("2 tokens")
+
+
+def test_sidebar_search_rename_and_delete(chat):
+    open_page(chat)
+    for question in ("Tell me about cats", "Tell me about dogs", "Weather today?"):
+        chat.click("#new-chat")
+        script_replies(chat, {"chunks": [f"Answer to {question}"]})
+        send(chat, question)
+        answer_done(chat)
+    chat.fill("#chat-search", "tell me")
+    assert chat_titles(chat) == ["Tell me about dogs", "Tell me about cats"]
+    chat.fill("#chat-search", "answer to weather")       # the messages are searched too
+    assert chat_titles(chat) == ["Weather today?"]
+    chat.fill("#chat-search", "")
+
+    item = chat.locator(".chat-item", has_text="cats")
+    item.locator(".chat-rename").click()
+    chat.fill(".chat-rename-input", "Felines")
+    chat.press(".chat-rename-input", "Enter")
+    expect(chat.locator(".chat-item", has_text="Felines")).to_have_count(1)
+
+    dogs = chat.locator(".chat-item", has_text="dogs")
+    dogs.locator(".chat-delete").click()
+    expect(dogs.locator(".chat-delete")).to_have_text("Delete?")   # asks once more
+    dogs.locator(".chat-delete").click()
+    expect(chat.locator(".chat-item")).to_have_count(2)
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    assert sorted(chat_titles(chat)) == ["Felines", "Weather today?"]
+
+
+def test_export_and_import_round_trip(chat, tmp_path):
+    open_page(chat)
+    chat.set_input_files("#file-input", [str(png_file(tmp_path, "b.png"))])
+    script_replies(chat, {"chunks": ["A **bold** answer."]})
+    send(chat, "First chat")
+    answer_done(chat)
+    chat.click("#new-chat")
+    script_replies(chat, {"chunks": ["Second answer."]})
+    send(chat, "Second chat")
+    answer_done(chat)
+
+    with chat.expect_download() as all_download:
+        chat.click("#export-all")
+    everything = tmp_path / "all.json"
+    all_download.value.save_as(everything)
+    doc = json.loads(everything.read_text())
+    assert doc["format"] == "localchat-chats" and len(doc["chats"]) == 2
+    with chat.expect_download() as one_download:
+        chat.locator(".chat-item", has_text="First chat").locator(".chat-export").click()
+    one = tmp_path / "one.json"
+    one_download.value.save_as(one)
+    assert [c["title"] for c in json.loads(one.read_text())["chats"]] == ["First chat"]
+
+    # A fresh browser profile: nothing saved, then the export imported.
+    chat.evaluate("""async () => {
+        const db = await new Promise((ok) => { const r = indexedDB.open('localchat', 1); r.onsuccess = () => ok(r.result); });
+        await new Promise((ok) => { const t = db.transaction('chats', 'readwrite'); t.objectStore('chats').clear(); t.oncomplete = ok; });
+        localStorage.clear();
+    }""")
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    expect(chat.locator(".chat-item")).to_have_count(0)
+    chat.set_input_files("#import-file", [str(everything)])
+    expect(chat.locator(".chat-item")).to_have_count(2)
+    chat.locator(".chat-open", has_text="First chat").click()
+    expect(chat.locator(".msg.assistant .content strong")).to_have_text("bold")
+    expect(chat.locator(".msg.user img")).to_have_count(1)
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    chat.set_input_files("#import-file", [str(bad)])
+    expect(chat.locator("#error")).to_contain_text("not a Local Chat export")
+    expect(chat.locator(".chat-item")).to_have_count(2)
