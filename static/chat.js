@@ -254,7 +254,7 @@ async function generate(chat, user) {
     rate: tFirst !== null && tLast > tFirst && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
   });
   chat.updated = Date.now();
-  finishElement(box, node);
+  finishElement(chat, box, node);
   if (app.chat === chat) { updateMeter(); if (nearBottom()) scrollToEnd(); }
   return true;
 }

@@ -67,15 +67,15 @@ export function messageElement(chat, node, { streaming = false } = {}) {
     box.renderer.update(node.text);
     box.dataset.status = streaming ? "streaming" : node.status;
     if (streaming) box.classList.add("streaming");
-    else finishElement(box, node);
   }
   box.append(actionsElement(chat, node));
   if (streaming) box.querySelector(".actions").hidden = true;
+  else if (node.role === "assistant") finishElement(chat, box, node);
   return box;
 }
 
-// After an answer ends: its speed line, its status, its actions.
-export function finishElement(box, node) {
+// After an answer ends: its speed line, its status, its actions (retry after an error).
+export function finishElement(chat, box, node) {
   box.classList.remove("streaming");
   box.dataset.status = node.status;
   box.dataset.tokens = String(node.meta?.tokens ?? "");
@@ -87,8 +87,7 @@ export function finishElement(box, node) {
     meta.dataset.testid = "speed";
     box.querySelector(".content").after(meta);
   }
-  const actions = box.querySelector(".actions");
-  if (actions) actions.hidden = false;
+  box.querySelector(".actions").replaceWith(actionsElement(chat, node));
 }
 
 function actionsElement(chat, node) {

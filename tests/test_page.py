@@ -419,3 +419,86 @@ def test_export_and_import_round_trip(chat, tmp_path):
     chat.set_input_files("#import-file", [str(bad)])
     expect(chat.locator("#error")).to_contain_text("not a Local Chat export")
     expect(chat.locator(".chat-item")).to_have_count(2)
+
+
+# ---- 3. message actions -----------------------------------------------------------------------------------------
+def test_regenerate_keeps_every_version(chat):
+    open_page(chat)
+    script_replies(chat, {"chunks": ["First ", "version."]})
+    send(chat, "Say something")
+    answer_done(chat)
+    script_replies(chat, {"chunks": ["Second ", "version."]})
+    last_answer(chat).locator(".act-regenerate").click()
+    answer = answer_done(chat)
+    expect(answer.locator(".content")).to_have_text("Second version.")
+    expect(answer.locator(".version-count")).to_have_text("2/2")
+    assert sent_requests(chat)[-1]["messages"] == [{"role": "user", "content": "Say something"}]
+
+    last_answer(chat).locator(".act-prev").click()
+    expect(last_answer(chat).locator(".content")).to_have_text("First version.")
+    expect(last_answer(chat).locator(".version-count")).to_have_text("1/2")
+    # The next turn continues from the version on screen.
+    script_replies(chat, {"chunks": ["Follow-up."]})
+    send(chat, "And then?")
+    answer_done(chat)
+    assert sent_requests(chat)[-1]["messages"][1] == {"role": "assistant", "content": "First version."}
+    chat.reload()
+    expect(chat.locator(".msg.assistant").first.locator(".version-count")).to_have_text("1/2")
+
+
+def test_edit_and_resend_branches_from_there(chat):
+    open_page(chat)
+    script_replies(chat, {"chunks": ["Four."]})
+    send(chat, "What is 2+2?")
+    answer_done(chat)
+    script_replies(chat, {"chunks": ["Later answer."]})
+    send(chat, "Thanks")
+    answer_done(chat)
+
+    chat.locator(".msg.user").first.locator(".act-edit").click()
+    chat.fill(".edit-text", "What is 3+3?")
+    script_replies(chat, {"chunks": ["Six."]})
+    chat.press(".edit-text", "Enter")
+    answer_done(chat)
+    expect(chat.locator(".msg")).to_have_count(2)       # the branch: the later turns belong to the old question
+    expect(chat.locator(".msg.user .content")).to_have_text("What is 3+3?")
+    expect(chat.locator(".msg.assistant .content")).to_have_text("Six.")
+    assert sent_requests(chat)[-1]["messages"] == [{"role": "user", "content": "What is 3+3?"}]
+    user = chat.locator(".msg.user").first
+    expect(user.locator(".version-count")).to_have_text("2/2")
+    user.locator(".act-prev").click()
+    expect(chat.locator(".msg")).to_have_count(4)       # the old branch, whole
+    expect(chat.locator(".msg.user .content").first).to_have_text("What is 2+2?")
+    expect(chat.locator(".msg.assistant .content").last).to_have_text("Later answer.")
+
+
+def test_delete_copy_and_retry_after_an_error(chat):
+    open_page(chat)
+    script_replies(chat, {"chunks": ["Partial "], "error": "out of KV blocks"})
+    send(chat, "Question")
+    expect(chat.locator("#error")).to_contain_text("out of KV blocks")
+    answer = last_answer(chat)
+    expect(answer).to_have_attribute("data-status", "error")
+    script_replies(chat, {"chunks": ["Whole ", "answer."]})
+    answer.locator(".act-retry").click()
+    answer = answer_done(chat)
+    expect(answer.locator(".content")).to_have_text("Whole answer.")
+    expect(chat.locator("#error")).to_be_hidden()
+
+    answer.locator(".act-copy").click()
+    chat.wait_for_function("async () => (await navigator.clipboard.readText()) === 'Whole answer.'")
+
+    script_replies(chat, {"chunks": ["Second."]})
+    send(chat, "Another")
+    answer_done(chat)
+    chat.locator(".msg.user").nth(1).locator(".act-delete").click()   # a question goes with what follows it
+    expect(chat.locator(".msg")).to_have_count(2)
+    last_answer(chat).locator(".act-delete").click()     # one version of two: the other one shows
+    expect(chat.locator(".msg")).to_have_count(2)
+    expect(last_answer(chat).locator(".content")).to_have_text("Partial")
+    expect(last_answer(chat).locator(".versions")).to_have_count(0)
+    last_answer(chat).locator(".act-delete").click()
+    expect(chat.locator(".msg")).to_have_count(1)
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    expect(chat.locator(".msg")).to_have_count(1)
