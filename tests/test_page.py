@@ -502,3 +502,53 @@ def test_delete_copy_and_retry_after_an_error(chat):
     chat.reload()
     expect(chat.locator("body")).to_have_attribute("data-ready", "true")
     expect(chat.locator(".msg")).to_have_count(1)
+
+
+# ---- 4. rendering with the libraries ------------------------------------------------------------------------------
+MATH_AND_CODE = ("Euler: $e^{i\\pi} + 1 = 0$ and \\(a_1^2\\).\n\n$$\\int_0^1 x^2\\,dx = \\frac{1}{3}$$\n\n"
+                 "\\[ \\sum_{k=1}^n k \\]\n\nPrices: $5 and $10 stay text.\n\n"
+                 "```python\ndef square(x):\n    return x * x  # <b>not bold</b>\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+                 "<script>window.__pwned = 1</script> <img src=x onerror=\"window.__pwned = 1\"> "
+                 "[bad](javascript:window.__pwned=1)\n\nThe end.")
+
+
+def test_math_and_highlighted_code_render_while_streaming(chat):
+    open_page(chat)
+    expect(chat.locator("html")).to_have_attribute("data-renderer", "marked")
+    chunks = [MATH_AND_CODE[i:i + 6] for i in range(0, len(MATH_AND_CODE), 6)]
+    script_replies(chat, {"chunks": chunks, "pauseAfter": len(chunks) - 3, "delayMs": 5})
+    send(chat, "math and code")
+    answer = last_answer(chat)
+    content = answer.locator(".content")
+    # Still streaming: everything above the last lines is already rendered.
+    expect(content.locator(".code-block code.hljs .hljs-keyword").first).to_have_text("def")
+    assert answer.get_attribute("data-status") == "streaming"
+    expect(content.locator(".math-inline .katex")).to_have_count(2)
+    expect(content.locator(".math-display .katex-display")).to_have_count(2)
+    chat.evaluate("window.__chat.go = true")
+    answer_done(chat)
+    expect(content.locator(".math .katex-error")).to_have_count(0)
+    expect(content).to_contain_text("Prices: $5 and $10 stay text.")
+    expect(content.locator(".code-block .code-lang")).to_have_text("python")
+    expect(content.locator("pre code")).to_contain_text("# <b>not bold</b>")
+    expect(content.locator("table td")).to_have_count(2)
+    expect(content.locator("script, img, b")).to_have_count(0)
+    expect(content).to_contain_text("<script>window.__pwned = 1</script>")
+    expect(content.locator("a")).to_have_count(0)
+    assert chat.evaluate("window.__pwned") is None
+
+
+def test_plain_markdown_where_the_libraries_are_missing(chat):
+    chat.engine.page_config = {"max_upload_bytes": 20 << 20, "vendor": []}
+    open_page(chat)
+    expect(chat.locator("html")).to_have_attribute("data-renderer", "builtin")
+    chunks = [MATH_AND_CODE[i:i + 6] for i in range(0, len(MATH_AND_CODE), 6)]
+    script_replies(chat, {"chunks": chunks})
+    send(chat, "math and code")
+    content = answer_done(chat).locator(".content")
+    expect(content.locator(".code-block pre code")).to_contain_text("def square(x):")
+    expect(content.locator(".math-inline")).to_have_count(2)       # TeX shown as written
+    expect(content.locator(".math-inline").first).to_have_text("$e^{i\\pi} + 1 = 0$")
+    expect(content.locator("table td")).to_have_count(2)
+    expect(content.locator("script, img, b")).to_have_count(0)
+    assert chat.evaluate("window.__pwned") is None
