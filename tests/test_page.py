@@ -552,3 +552,54 @@ def test_plain_markdown_where_the_libraries_are_missing(chat):
     expect(content.locator("table td")).to_have_count(2)
     expect(content.locator("script, img, b")).to_have_count(0)
     assert chat.evaluate("window.__pwned") is None
+
+
+# ---- 5. controls, presets, context meter ---------------------------------------------------------------------------
+def test_every_sampling_field_reaches_the_request(chat):
+    open_page(chat)
+    chat.click("#settings summary")
+    expect(chat.locator("#temperature")).to_have_attribute("placeholder", "model: 0.7")   # the model's defaults
+    expect(chat.locator("#top-k")).to_have_attribute("placeholder", "model: 20")
+    values = {"#temperature": "0.4", "#top-p": "0.9", "#top-k": "30", "#min-p": "0.05", "#repetition-penalty": "1.1",
+              "#presence-penalty": "0.5", "#frequency-penalty": "-0.5", "#seed": "1234", "#max-tokens": "200"}
+    for selector, value in values.items():
+        chat.fill(selector, value)
+    chat.fill("#system-prompt", "Answer briefly.")
+    chat.fill("#stop-strings", "END\nSTOP")
+    script_replies(chat, {"chunks": ["ok"]})
+    send(chat, "hello")
+    answer_done(chat)
+    request = sent_requests(chat)[-1]
+    assert {k: request[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                                    "frequency_penalty", "seed", "max_tokens", "stop")} == {
+        "temperature": 0.4, "top_p": 0.9, "top_k": 30, "min_p": 0.05, "repetition_penalty": 1.1,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 1234, "max_tokens": 200, "stop": ["END", "STOP"]}
+    assert request["messages"][0] == {"role": "system", "content": "Answer briefly."}
+
+    # Settings are kept; a preset replaces the sampling fields, "Model defaults" empties them.
+    chat.reload()
+    chat.click("#settings summary")
+    expect(chat.locator("#top-k")).to_have_value("30")
+    chat.select_option("#preset", "precise")
+    expect(chat.locator("#temperature")).to_have_value("0.2")
+    expect(chat.locator("#top-k")).to_have_value("")
+    chat.click("#reset-settings")
+    expect(chat.locator("#temperature")).to_have_value("")
+    script_replies(chat, {"chunks": ["ok"]})
+    send(chat, "again")
+    answer_done(chat)
+    request = sent_requests(chat)[-1]
+    assert not {"temperature", "top_p", "top_k", "min_p"} & request.keys()
+    assert request["max_tokens"] == 200                      # a preset is about sampling, not length
+
+
+def test_context_meter_shows_the_last_turn_of_max_model_len(chat):
+    open_page(chat, max_model_len=2048)
+    script_replies(chat, {"chunks": ["a", "b", "c"], "usage": {"prompt_tokens": 1500, "completion_tokens": 100}})
+    send(chat, "long")
+    answer_done(chat)
+    meter = chat.locator("#context-meter")
+    expect(meter).to_contain_text("Context 1,600 / 2,048 tokens")
+    expect(meter).to_have_attribute("data-used", "1600")
+    chat.click("#new-chat")
+    expect(meter).to_contain_text("Context 0 / 2,048 tokens")
