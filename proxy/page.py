@@ -2,9 +2,14 @@
 rendering libraries web/install_vendor.sh put into static/vendor/, so the page loads only those that exist."""
 from __future__ import annotations
 
+import json
+import os
+
 from aiohttp import web
 
-from proxy.config import CONFIG
+from proxy.config import CONFIG, ProxyConfig
+from proxy.errors import error_response
+from proxy.forward import forward
 
 # library name -> files under static/vendor/ it needs
 VENDOR_FILES = {
@@ -18,6 +23,26 @@ VENDOR_FILES = {
 def available_vendor(static_dir) -> list[str]:
     vendor = static_dir / "vendor"
     return [name for name, files in VENDOR_FILES.items() if all((vendor / f).is_file() for f in files)]
+
+
+def engine_loading(cfg: ProxyConfig) -> dict | None:
+    """{"phase", "progress"} while the engine process that writes the status file is alive and not yet
+    serving; None when there is no such file, it is unreadable, or its process is gone (a stale file)."""
+    if cfg.engine_status_file is None:
+        return None
+    try:
+        status = json.loads(cfg.engine_status_file.read_text())
+        os.kill(int(status["pid"]), 0)
+        return {"phase": str(status["phase"]), "progress": float(status["progress"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def loading_response(loading: dict) -> web.Response:
+    pct = int(100 * loading["progress"])
+    return error_response(503, f"The inference engine is loading the model ({loading['phase']}, {pct}%).",
+                          "service_unavailable", code="engine_starting",
+                          extra={"proxy": "ok", "engine": "starting", **loading})
 
 
 async def page_status(request: web.Request) -> web.Response:
@@ -34,6 +59,11 @@ async def page_config(request: web.Request) -> web.Response:
                              headers={"Cache-Control": "no-cache"})
 
 
+async def forward_block_map(request: web.Request) -> web.StreamResponse:
+    return await forward(request)      # the engine's block map (the page's KV grid), passed through as is
+
+
 def add_page_routes(app: web.Application) -> None:
     app.router.add_get("/api/page-config", page_config)
     app.router.add_get("/api/status", page_status)
+    app.router.add_get("/stats/blocks", forward_block_map)

@@ -6,6 +6,8 @@
 | GET /static/{file}     | the page's assets (no directory traversal: resolved inside static_dir)  |
 | GET /api/health        | proxy alive; 200 {"engine": "ready"} or 503 + OpenAI error (why not)    |
 | GET /api/page-config   | the page's limits (upload bytes) and which static/vendor/ libraries exist |
+| GET /api/status        | /api/health's answer with status 200, for the page's polling             |
+| GET /stats/blocks      | forwarded: the engine's GPU block map (the page's KV grid)               |
 | * /v1/{...}            | forwarded to the engine, streamed, API key added                        |
 | GET /stats, /metrics, /version | forwarded to the engine                                         |
 """
@@ -20,7 +22,7 @@ from aiohttp import web
 from proxy.config import CONFIG, SESSION, ProxyConfig
 from proxy.errors import engine_unavailable, error_response
 from proxy.forward import forward
-from proxy.page import add_page_routes
+from proxy.page import add_page_routes, engine_loading, loading_response
 
 log = logging.getLogger("proxy")
 
@@ -61,6 +63,9 @@ async def health(request: web.Request) -> web.Response:
                                timeout=aiohttp.ClientTimeout(total=cfg.health_timeout)) as up:
             status = up.status
     except (aiohttp.ClientError, asyncio.TimeoutError):
+        loading = engine_loading(cfg)     # not listening yet: is it still loading the model?
+        if loading is not None:
+            return loading_response(loading)
         return engine_unavailable(cfg.engine_url, extra={"proxy": "ok", "engine": "unreachable"})
     if status == 200:
         return web.json_response({"proxy": "ok", "engine": "ready"})

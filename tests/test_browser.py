@@ -8,14 +8,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import signal
 
 import pytest
 from PIL import Image
 
 from browser_helpers import browser, delta, expect, last_answer, new_page, screenshot, send, sse  # noqa: F401
-from servers import (SERVED_NAME, engine, long_generation_tokens, proxy, start_engine,  # noqa: F401
-                     start_proxy, wait_idle)
+from servers import (ENGINE_START_TIMEOUT, PYTHON, SERVED_NAME, engine, free_port,  # noqa: F401
+                     long_generation_tokens, proxy, spawn, start_engine, start_proxy, wait_idle)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -119,8 +120,18 @@ def test_stop_mid_answer(page, proxy, engine):
     answer = last_answer(page)
     page.wait_for_function("() => Number(document.querySelector('.msg.assistant')?.dataset.chunks || 0) >= 3",
                            timeout=60_000)
+    # The block map follows the request: its blocks grow while it generates.
+    page.evaluate("""() => {
+        window.__held = [];
+        const box = document.getElementById('kv-map-box');
+        new MutationObserver(() => window.__held.push(Number(box.dataset.held))).observe(box, {attributes: true});
+    }""")
+    page.wait_for_function("new Set(window.__held.filter((n) => n > 0)).size >= 2", timeout=30_000)
+    expect(page.locator("#kv-requests li[data-state=running]")).to_have_count(1)
     page.click("#stop")
     expect(answer).to_have_attribute("data-status", "stopped", timeout=5_000)
+    expect(page.locator("#kv-map-box")).to_have_attribute("data-held", "0", timeout=5_000)   # all free after Stop
+    expect(page.locator("#kv-requests li")).to_have_count(0)
     expect(page.locator("#stop")).to_be_hidden()
     expect(page.locator("#send")).to_be_enabled()
     expect(answer.locator(".meta")).to_contain_text("stopped")
@@ -219,3 +230,31 @@ def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
     finally:
         prx.stop()
         eng.stop()
+
+
+def test_loading_state_during_a_real_engine_start(page, qwen3_vl_dir, tmp_path):
+    """The proxy is up first (as run_app.sh starts them); the page follows the engine's own load progress."""
+    status_file = tmp_path / "engine-load.json"
+    port = free_port()
+    prx = start_proxy(f"http://127.0.0.1:{port}", tmp_path, engine_status_file=status_file)
+    eng = None
+    try:
+        page.goto(prx.url + "/")
+        status = page.locator("#status")
+        expect(status).to_have_attribute("data-state", "unreachable")      # no engine yet
+        eng = spawn("engine", [PYTHON, "-m", "engine", "--model", str(qwen3_vl_dir), "--served-model-name",
+                               SERVED_NAME, "--port", str(port), "--load-status-file", str(status_file)],
+                    tmp_path / "engine.log", f"http://127.0.0.1:{port}")
+        expect(status).to_have_attribute("data-state", "starting", timeout=30_000)
+        expect(status.locator(".status-text")).to_have_text(re.compile(r"^Loading model… \d{1,3}%$"))
+        progress = [status.get_attribute("data-progress")]
+        page.wait_for_function("document.getElementById('status').dataset.state !== 'starting'",
+                               timeout=ENGINE_START_TIMEOUT * 1000)
+        expect(status).to_have_attribute("data-state", "ready")
+        expect(page.locator("#model-name")).to_have_text(SERVED_NAME)
+        expect(page.locator("#kv-used")).not_to_have_text("—")
+        assert progress[0].endswith("%")
+    finally:
+        if eng is not None:
+            eng.stop()
+        prx.stop()
