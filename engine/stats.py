@@ -61,6 +61,7 @@ class StatLogger:
         return {
             "model": e.model_name,
             "block_size": e.args.block_size,
+            "bytes_per_block": e.kv_bytes_per_block,
             "num_total_gpu_blocks": total,
             "num_free_gpu_blocks": free,
             "num_used_gpu_blocks": total - free,

@@ -9,6 +9,7 @@ import { StatusMonitor } from "./status.js";
 import { readSSE } from "./sse.js";
 import { ChatStore } from "./store.js";
 import { initShell } from "./shell.js";
+import { KVMap } from "./kvmap.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
@@ -22,6 +23,7 @@ const attachments = new Attachments({
   onError: (m) => showError(m),
 });
 const settings = new Settings({});
+const kvmap = new KVMap();
 const status = new StatusMonitor({
   onModel: (card) => {
     app.model = card.id;
@@ -39,7 +41,8 @@ const status = new StatusMonitor({
       attachments.setEnabled(multimodal, "Image upload is off: the model being served is text-only.");
     }
   },
-  onDown: () => { app.model = null; updateMeter(); },
+  onDown: () => { app.model = null; kvmap.clear(); updateMeter(); },
+  onStats: () => kvmap.poll(),
 });
 
 // ---- errors -----------------------------------------------------------------------------------------------

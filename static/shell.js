@@ -26,6 +26,7 @@ function applyTheme(theme) {
   button.setAttribute("aria-label", button.title);
   // highlight.js ships one stylesheet per theme: only the matching one applies.
   for (const link of document.querySelectorAll("link[data-theme]")) link.media = link.dataset.theme === resolved ? "all" : "not all";
+  document.dispatchEvent(new CustomEvent("themechange", { detail: resolved }));   // canvases redraw in its colours
 }
 
 function cycleTheme() {

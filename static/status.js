@@ -1,6 +1,8 @@
 // The server status light, the model name, the demo banner and the live KV block pool view.
 // The proxy answers /api/status (is the engine ready, or loading, or down?) and forwards /v1/models and /stats from the engine.
 
+import { formatBytes } from "./kvmap.js";
+
 const $ = (id) => document.getElementById(id);
 const HISTORY = 60;  // samples of used GPU blocks kept for the sparkline
 
@@ -22,8 +24,9 @@ function pct(part, whole) {
 
 export class StatusMonitor {
   // onModel(card): the engine is ready and serves this model (GET /v1/models card); onDown(): it stopped.
-  constructor({ onModel, onCapabilities, onDown }) {
+  constructor({ onModel, onCapabilities, onDown, onStats }) {
     this.onModel = onModel;
+    this.onStats = onStats;
     this.onCapabilities = onCapabilities;
     this.onDown = onDown;
     this.state = "unknown";
@@ -45,7 +48,8 @@ export class StatusMonitor {
   // Faster stats while an answer streams, so the block pool visibly fills and drains.
   setBusy(busy) {
     this.busy = busy;
-    if (busy) { clearTimeout(this.statsTimer); this.pollStats(); }
+    clearTimeout(this.statsTimer);
+    this.pollStats();     // at once: the pool visibly fills when an answer starts and empties when it ends
   }
 
   setState(state, detail, progress) {
@@ -67,7 +71,7 @@ export class StatusMonitor {
     $("model-name").textContent = "—";
     this.samples = [];
     $("kv-spark").querySelector("polyline").setAttribute("points", "");
-    for (const id of ["kv-used", "kv-free", "kv-cached", "kv-gpu-text", "kv-cpu-text", "kv-block-size", "kv-queues",
+    for (const id of ["kv-used", "kv-free", "kv-cached", "kv-gpu-text", "kv-gpu-bytes", "kv-cpu-text", "kv-block-size", "kv-queues",
                       "kv-hit", "kv-preempt", "kv-throughput"]) $(id).textContent = "—";
     for (const bar of document.querySelectorAll(".kv .bar .seg")) bar.style.width = "0";
     this.onDown?.();
@@ -105,7 +109,10 @@ export class StatusMonitor {
     if (this.state !== "ready") { this.statsTimer = setTimeout(() => this.pollStats(), 2500); return; }
     try {
       const resp = await fetch("/stats", { cache: "no-store" });
-      if (resp.ok && this.state === "ready") this.renderStats(await resp.json());
+      if (resp.ok && this.state === "ready") {
+        this.renderStats(await resp.json());
+        await this.onStats?.();
+      }
     } catch { /* shown by the health light */ }
     clearTimeout(this.statsTimer);
     this.statsTimer = setTimeout(() => this.pollStats(), this.busy ? 700 : 2500);
@@ -126,6 +133,9 @@ export class StatusMonitor {
     $("kv-gpu-text").textContent = `${fmt(used)} / ${fmt(total)}`;
     $("kv-gpu-bar").querySelector(".used").style.width = `${pct(used, total)}%`;
     $("kv-gpu-bar").setAttribute("aria-label", `${fmt(used)} of ${fmt(total)} GPU blocks used`);
+    const bpb = s.bytes_per_block;
+    $("kv-gpu-bytes").textContent = Number.isFinite(bpb)
+      ? `${formatBytes(used * bpb)} used of ${formatBytes(total * bpb)} (${formatBytes(bpb)} per block)` : "—";
 
     const cpuTotal = s.num_total_cpu_blocks;
     const cpuUsed = cpuTotal - s.num_free_cpu_blocks;

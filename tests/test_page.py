@@ -31,7 +31,7 @@ def model_card(**over):
 
 def engine_stats(**over):
     stats = {"num_total_gpu_blocks": 64, "num_free_gpu_blocks": 60, "num_used_gpu_blocks": 4, "num_cached_blocks": 2,
-             "num_total_cpu_blocks": 0, "num_free_cpu_blocks": 0, "block_size": 16, "num_running": 0,
+             "num_total_cpu_blocks": 0, "num_free_cpu_blocks": 0, "block_size": 16, "bytes_per_block": 65536, "num_running": 0,
              "num_waiting": 0, "num_swapped": 0, "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_swaps": 0,
              "model": MODEL, "demo_model": False, "multimodal": True}
     return {**stats, **over}
@@ -45,7 +45,9 @@ class FakeEngine:
         self.card = model_card(**card)
         self.stats = engine_stats(multimodal=self.card["multimodal"])
         self.page_config = None
+        self.blocks = {"num_blocks": 64, "bytes_per_block": 65536, "runs": [[-1, 64]], "requests": [], "shared": []}
         page.route("**/api/status", lambda r: r.fulfill(json=self.status))
+        page.route("**/stats/blocks", lambda r: r.fulfill(json=self.blocks))
         page.route("**/v1/models", lambda r: r.fulfill(json={"object": "list", "data": [self.card]}))
         page.route("**/stats", lambda r: r.fulfill(json=self.stats))
         page.route("**/api/page-config", self._config)
@@ -603,3 +605,53 @@ def test_context_meter_shows_the_last_turn_of_max_model_len(chat):
     expect(meter).to_have_attribute("data-used", "1600")
     chat.click("#new-chat")
     expect(meter).to_contain_text("Context 0 / 2,048 tokens")
+
+
+BLOCK_PIXELS = """(blocks) => {
+    const c = document.getElementById('kv-map'), ctx = c.getContext('2d');
+    const cell = Number(c.dataset.cell), cols = Number(c.dataset.cols), dpr = window.devicePixelRatio || 1;
+    return blocks.map((i) => Array.from(ctx.getImageData(((i % cols) * cell + 1) * dpr,
+                                                         (Math.floor(i / cols) * cell + 1) * dpr, 1, 1).data).join(','));
+}"""
+
+
+# ---- 7. the KV block map -------------------------------------------------------------------------------------------
+def test_block_map_shows_requests_cached_shared_and_swapped_with_bytes(chat, tmp_path):
+    chat.engine.blocks = {"num_blocks": 64, "bytes_per_block": 65536, "shared": [[0, 2]],
+                          "runs": [[0, 5], [1, 3], [-2, 4], [-1, 52]],
+                          "requests": [{"id": "chatcmpl-aaaa1111", "state": "running", "blocks": 5, "cpu_blocks": 0},
+                                       {"id": "chatcmpl-bbbb2222", "state": "running", "blocks": 5, "cpu_blocks": 0},
+                                       {"id": "chatcmpl-cccc3333", "state": "swapped", "blocks": 0, "cpu_blocks": 7}]}
+    open_page(chat)
+    box = chat.locator("#kv-map-box")
+    expect(box).to_have_attribute("data-state", "live")
+    expect(box).to_have_attribute("data-held", "8")
+    expect(box).to_have_attribute("data-cached", "4")
+    expect(box).to_have_attribute("data-free", "52")
+    expect(box).to_have_attribute("data-swapped", "1")
+    expect(chat.locator("#kv-map-summary")).to_have_text(
+        "held 8 (512 KiB) · cached 4 (256 KiB) · free 52 (3.3 MiB) · 64 KiB per block")
+    rows = chat.locator("#kv-requests li")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(0)).to_contain_text("aaaa1111")
+    expect(rows.nth(0)).to_contain_text("running · 5 blocks (320 KiB)")
+    expect(rows.nth(2)).to_contain_text("swapped out · 7 CPU blocks (448 KiB)")
+    expect(chat.locator("#kv-gpu-bytes")).to_have_text("256 KiB used of 4 MiB (64 KiB per block)")
+    # Cells are drawn in the request's colour: block 0 (request 0) differs from block 63 (free).
+    colors = chat.evaluate(BLOCK_PIXELS, [0, 5, 63])
+    assert len(set(colors)) == 3, colors             # request 0, request 1, free
+    script_replies(chat, {"chunks": [MATH_AND_CODE.split("<script>")[0]], "usage": {"prompt_tokens": 900,
+                                                                                     "completion_tokens": 180}})
+    send(chat, "Show me some math and code")
+    answer_done(chat)
+    screenshot(chat, tmp_path, "desktop-light.png")
+    chat.click("#theme")        # system (light here) -> light
+    chat.click("#theme")        # -> dark
+    expect(chat.locator("html")).to_have_attribute("data-theme", "dark")
+    dark_free = chat.evaluate(BLOCK_PIXELS, [63])[0]
+    assert dark_free != colors[2], "the map was not redrawn in the dark theme's colours"
+    screenshot(chat, tmp_path, "desktop-dark.png")
+
+    chat.engine.status = {"proxy": "ok", "engine": "unreachable"}
+    expect(box).to_have_attribute("data-state", "none")
+    expect(rows).to_have_count(0)

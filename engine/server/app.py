@@ -7,6 +7,7 @@
 | POST /v1/chat/completions      | key  | chat.completion, or SSE chunks with stream: true             |
 | POST /v1/completions           | key  | text_completion, or SSE chunks with stream: true             |
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
+| GET  /stats/blocks             | no   | who holds which GPU block, run-length encoded (kv_map.py)    |
 | GET  /metrics                  | no   | Prometheus text                                              |
 | GET  /version                  | no   | {"version": ...}                                             |
 """
@@ -63,6 +64,10 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({**request.app[STATE].engine.stats(), "version": __version__}, dumps=dumps)
 
 
+async def block_map(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].engine.block_map(), dumps=dumps)
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name)
@@ -80,6 +85,7 @@ ROUTES = [
     web.post("/v1/chat/completions", create_chat_completion),
     web.post("/v1/completions", create_completion),
     web.get("/stats", stats, allow_head=False),
+    web.get("/stats/blocks", block_map, allow_head=False),
     web.get("/metrics", metrics, allow_head=False),
     web.get("/version", version, allow_head=False),
 ]
