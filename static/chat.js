@@ -387,7 +387,7 @@ async function start() {
   if (!app.store.persistent) $("chat-empty").dataset.note = "Chats cannot be saved in this browser window.";
   openChat(localStorage.getItem("localchat.chat"));
   document.body.dataset.ready = "true";
-  ui.prompt.focus();
+  if (document.activeElement === document.body) ui.prompt.focus();   // unless the user is already elsewhere
 }
 
 start();

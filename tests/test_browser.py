@@ -258,3 +258,21 @@ def test_loading_state_during_a_real_engine_start(page, qwen3_vl_dir, tmp_path):
         if eng is not None:
             eng.stop()
         prx.stop()
+
+
+def test_ten_image_turns_without_an_error(page, proxy, tmp_path):
+    """More images than the engine takes in one prompt (8) over a conversation: the oldest are not sent again."""
+    open_chat(page, proxy)
+    sent = extend_chat_requests(page, max_tokens=2, ignore_eos=True, temperature=0)
+    for turn in range(10):
+        path = tmp_path / f"{turn}.png"
+        Image.new("RGB", (56, 56), (25 * turn, 90, 200 - 15 * turn)).save(path)
+        page.set_input_files("#file-input", [str(path)])
+        expect(page.locator(".thumb")).to_have_count(1)
+        send(page, f"Image {turn}?")
+        expect(page.locator(".msg.assistant").nth(turn)).to_have_attribute("data-status", "done", timeout=60_000)
+        expect(page.locator("#error")).to_be_hidden()
+    counts = [sum(p["type"] == "image_url" for p in m["content"]) for m in sent[-1]["messages"]
+              if isinstance(m["content"], list)]
+    assert sum(counts) == 8 and counts[:2] == [0, 0], counts
+    expect(page.locator("#send-note")).to_contain_text("2 earlier images are not sent again")

@@ -655,3 +655,57 @@ def test_block_map_shows_requests_cached_shared_and_swapped_with_bytes(chat, tmp
     chat.engine.status = {"proxy": "ok", "engine": "unreachable"}
     expect(box).to_have_attribute("data-state", "none")
     expect(rows).to_have_count(0)
+
+
+# ---- 8. theme, shortcuts, phone ---------------------------------------------------------------------------------------
+def test_theme_toggle_and_keyboard_shortcuts(chat):
+    open_page(chat)
+    html = chat.locator("html")
+    expect(html).to_have_attribute("data-theme", "light")            # the system's (light in this browser)
+    chat.click("#theme")
+    chat.click("#theme")
+    expect(html).to_have_attribute("data-theme", "dark")
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    expect(html).to_have_attribute("data-theme", "dark")             # the choice is kept
+    assert chat.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(15, 17, 21)"
+
+    chat.locator("#messages").click()
+    chat.keyboard.press("?")
+    help_box = chat.locator("#shortcuts")
+    expect(help_box).to_be_visible()
+    expect(help_box).to_contain_text("new chat")
+    expect(help_box.locator("kbd", has_text="Enter").first).to_be_visible()
+    chat.keyboard.press("Escape")
+    expect(help_box).to_be_hidden()
+
+    script_replies(chat, {"chunks": ["hi"]})
+    send(chat, "hello")
+    answer_done(chat)
+    chat.keyboard.press("Control+Shift+O")                          # new chat
+    expect(chat.locator("#empty-state")).to_be_visible()
+    chat.keyboard.press("Control+Shift+K")
+    expect(chat.locator("#kv")).to_be_hidden()
+    chat.keyboard.press("Control+Shift+L")                          # dark -> system
+    expect(html).to_have_attribute("data-theme", "light")
+    chat.locator("#messages").click()
+    chat.keyboard.press("/")
+    assert chat.evaluate("document.activeElement.id") == "prompt"
+
+
+def test_phone_drawers_close_when_a_chat_is_chosen(browser, page_proxy):
+    context, page, errors = new_page(browser, viewport=(390, 844), fake_stream=True)
+    page.engine, page.base_url = FakeEngine(page), page_proxy.url
+    open_page(page)
+    expect(page.locator("#sidebar")).to_be_hidden()                 # folded away on a phone
+    expect(page.locator("#kv")).to_be_hidden()
+    script_replies(page, {"chunks": ["one"]})
+    send(page, "first chat")
+    answer_done(page)
+    page.click("#new-chat")
+    page.click("#toggle-sidebar")
+    page.locator(".chat-open", has_text="first chat").click()
+    expect(page.locator("#sidebar")).to_be_hidden()
+    expect(page.locator(".msg.user .content")).to_have_text("first chat")
+    context.close()
+    assert not errors, errors
