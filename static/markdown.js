@@ -1,7 +1,8 @@
 // A small Markdown renderer for model output that never goes through HTML parsing: every piece of model text
 // reaches the page as a text node or textContent, so "<img onerror=…>" in an answer is shown, not run.
-// It is re-run on the whole answer at every streamed chunk, so it must accept half-written input: an unclosed
-// code fence renders as a code block, an unclosed ** stays literal until its closing ** arrives.
+// render.js uses it, block by block, where the vendor libraries (marked, DOMPurify) are missing. The last block
+// is re-rendered at every streamed chunk, so it must accept half-written input: an unclosed code fence renders
+// as a code block, an unclosed ** stays literal until its closing ** arrives.
 
 const FENCE = /^\s*(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
@@ -76,7 +77,7 @@ export function imageElement(alt, src) {
   }
   const url = webURL(src);
   if (!url || url.protocol === "mailto:") return document.createTextNode(`![${alt}](${src})`);
-  const button = el("button", "remote-image", `🖼 ${alt || "image"} (${url.host}): show`);
+  const button = el("button", "remote-image", `Image: ${alt || "untitled"} (${url.host}), show`);
   button.type = "button";
   button.title = url.href;
   button.addEventListener("click", () => {

@@ -50,7 +50,7 @@ export class Sidebar {
       const tools = document.createElement("span");
       tools.className = "chat-tools";
       for (const [action, text, label] of [["rename", "✎", "Rename"], ["export", "⇩", "Export as JSON"],
-                                           ["delete", "🗑", "Delete"]]) {
+                                           ["delete", "✕", "Delete"]]) {
         const b = document.createElement("button");
         b.type = "button";
         b.className = `chat-${action}`;
@@ -83,7 +83,7 @@ export class Sidebar {
       b.dataset.armed = "1";
       b.textContent = "Delete?";
       b.classList.add("armed");
-      setTimeout(() => { if (b.isConnected) { delete b.dataset.armed; b.textContent = "🗑"; b.classList.remove("armed"); } }, 4000);
+      setTimeout(() => { if (b.isConnected) { delete b.dataset.armed; b.textContent = "✕"; b.classList.remove("armed"); } }, 4000);
     }
   }
 

@@ -228,6 +228,7 @@ def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
         assert page.input_value("#prompt") == "Are you there?"
         screenshot(page, tmp_path, "engine-down.png")
     finally:
+        page.goto("about:blank")     # the page stops polling before its proxy goes away
         prx.stop()
         eng.stop()
 
@@ -255,6 +256,7 @@ def test_loading_state_during_a_real_engine_start(page, qwen3_vl_dir, tmp_path):
         expect(page.locator("#kv-used")).not_to_have_text("—")
         assert progress[0].endswith("%")
     finally:
+        page.goto("about:blank")     # the page stops polling before its proxy goes away
         if eng is not None:
             eng.stop()
         prx.stop()

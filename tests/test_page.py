@@ -254,7 +254,7 @@ def test_markdown_images_and_bare_urls(chat):
     expect(content.locator("img")).to_have_count(1)
     assert content.locator("img").get_attribute("alt") == "a red dot"
     remote = content.locator("button.remote-image")
-    expect(remote).to_contain_text("remote (example.com)")   # a web image is fetched only when asked
+    expect(remote).to_contain_text("Image: remote (example.com), show")   # a web image is fetched only when asked
     links = content.locator("a")
     expect(links).to_have_count(2)
     assert links.nth(0).get_attribute("href") == "https://example.com/docs"
