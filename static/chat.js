@@ -139,9 +139,13 @@ function setBusy(busy) {
 }
 
 function requestBody(path) {
-  const { messages, dropped } = buildMessages(path, {
+  const { messages, dropped, droppedLast } = buildMessages(path, {
     system: settings.system, maxImages: app.limits.maxImages, maxBytes: app.limits.maxBytes,
     keepEarlier: settings.keepEarlierImages });
+  if (droppedLast) {
+    throw new Error(`The images of this message are too large together for the server's limit of `
+      + `${(app.limits.maxBytes / (1 << 20)).toFixed(1)} MB per request: remove ${droppedLast === 1 ? "one" : droppedLast} of them.`);
+  }
   const body = { messages, stream: true, stream_options: { include_usage: true }, ...settings.requestFields() };
   if (app.model) body.model = app.model;
   return { body, dropped };

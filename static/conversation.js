@@ -75,12 +75,14 @@ const OMITTED = "(an earlier image, not sent again)";
 
 // OpenAI messages for the path, keeping the newest images that fit both the engine's images-per-prompt limit
 // and the proxy's body size limit; older ones are replaced by a short text so the turn still reads right.
-// With keepEarlier false only the last message's images are sent. Returns {messages, dropped}.
+// With keepEarlier false only the last message's images are sent. Returns {messages, dropped, droppedLast}:
+// droppedLast counts images of the last message itself that do not fit (the page refuses to send those).
 export function buildMessages(path, { system = "", maxImages = 8, maxBytes = Infinity, keepEarlier = true } = {}) {
   const base = path.map((n) => ({ role: n.role, content: n.text }));
   let bytes = JSON.stringify(base).length + system.length + 4096;  // the rest of the body, with room to spare
   let count = 0;
   let dropped = 0;
+  let droppedLast = 0;
   const keep = new Map();   // node id -> images kept
   for (let i = path.length - 1; i >= 0; i--) {
     const node = path[i];
@@ -90,7 +92,8 @@ export function buildMessages(path, { system = "", maxImages = 8, maxBytes = Inf
     for (const image of [...node.images].reverse()) {
       const allowed = (keepEarlier || i === path.length - 1) && count < maxImages
         && bytes + image.url.length + 64 <= maxBytes;
-      if (allowed) { kept.unshift(image); count += 1; bytes += image.url.length + 64; } else dropped += 1;
+      if (allowed) { kept.unshift(image); count += 1; bytes += image.url.length + 64; } else if (i === path.length - 1) droppedLast += 1;
+      else dropped += 1;
     }
     keep.set(node.id, kept);
   }
@@ -105,7 +108,7 @@ export function buildMessages(path, { system = "", maxImages = 8, maxBytes = Inf
     if (text) parts.push({ type: "text", text });
     messages.push({ role: "user", content: parts });
   }
-  return { messages, dropped };
+  return { messages, dropped, droppedLast };
 }
 
 // ---- export / import -------------------------------------------------------------------------------------

@@ -156,6 +156,25 @@ def test_a_conversation_never_outgrows_the_upload_limit(chat, tmp_path):
     expect(chat.locator("#error")).to_be_hidden()
 
 
+def test_images_too_large_for_one_request_are_refused_before_sending(chat, tmp_path):
+    chat.engine.page_config = {"max_upload_bytes": 150_000, "vendor": []}
+    open_page(chat)
+    chat.set_input_files("#file-input", [str(png_file(tmp_path, f"{i}.png", size=(150, 180), noise=True))
+                                         for i in range(2)])
+    expect(chat.locator(".thumb")).to_have_count(2)
+    send(chat, "two photos")
+    expect(chat.locator("#error")).to_contain_text("too large together")
+    expect(chat.locator("#error")).to_contain_text("remove one of them")
+    assert sent_requests(chat) == []
+    assert chat.input_value("#prompt") == "two photos"     # nothing lost: remove one and send again
+    expect(chat.locator(".thumb")).to_have_count(2)
+    chat.locator(".thumb .remove").first.click()
+    script_replies(chat, {"chunks": ["one photo"]})
+    send(chat, "one photo")
+    answer_done(chat)
+    assert sum(map(len, sent_images(sent_requests(chat)[-1]))) == 1
+
+
 def test_max_tokens_is_left_to_the_server_or_fitted_to_the_context_left(chat):
     open_page(chat)
     script_replies(chat, {"chunks": ["one"]})
