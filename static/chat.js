@@ -1,4 +1,5 @@
 // The chat page: saved chats, sending, streaming answers in, Stop, message actions, errors.
+import { loadPageConfig, postChat } from "./api.js";
 import { Attachments } from "./attachments.js";
 import { addChild, buildMessages, newChat, pathOf, removeNode, selectSibling, titleFrom } from "./conversation.js";
 import { editInPlace, finishElement, messageElement } from "./messages.js";
@@ -55,17 +56,6 @@ function showError(message, { transient = false } = {}) {
 function hideError() { ui.error.hidden = true; }
 function clearTransientError() { if (ui.error.dataset.transient === "true") hideError(); }
 ui.error.querySelector(".dismiss").addEventListener("click", hideError);
-
-class HttpError extends Error {
-  constructor(status, body, message) { super(message); this.status = status; this.body = body; }
-}
-
-async function httpError(resp) {
-  let body = null;
-  try { body = await resp.json(); } catch { /* not JSON: the status line says it */ }
-  const message = body?.error?.message || (typeof body?.detail === "string" ? body.detail : "");
-  return new HttpError(resp.status, body, `Error ${resp.status}: ${message || resp.statusText || "request failed"}`);
-}
 
 // ---- the conversation on screen -----------------------------------------------------------------------------
 function nearBottom() { return ui.messages.scrollHeight - ui.messages.scrollTop - ui.messages.clientHeight < 80; }
@@ -172,6 +162,7 @@ async function send() {
   autoresize();
   attachments.clear();
   renderConversation();
+  save(chat);           // the question is kept even if the page is closed while the answer streams
   const answered = await generate(chat, user);
   if (!answered && app.chat === chat) {
     // Nothing came back: undo the turn and give the message back, so retrying is one keypress.
@@ -266,24 +257,6 @@ async function generate(chat, user) {
   return true;
 }
 
-// POSTs the chat; a max_tokens that does not fit what is left of the context is lowered to fit, once.
-async function postChat(body, controller, node) {
-  const post = () => fetch("/v1/chat/completions", { method: "POST", headers: { "Content-Type": "application/json" },
-                                                      body: JSON.stringify(body), signal: controller.signal });
-  let resp = await post();
-  if (!resp.ok) {
-    const err = await httpError(resp);
-    const room = /at most (\d+)/.exec(err.body?.error?.message || "");
-    if (err.body?.error?.param === "max_tokens" && room && Number(room[1]) > 0 && body.max_tokens) {
-      node.meta.note = `max tokens lowered from ${body.max_tokens} to ${room[1]}, the room left in the context`;
-      body.max_tokens = Number(room[1]);
-      resp = await post();
-      if (!resp.ok) throw await httpError(resp);
-    } else throw err;
-  }
-  return resp;
-}
-
 function stop() {
   // Aborting the fetch closes the connection; the proxy closes its upstream request and the engine stops.
   app.controller?.abort();
@@ -309,6 +282,11 @@ async function onAction(action, id) {
     removeNode(chat, id);
     renderConversation();
     await save(chat);
+  } else if (action === "answer") {
+    hideError();
+    await generate(chat, node);
+    renderConversation();
+    await save(chat);
   } else if (action === "regenerate" || action === "retry") {
     hideError();
     renderConversationUpTo(chat.nodes[node.parent]);
@@ -321,6 +299,7 @@ async function onAction(action, id) {
     if (text === null || (text === node.text)) return;
     const edited = addChild(chat, node.parent, { role: "user", text, images: node.images });
     renderConversation();
+    save(chat);
     await generate(chat, edited);
     renderConversation();
     await save(chat);
@@ -360,22 +339,12 @@ ui.prompt.addEventListener("paste", (e) => {
 $("new-chat").addEventListener("click", startNewChat);
 
 // ---- start ----------------------------------------------------------------------------------------------------
-async function loadPageConfig() {
-  try {
-    const resp = await fetch("/api/page-config", { cache: "no-store" });
-    const config = await resp.json();
-    if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = config.max_upload_bytes;
-    return config;
-  } catch {
-    return { vendor: [] };
-  }
-}
-
 async function start() {
   initShell({ stop, newChat: startNewChat, isBusy: () => Boolean(app.controller), attachments });
   attachments.render();
   status.start();
   const [config] = await Promise.all([loadPageConfig(), app.store.open()]);
+  if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = config.max_upload_bytes;
   await loadLibraries(config.vendor);
   app.chats = await app.store.all();
   app.sidebar = new Sidebar({

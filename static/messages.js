@@ -104,6 +104,8 @@ function actionsElement(chat, node) {
   }
   bar.append(button("copy", "Copy message", "Copy"));
   if (node.role === "user") bar.append(button("edit", "Edit and resend", "Edit"));
+  // A question left without an answer (the page was closed while it streamed): ask for one.
+  if (node.role === "user" && !node.children.length) bar.append(button("answer", "Answer this message", "Answer"));
   if (node.role === "assistant") {
     bar.append(node.status === "error" ? button("retry", "Retry this answer", "Retry")
                                        : button("regenerate", "Regenerate this answer", "Regenerate"));

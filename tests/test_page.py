@@ -368,6 +368,22 @@ def test_chats_survive_a_reload_with_their_images(chat, tmp_path):
     expect(chat.locator(".msg.assistant .meta")).to_contain_text("2 tokens")
 
 
+def test_a_question_survives_a_reload_mid_answer_and_can_be_answered(chat):
+    open_page(chat)
+    script_replies(chat, {"chunks": ["never ", "finished"], "pauseAfter": 1})
+    send(chat, "Are you still there?")
+    expect(last_answer(chat).locator(".content")).to_have_text("never")
+    expect(chat.locator(".msg.user .act-answer")).to_be_hidden()
+    chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    expect(chat.locator(".msg.user .content")).to_have_text("Are you still there?")
+    expect(chat.locator(".msg.assistant")).to_have_count(0)
+    script_replies(chat, {"chunks": ["Yes."]})
+    chat.locator(".msg.user .act-answer").click()
+    expect(answer_done(chat).locator(".content")).to_have_text("Yes.")
+    expect(chat.locator(".msg.user .act-answer")).to_be_hidden()
+
+
 def test_sidebar_search_rename_and_delete(chat):
     open_page(chat)
     for question in ("Tell me about cats", "Tell me about dogs", "Weather today?"):
