@@ -285,13 +285,11 @@ async function onAction(action, id) {
   } else if (action === "answer") {
     hideError();
     await generate(chat, node);
-    renderConversation();
     await save(chat);
   } else if (action === "regenerate" || action === "retry") {
     hideError();
     renderConversationUpTo(chat.nodes[node.parent]);
-    await generate(chat, chat.nodes[node.parent]);
-    renderConversation();
+    await generate(chat, chat.nodes[node.parent]);   // the answer's element is finished in place (a selection stays)
     await save(chat);
   } else if (action === "edit") {
     const box = ui.messages.querySelector(`[data-id="${id}"]`);
@@ -301,7 +299,6 @@ async function onAction(action, id) {
     renderConversation();
     save(chat);
     await generate(chat, edited);
-    renderConversation();
     await save(chat);
   }
 }
