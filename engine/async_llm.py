@@ -69,6 +69,9 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.engine.get_stats()
 
+    def block_map(self) -> dict:
+        return self.engine.get_block_map()
+
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 

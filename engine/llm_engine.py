@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine import load_progress
 from engine.args import EngineArgs
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
@@ -20,6 +21,7 @@ from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
 from engine.inputs.setup import build_input_processor
+from engine.kv_map import block_map
 from engine.kv_sizing import plan_kv_cache
 from engine.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
 from engine.model.loader import build_model, load_model_config, load_weights
@@ -49,6 +51,7 @@ class LLMEngine:
                     args.enable_prefix_caching, args.scheduling_policy)
         self.input_processor = build_input_processor(args, self.model_config)
         self.tokenizer = self.input_processor.tokenizer
+        load_progress.report("building the model", 0.03)
 
         max_len = args.max_model_len or self.model_config.max_position_embeddings
         # Capped before the weights arrive, so that loading too runs as on a card of that size.
@@ -61,8 +64,10 @@ class LLMEngine:
                 raise
             raise weights_out_of_memory(self.gpu_memory_limit, self.device, err) from None
 
+        load_progress.report("sizing the KV cache", 0.87)
         plan = plan_kv_cache(self, max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
+        self.kv_bytes_per_block = plan.bytes_per_block
         use_graphs = cuda_graphs_wanted(args, self.device)
         # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool.
         # (Taken from the profiled budget; an explicit num_gpu_blocks_override gets them on top.)
@@ -89,6 +94,7 @@ class LLMEngine:
                                   args.encoder_cache_size)
         plan.log(self)
         if use_graphs:
+            load_progress.report("capturing CUDA graphs", 0.9)
             enable_cuda_graphs(self)
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
@@ -190,6 +196,10 @@ class LLMEngine:
 
     def get_stats(self) -> dict:
         return self.stats.snapshot()
+
+    def get_block_map(self) -> dict:
+        """Who holds which GPU block, run-length encoded (engine/kv_map.py); read from any thread."""
+        return block_map(self.kv, self.scheduler, self.kv_bytes_per_block)
 
 
 def _cpu_has_bf16() -> bool:

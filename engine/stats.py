@@ -61,6 +61,7 @@ class StatLogger:
         return {
             "model": e.model_name,
             "block_size": e.args.block_size,
+            "bytes_per_block": e.kv_bytes_per_block,
             "num_total_gpu_blocks": total,
             "num_free_gpu_blocks": free,
             "num_used_gpu_blocks": total - free,
@@ -97,5 +98,6 @@ class StatLogger:
             "max_num_seqs": e.args.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens,
             "multimodal": e.model_config.is_multimodal,
+            "max_images_per_prompt": e.input_processor.limits.limit_images_per_prompt,
             "demo_model": e.args.demo_model,
         }

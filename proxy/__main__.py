@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "ENGINE_API_KEY, else VLLM_API_KEY); sent upstream, never to the browser")
     p.add_argument("--max-upload-mb", type=float, default=20.0, help="largest request body accepted (images "
                    "travel inside it as data URLs); larger bodies get 413")
+    p.add_argument("--engine-status-file", type=Path, help="the engine's --load-status-file: while the engine "
+                   "loads, /api/health says how far it has come (the page shows 'Loading model… N%%')")
     p.add_argument("--log-file", type=Path, help="append log and access lines here instead of stderr")
     return p.parse_args(argv)
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"proxy: {static_dir}/chat.html not found (--static-dir)")
     cfg = ProxyConfig(engine_url=args.engine_url.rstrip("/"), static_dir=static_dir,
                       api_key=load_api_key(args.api_key_file),
-                      max_upload_bytes=int(args.max_upload_mb * (1 << 20)))
+                      max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+                      engine_status_file=args.engine_status_file)
     log = logging.getLogger("proxy")
     log.info("proxy on http://%s:%d -> engine %s (api key %s, upload limit %g MB)", args.host, args.port,
              cfg.engine_url, "set" if cfg.api_key else "not set", args.max_upload_mb)

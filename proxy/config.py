@@ -16,6 +16,7 @@ class ProxyConfig:
     max_upload_bytes: int = 20 << 20
     connect_timeout: float = 5.0     # seconds to open a connection to the engine
     health_timeout: float = 3.0      # seconds for the engine's /health to answer
+    engine_status_file: Path | None = None   # the engine's --load-status-file: how far its start has come
 
 
 CONFIG = web.AppKey("config", ProxyConfig)

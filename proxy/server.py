@@ -5,6 +5,9 @@
 | GET /, /chat.html      | the chat page (static/chat.html)                                        |
 | GET /static/{file}     | the page's assets (no directory traversal: resolved inside static_dir)  |
 | GET /api/health        | proxy alive; 200 {"engine": "ready"} or 503 + OpenAI error (why not)    |
+| GET /api/page-config   | the page's limits (upload bytes) and which static/vendor/ libraries exist |
+| GET /api/status        | /api/health's answer with status 200, for the page's polling             |
+| GET /stats/blocks      | forwarded: the engine's GPU block map (the page's KV grid)               |
 | * /v1/{...}            | forwarded to the engine, streamed, API key added                        |
 | GET /stats, /metrics, /version | forwarded to the engine                                         |
 """
@@ -19,6 +22,7 @@ from aiohttp import web
 from proxy.config import CONFIG, SESSION, ProxyConfig
 from proxy.errors import engine_unavailable, error_response
 from proxy.forward import forward
+from proxy.page import add_page_routes, engine_loading, loading_response
 
 log = logging.getLogger("proxy")
 
@@ -59,6 +63,9 @@ async def health(request: web.Request) -> web.Response:
                                timeout=aiohttp.ClientTimeout(total=cfg.health_timeout)) as up:
             status = up.status
     except (aiohttp.ClientError, asyncio.TimeoutError):
+        loading = engine_loading(cfg)     # not listening yet: is it still loading the model?
+        if loading is not None:
+            return loading_response(loading)
         return engine_unavailable(cfg.engine_url, extra={"proxy": "ok", "engine": "unreachable"})
     if status == 200:
         return web.json_response({"proxy": "ok", "engine": "ready"})
@@ -81,6 +88,7 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app.router.add_get("/chat.html", page)
     app.router.add_get("/static/{path:.+}", asset)
     app.router.add_get("/api/health", health)
+    add_page_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", forward_engine)
     for path in ("/stats", "/metrics", "/version"):
         app.router.add_get(path, forward_engine)

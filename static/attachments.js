@@ -5,7 +5,6 @@
 const MAX_SIDE = 1280;                  // longest side sent to the server, in pixels
 const PASSTHROUGH_BYTES = 1_500_000;    // small files in a common format are sent as they are
 const PASSTHROUGH_TYPES = new Set(["image/png", "image/jpeg", "image/webp", "image/gif"]);
-const MAX_IMAGES = 8;
 
 function readAsDataURL(blob) {
   return new Promise((resolve, reject) => {
@@ -51,6 +50,7 @@ export class Attachments {
     this.onError = onError;
     this.items = [];
     this.enabled = true;
+    this.maxImages = 8;     // the engine's images-per-prompt limit, set from GET /v1/models
     button.addEventListener("click", () => fileInput.click());
     fileInput.addEventListener("change", () => {
       this.addFiles([...fileInput.files]);
@@ -71,7 +71,7 @@ export class Attachments {
     if (files.length && !images.length) { this.onError("Only image files can be attached."); return; }
     if (!this.enabled) { this.onError(this.note.textContent); return; }
     for (const file of images) {
-      if (this.items.length >= MAX_IMAGES) { this.onError(`At most ${MAX_IMAGES} images per message.`); break; }
+      if (this.items.length >= this.maxImages) { this.onError(`At most ${this.maxImages} images per message.`); break; }
       try {
         const img = await imageToDataURL(file);
         this.items.push({ name: file.name || "pasted image", ...img });

@@ -1,94 +1,123 @@
-// The chat page: conversation state, sending, streaming answers in, Stop, errors.
-import { renderMarkdown } from "./markdown.js";
+// The chat page: saved chats, sending, streaming answers in, Stop, message actions, errors.
+import { loadPageConfig, postChat } from "./api.js";
 import { Attachments } from "./attachments.js";
+import { addChild, buildMessages, newChat, pathOf, removeNode, selectSibling, titleFrom } from "./conversation.js";
+import { editInPlace, finishElement, messageElement } from "./messages.js";
+import { handleCodeCopy, loadLibraries } from "./render.js";
+import { Settings } from "./settings.js";
+import { Sidebar } from "./sidebar.js";
 import { StatusMonitor } from "./status.js";
 import { readSSE } from "./sse.js";
+import { ChatStore } from "./store.js";
+import { initShell } from "./shell.js";
+import { KVMap } from "./kvmap.js";
 
 const $ = (id) => document.getElementById(id);
-const ui = {
-  messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
-  error: $("error"), system: $("system-prompt"), temperature: $("temperature"), maxTokens: $("max-tokens"),
-};
-// history holds what the model sees: OpenAI messages, user content with image_url parts when images are attached.
-const chat = { history: [], controller: null, model: null };
+const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
+             error: $("error"), sendNote: $("send-note"), meter: $("context-meter") };
+// limits: what the server accepts (from /v1/models and /api/page-config); 8 images is the engine's default.
+const app = { store: new ChatStore(), chats: [], chat: newChat(), controller: null, model: null,
+              limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true } };
 
 const attachments = new Attachments({
   container: $("attachments"), fileInput: $("file-input"), button: $("attach"), note: $("image-note"),
-  onError: showError,
+  onError: (m) => showError(m),
 });
+const settings = new Settings({});
+const kvmap = new KVMap();
 const status = new StatusMonitor({
-  onModel: (id) => { chat.model = id; },
+  onModel: (card) => {
+    app.model = card.id;
+    app.limits.maxModelLen = card.max_model_len ?? null;
+    if (Number.isInteger(card.max_images_per_prompt)) app.limits.maxImages = card.max_images_per_prompt;
+    attachments.maxImages = app.limits.maxImages;
+    settings.showDefaults(card.sampling_defaults);
+    clearTransientError();
+    updateMeter();
+  },
   onCapabilities: ({ multimodal }) => {
+    app.limits.multimodal = multimodal;
+    document.body.classList.toggle("text-only", !multimodal);
     if (multimodal !== attachments.enabled) {
       attachments.setEnabled(multimodal, "Image upload is off: the model being served is text-only.");
     }
   },
+  onDown: () => { app.model = null; kvmap.clear(); updateMeter(); },
+  onStats: () => kvmap.poll(),
 });
 
 // ---- errors -----------------------------------------------------------------------------------------------
-function showError(message) {
+// A transient error (the server or engine could not be reached) goes away by itself once the engine is back.
+function showError(message, { transient = false } = {}) {
   ui.error.querySelector(".error-text").textContent = message;
   ui.error.hidden = false;
+  ui.error.dataset.transient = String(transient);
 }
 function hideError() { ui.error.hidden = true; }
+function clearTransientError() { if (ui.error.dataset.transient === "true") hideError(); }
 ui.error.querySelector(".dismiss").addEventListener("click", hideError);
 
-async function httpErrorMessage(resp) {
-  let message = "";
-  try {
-    const body = await resp.json();
-    message = body?.error?.message || (typeof body?.detail === "string" ? body.detail : "");
-  } catch { /* not JSON: fall back to the status line */ }
-  return `Error ${resp.status}: ${message || resp.statusText || "request failed"}`;
-}
-
-// ---- message elements ---------------------------------------------------------------------------------------
-function nearBottom() {
-  return ui.messages.scrollHeight - ui.messages.scrollTop - ui.messages.clientHeight < 80;
-}
+// ---- the conversation on screen -----------------------------------------------------------------------------
+function nearBottom() { return ui.messages.scrollHeight - ui.messages.scrollTop - ui.messages.clientHeight < 80; }
 function scrollToEnd() { ui.messages.scrollTop = ui.messages.scrollHeight; }
 
-function addMessage(role) {
-  $("empty-state")?.remove();
-  const box = document.createElement("article");
-  box.className = `msg ${role}`;
-  box.setAttribute("aria-label", role === "user" ? "You" : "Assistant");
-  const content = document.createElement("div");
-  content.className = "content";
-  box.append(content);
-  ui.messages.append(box);
+function emptyState() {
+  const box = document.createElement("div");
+  box.id = "empty-state";
+  box.className = "empty";
+  const title = document.createElement("p");
+  title.className = "empty-title";
+  title.textContent = "Ask anything.";
+  const hint = document.createElement("p");
+  hint.textContent = app.limits.multimodal
+    ? "Attach images with the button, by dragging them here, or by pasting. Enter sends; Shift+Enter adds a new line; Esc stops an answer."
+    : "This model reads text only. Enter sends; Shift+Enter adds a new line; Esc stops an answer.";
+  box.append(title, hint);
+  return box;
+}
+
+function renderConversation() {
+  const path = pathOf(app.chat);
+  ui.messages.replaceChildren(...(path.length ? path.map((n) => messageElement(app.chat, n)) : [emptyState()]));
+  updateMeter();
+  app.sidebar?.render();
   scrollToEnd();
-  return box;
 }
 
-function addUserMessage(text, images) {
-  const box = addMessage("user");
-  const content = box.querySelector(".content");
-  if (images.length) {
-    const row = document.createElement("div");
-    row.className = "msg-images";
-    for (const image of images) {
-      const img = document.createElement("img");
-      img.src = image.url;
-      img.alt = image.name;
-      row.append(img);
-    }
-    content.append(row);
-  }
-  if (text) {
-    const p = document.createElement("p");
-    p.textContent = text;  // the user's own words, shown exactly as typed
-    content.append(p);
-  }
-  return box;
+function updateMeter() {
+  const last = [...pathOf(app.chat)].reverse().find((n) => n.role === "assistant" && n.meta?.promptTokens);
+  const used = last ? last.meta.promptTokens + (last.meta.tokens || 0) : 0;
+  const total = app.limits.maxModelLen;
+  ui.meter.hidden = !total;
+  if (!total) return;
+  ui.meter.querySelector(".meter-text").textContent = `Context ${used.toLocaleString("en-US")} / ${total.toLocaleString("en-US")} tokens`;
+  ui.meter.querySelector(".meter-fill").style.width = `${Math.min(100, (100 * used) / total)}%`;
+  ui.meter.dataset.used = String(used);
+  ui.meter.classList.toggle("full", used / total > 0.9);
 }
 
-function speedText(m) {
-  const parts = [];
-  if (m.ttft !== null) parts.push(`${(m.ttft / 1000).toFixed(2)} s to first token`);
-  if (m.rate !== null) parts.push(`${m.rate.toFixed(1)} tok/s`);
-  parts.push(`${m.tokens} token${m.tokens === 1 ? "" : "s"}`);
-  return parts.join(" · ");
+// ---- saving -----------------------------------------------------------------------------------------------
+async function save(chat = app.chat) {
+  if (!pathOf(chat).length && !Object.keys(chat.nodes).some((k) => k !== "root")) return;
+  if (!chat.title) chat.title = titleFrom(pathOf(chat).find((n) => n.role === "user")?.text);
+  if (!app.chats.includes(chat)) app.chats.unshift(chat);
+  app.chats.sort((a, b) => b.updated - a.updated);
+  app.sidebar.render();
+  try { await app.store.put(chat); } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); }
+}
+
+function openChat(id) {
+  if (app.controller) stop();
+  app.chat = app.chats.find((c) => c.id === id) || newChat();
+  localStorage.setItem("localchat.chat", app.chat.id);
+  hideError();
+  renderConversation();
+  if (matchMedia("(max-width: 900px)").matches) document.body.classList.remove("sidebar-open");   // a drawer there
+}
+
+function startNewChat() {
+  openChat(null);
+  ui.prompt.focus();
 }
 
 // ---- sending --------------------------------------------------------------------------------------------------
@@ -99,60 +128,84 @@ function setBusy(busy) {
   status.setBusy(busy);
 }
 
-function requestBody() {
-  const messages = [];
-  const system = ui.system.value.trim();
-  if (system) messages.push({ role: "system", content: system });
-  messages.push(...chat.history);
-  const body = { messages, stream: true, stream_options: { include_usage: true } };
-  if (chat.model) body.model = chat.model;
-  const temperature = parseFloat(ui.temperature.value);
-  if (Number.isFinite(temperature)) body.temperature = temperature;
-  const maxTokens = parseInt(ui.maxTokens.value, 10);
-  if (Number.isFinite(maxTokens) && maxTokens > 0) body.max_tokens = maxTokens;
-  return body;
+function requestBody(path) {
+  const { messages, dropped, droppedLast } = buildMessages(path, {
+    system: settings.system, maxImages: app.limits.maxImages, maxBytes: app.limits.maxBytes,
+    keepEarlier: settings.keepEarlierImages });
+  if (droppedLast) {
+    throw new Error(`The images of this message are too large together for the server's limit of `
+      + `${(app.limits.maxBytes / (1 << 20)).toFixed(1)} MB per request: remove ${droppedLast === 1 ? "one" : droppedLast} of them.`);
+  }
+  const body = { messages, stream: true, stream_options: { include_usage: true }, ...settings.requestFields() };
+  if (app.model) body.model = app.model;
+  return { body, dropped };
+}
+
+function noteDropped(dropped) {
+  ui.sendNote.hidden = !dropped;
+  ui.sendNote.textContent = dropped
+    ? `${dropped} earlier image${dropped === 1 ? " is" : "s are"} not sent again: the model takes at most ${app.limits.maxImages} images per prompt and requests at most ${Math.round(app.limits.maxBytes / (1 << 20))} MB (Settings → Earlier images).`
+    : "";
 }
 
 async function send() {
-  if (chat.controller) return;
+  if (app.controller) return;
   const text = ui.prompt.value.trim();
   const images = attachments.list();
   if (!text && !images.length) return;
   hideError();
-
-  const content = images.length
-    ? [...images.map((i) => ({ type: "image_url", image_url: { url: i.url } })), ...(text ? [{ type: "text", text }] : [])]
-    : text;
-  const history = chat.history;  // "New chat" during the stream swaps in a fresh array; this turn stays in its own
-  history.push({ role: "user", content });
-  const userBox = addUserMessage(text, images);
-  const box = addMessage("assistant");
-  box.classList.add("streaming");
-  box.dataset.status = "streaming";
-  const contentEl = box.querySelector(".content");
+  const chat = app.chat;
+  const path = pathOf(chat);
+  const parentId = path.length ? path[path.length - 1].id : "root";
+  const user = addChild(chat, parentId, { role: "user", text, images });
   ui.prompt.value = "";
   autoresize();
   attachments.clear();
+  renderConversation();
+  save(chat);           // the question is kept even if the page is closed while the answer streams
+  const answered = await generate(chat, user);
+  if (!answered && app.chat === chat) {
+    // Nothing came back: undo the turn and give the message back, so retrying is one keypress.
+    removeNode(chat, user.id);
+    renderConversation();
+    if (!ui.prompt.value) { ui.prompt.value = text; autoresize(); }
+    if (!attachments.list().length) attachments.restore(images);
+    ui.prompt.focus();
+  }
+  await save(chat);
+}
+
+// Streams a new answer to `user` (a question node); true if any text came back.
+async function generate(chat, user) {
+  let request;
+  try {
+    request = requestBody([...pathOf(chat).slice(0, pathOf(chat).indexOf(user) + 1)]);
+  } catch (err) {
+    showError(err.message);
+    return false;
+  }
+  noteDropped(request.dropped);
+  const node = addChild(chat, user.id, { role: "assistant", text: "", status: "streaming" });
+  const box = messageElement(chat, node, { streaming: true });
+  ui.messages.querySelector(`[data-id="${user.id}"]`)?.after(box);
+  $("empty-state")?.remove();
+  scrollToEnd();
 
   const controller = new AbortController();
-  chat.controller = controller;
+  app.controller = controller;
   setBusy(true);
   const t0 = performance.now();
-  let answer = "", chunks = 0, tFirst = null, tLast = null, usage = null, finish = null, sawDone = false;
-  let outcome = "done", frame = 0;
+  let chunks = 0, tFirst = null, tLast = null, usage = null, finish = null, frame = 0;
   const render = () => {
     frame = 0;
     const stick = nearBottom();
-    contentEl.replaceChildren(renderMarkdown(answer));
+    box.renderer.update(node.text);
     if (stick) scrollToEnd();
   };
-
+  node.status = "done";
   try {
-    const resp = await fetch("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(requestBody()), signal: controller.signal,
-    });
-    if (!resp.ok) throw new Error(await httpErrorMessage(resp));
+    const resp = await postChat(request.body, controller, node);
+    let sawDone = false;
     for await (const data of readSSE(resp.body)) {
       if (data === "[DONE]") { sawDone = true; break; }
       let event;
@@ -166,62 +219,102 @@ async function send() {
         if (tFirst === null) tFirst = now;
         tLast = now;
         chunks += 1;
-        answer += delta;
+        node.text += delta;
         box.dataset.chunks = String(chunks);
-        if (!frame) frame = requestAnimationFrame(render);  // at most one re-render per frame
+        if (!frame) frame = requestAnimationFrame(render);  // at most one render per frame
       }
       if (choice?.finish_reason) finish = choice.finish_reason;
     }
     if (!sawDone) throw new Error("The answer stream ended unexpectedly (the server closed the connection).");
   } catch (err) {
-    if (err.name === "AbortError") {
-      outcome = "stopped";
-    } else {
-      outcome = "error";
-      showError(err instanceof TypeError
-        ? "Network error: could not reach the chat server. Is the app still running?"
-        : err.message);
+    if (err.name === "AbortError") node.status = "stopped";
+    else {
+      node.status = "error";
+      const lost = err instanceof TypeError || /lost|unexpectedly|not reachable/.test(err.message);
+      showError(err instanceof TypeError ? "Network error: could not reach the chat server. Is the app still running?"
+        : err.message, { transient: lost || err.status === 503 });
     }
   } finally {
     if (frame) cancelAnimationFrame(frame);
     render();
-    chat.controller = null;
+    if (app.controller === controller) app.controller = null;
     setBusy(false);
   }
-
-  box.classList.remove("streaming");
-  box.dataset.status = outcome;
-  if (history !== chat.history) return;  // the conversation was cleared meanwhile
-  if (!answer) {
-    // Nothing came back: undo the turn and give the message back, so retrying is one keypress.
-    history.pop();
-    userBox.remove();
+  if (!node.text) {
+    removeNode(chat, node.id);
     box.remove();
-    if (!ui.prompt.value) { ui.prompt.value = text; autoresize(); }
-    if (!attachments.list().length) attachments.restore(images);
-    ui.prompt.focus();
-    return;
+    if (app.chat === chat) renderConversation();
+    return false;
   }
-  history.push({ role: "assistant", content: answer });
   const tokens = usage?.completion_tokens ?? chunks;
-  const rate = tFirst !== null && tLast > tFirst && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null;
-  const meta = document.createElement("div");
-  meta.className = "meta";
-  meta.dataset.testid = "speed";
-  meta.textContent = speedText({ ttft: tFirst === null ? null : tFirst - t0, rate, tokens });
-  if (outcome === "stopped") meta.textContent += " · stopped";
-  else if (outcome === "error") meta.textContent += " · incomplete";
-  else if (finish === "length") meta.textContent += " · hit the max-tokens limit";
-  box.dataset.ttftMs = tFirst === null ? "" : String(Math.round(tFirst - t0));
-  box.dataset.tokens = String(tokens);
-  box.append(meta);
-  if (nearBottom()) scrollToEnd();
+  Object.assign(node.meta, {
+    ttftMs: tFirst === null ? null : Math.round(tFirst - t0), tokens, finish, promptTokens: usage?.prompt_tokens ?? null,
+    rate: tFirst !== null && tLast > tFirst && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
+  });
+  chat.updated = Date.now();
+  finishElement(chat, box, node);
+  if (app.chat === chat) { updateMeter(); if (nearBottom()) scrollToEnd(); }
+  return true;
 }
 
 function stop() {
   // Aborting the fetch closes the connection; the proxy closes its upstream request and the engine stops.
-  chat.controller?.abort();
+  app.controller?.abort();
 }
+
+// ---- message actions ----------------------------------------------------------------------------------------
+async function onAction(action, id) {
+  const chat = app.chat;
+  const node = chat.nodes[id];
+  if (!node) return;
+  if (action === "copy") {
+    try { await navigator.clipboard.writeText(node.text); } catch { showError("Copying needs clipboard access."); }
+    return;
+  }
+  if (action === "prev" || action === "next") {
+    selectSibling(chat, id, action === "prev" ? -1 : 1);
+    renderConversation();
+    await save(chat);
+    return;
+  }
+  if (app.controller) return;   // nothing else while an answer streams
+  if (action === "delete") {
+    removeNode(chat, id);
+    renderConversation();
+    await save(chat);
+  } else if (action === "answer") {
+    hideError();
+    await generate(chat, node);
+    await save(chat);
+  } else if (action === "regenerate" || action === "retry") {
+    hideError();
+    renderConversationUpTo(chat.nodes[node.parent]);
+    await generate(chat, chat.nodes[node.parent]);   // the answer's element is finished in place (a selection stays)
+    await save(chat);
+  } else if (action === "edit") {
+    const box = ui.messages.querySelector(`[data-id="${id}"]`);
+    const text = await editInPlace(box, node);
+    if (text === null || (text === node.text)) return;
+    const edited = addChild(chat, node.parent, { role: "user", text, images: node.images });
+    renderConversation();
+    save(chat);
+    await generate(chat, edited);
+    await save(chat);
+  }
+}
+
+// Before a regenerate: the conversation up to the question, with the new answer streaming below it.
+function renderConversationUpTo(user) {
+  const path = pathOf(app.chat);
+  const keep = path.slice(0, path.indexOf(user) + 1);
+  ui.messages.replaceChildren(...keep.map((n) => messageElement(app.chat, n)));
+}
+
+ui.messages.addEventListener("click", (e) => {
+  const b = e.target.closest(".actions button[data-action]");
+  if (b) onAction(b.dataset.action, b.closest(".msg").dataset.id);
+});
+handleCodeCopy(ui.messages);
 
 // ---- composer -----------------------------------------------------------------------------------------------
 function autoresize() {
@@ -236,52 +329,35 @@ ui.prompt.addEventListener("keydown", (e) => {
   // isComposing: Enter that confirms an IME candidate (Chinese, Japanese…) must not send.
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
 });
-document.addEventListener("keydown", (e) => { if (e.key === "Escape" && chat.controller) stop(); });
-
 ui.prompt.addEventListener("paste", (e) => {
   const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
   if (files.length) { e.preventDefault(); attachments.addFiles(files); }
 });
+$("new-chat").addEventListener("click", startNewChat);
 
-// Drag and drop anywhere on the page; the overlay shows only while files are dragged over.
-const overlay = $("drop-overlay");
-let dragDepth = 0;
-const hasFiles = (e) => [...(e.dataTransfer?.types || [])].includes("Files");
-window.addEventListener("dragenter", (e) => { if (hasFiles(e)) { dragDepth += 1; overlay.hidden = false; } });
-window.addEventListener("dragleave", (e) => { if (hasFiles(e) && --dragDepth <= 0) { dragDepth = 0; overlay.hidden = true; } });
-window.addEventListener("dragover", (e) => { if (hasFiles(e)) e.preventDefault(); });
-window.addEventListener("drop", (e) => {
-  if (!hasFiles(e)) return;
-  e.preventDefault();
-  dragDepth = 0;
-  overlay.hidden = true;
-  attachments.addFiles([...e.dataTransfer.files]);
-});
-
-$("new-chat").addEventListener("click", () => {
-  stop();
-  chat.history = [];
-  ui.messages.replaceChildren();
-  hideError();
-  ui.prompt.focus();
-});
-
-function showKV(open) {
-  document.body.classList.toggle("kv-hidden", !open);
-  $("toggle-kv").setAttribute("aria-expanded", String(open));
-}
-$("toggle-kv").addEventListener("click", () => showKV(document.body.classList.contains("kv-hidden")));
-// On a phone the conversation needs the height: the KV panel starts folded away there.
-if (window.matchMedia("(max-width: 900px)").matches) showKV(false);
-
-// Settings survive a reload; the conversation deliberately does not (it may hold private images).
-for (const input of [ui.system, ui.temperature, ui.maxTokens]) {
-  const key = `localchat.${input.id}`;
-  const saved = localStorage.getItem(key);
-  if (saved !== null) input.value = saved;
-  input.addEventListener("change", () => localStorage.setItem(key, input.value));
+// ---- start ----------------------------------------------------------------------------------------------------
+async function start() {
+  initShell({ stop, newChat: startNewChat, isBusy: () => Boolean(app.controller), attachments });
+  attachments.render();
+  status.start();
+  const [config] = await Promise.all([loadPageConfig(), app.store.open()]);
+  if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = config.max_upload_bytes;
+  await loadLibraries(config.vendor);
+  app.chats = await app.store.all();
+  app.sidebar = new Sidebar({
+    chats: () => app.chats, current: () => app.chat, open: openChat, newChat: startNewChat, error: showError,
+    rename: async (id, title) => { const c = app.chats.find((x) => x.id === id); c.title = title; c.updated = Date.now(); await save(c); },
+    remove: async (id) => {
+      app.chats = app.chats.filter((c) => c.id !== id);
+      await app.store.delete(id);
+      if (app.chat.id === id) openChat(null); else app.sidebar.render();
+    },
+    importChats: async (list) => { for (const c of list) await save(c); openChat(list[0]?.id ?? app.chat.id); },
+  });
+  if (!app.store.persistent) $("chat-empty").dataset.note = "Chats cannot be saved in this browser window.";
+  openChat(localStorage.getItem("localchat.chat"));
+  document.body.dataset.ready = "true";
+  if (document.activeElement === document.body) ui.prompt.focus();   // unless the user is already elsewhere
 }
 
-attachments.render();
-status.start();
-ui.prompt.focus();
+start();

@@ -1,7 +1,8 @@
 // A small Markdown renderer for model output that never goes through HTML parsing: every piece of model text
 // reaches the page as a text node or textContent, so "<img onerror=…>" in an answer is shown, not run.
-// It is re-run on the whole answer at every streamed chunk, so it must accept half-written input: an unclosed
-// code fence renders as a code block, an unclosed ** stays literal until its closing ** arrives.
+// render.js uses it, block by block, where the vendor libraries (marked, DOMPurify) are missing. The last block
+// is re-rendered at every streamed chunk, so it must accept half-written input: an unclosed code fence renders
+// as a code block, an unclosed ** stays literal until its closing ** arrives.
 
 const FENCE = /^\s*(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
@@ -22,7 +23,9 @@ function el(tag, className, text) {
 // `**x**` inside backticks stays literal).
 const INLINE = [
   { re: /(`+)([\s\S]*?[^`])\1(?!`)/, make: (m) => el("code", null, m[2].replace(/^ (.*) $/s, "$1")) },
+  { re: /!\[([^\]\n]*)\]\(([^)\s]+)\)/, make: (m) => imageElement(m[1], m[2]) },
   { re: /\[([^\]\n]+)\]\(([^)\s]+)\)/, make: (m) => link(m[1], m[2]) },
+  { re: /\bhttps?:\/\/[^\s<>()\]]*[^\s<>()\].,;:!?'"*_]/, make: (m) => link(m[0], m[0]) },
   { re: /\*\*(?=\S)([\s\S]*?\S)\*\*/, make: (m) => wrap("strong", m[1]) },
   { re: /(?<!\w)__(?=\S)([\s\S]*?\S)__(?!\w)/, make: (m) => wrap("strong", m[1]) },
   { re: /~~(?=\S)([\s\S]*?\S)~~/, make: (m) => wrap("del", m[1]) },
@@ -36,19 +39,55 @@ function wrap(tag, inner) {
   return node;
 }
 
-function link(text, href) {
-  // Only web and mail links become anchors; javascript: and data: URLs stay plain text.
+function webURL(href) {
   let url;
-  try { url = new URL(href, "https://invalid.example/"); } catch { url = null; }
-  if (!url || !["http:", "https:", "mailto:"].includes(url.protocol) || url.host === "invalid.example") {
-    return document.createTextNode(`[${text}](${href})`);
-  }
+  try { url = new URL(href, "https://invalid.example/"); } catch { return null; }
+  return ["http:", "https:", "mailto:"].includes(url.protocol) && url.host !== "invalid.example" ? url : null;
+}
+
+// Only web and mail links become anchors; javascript: and data: URLs stay plain text.
+export function safeLink(text, href) {
+  const url = webURL(href);
+  if (!url) return document.createTextNode(text === href || !href ? text : `[${text}](${href})`);
   const a = el("a");
   a.href = url.href;
   a.target = "_blank";
   a.rel = "noopener noreferrer";
-  a.append(renderInline(text));
+  a.textContent = text;
   return a;
+}
+
+function link(text, href) {
+  const node = safeLink("", href);
+  if (node.nodeType === Node.TEXT_NODE) return document.createTextNode(`[${text}](${href})`);
+  node.append(renderInline(text));
+  return node;
+}
+
+// An image in an answer: inline data: images are shown; a web image is fetched only when the user asks (a model
+// can be talked into writing image URLs that carry the conversation to someone else's server).
+const DATA_IMAGE = /^data:image\/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=\s]+$/;
+
+export function imageElement(alt, src) {
+  if (DATA_IMAGE.test(src)) {
+    const img = el("img", "md-image");
+    img.src = src;
+    img.alt = alt;
+    return img;
+  }
+  const url = webURL(src);
+  if (!url || url.protocol === "mailto:") return document.createTextNode(`![${alt}](${src})`);
+  const button = el("button", "remote-image", `Image: ${alt || "untitled"} (${url.host}), show`);
+  button.type = "button";
+  button.title = url.href;
+  button.addEventListener("click", () => {
+    const img = el("img", "md-image");
+    img.src = url.href;
+    img.alt = alt;
+    img.referrerPolicy = "no-referrer";
+    button.replaceWith(img);
+  });
+  return button;
 }
 
 export function renderInline(text) {
@@ -77,15 +116,6 @@ function codeBlock(lang, lines) {
   copy.type = "button";
   copy.setAttribute("aria-label", "Copy code");
   const code = el("code", lang ? `language-${lang}` : null, lines.join("\n"));
-  copy.addEventListener("click", async () => {
-    try {
-      await navigator.clipboard.writeText(code.textContent);
-      copy.textContent = "Copied";
-    } catch {
-      copy.textContent = "Copy failed";
-    }
-    setTimeout(() => { copy.textContent = "Copy"; }, 1500);
-  });
   bar.append(copy);
   const pre = el("pre");
   pre.append(code);

@@ -1,12 +1,14 @@
 // The server status light, the model name, the demo banner and the live KV block pool view.
-// The proxy answers /api/health (is the engine ready?) and forwards /v1/models and /stats from the engine.
+// The proxy answers /api/status (is the engine ready, or loading, or down?) and forwards /v1/models and /stats from the engine.
+
+import { formatBytes } from "./kvmap.js";
 
 const $ = (id) => document.getElementById(id);
 const HISTORY = 60;  // samples of used GPU blocks kept for the sparkline
 
 const LABELS = {
   ready: "Ready",
-  starting: "Engine starting…",
+  starting: "Loading model…",
   unreachable: "Engine not reachable",
   offline: "Server offline",
   unknown: "Connecting…",
@@ -21,9 +23,12 @@ function pct(part, whole) {
 }
 
 export class StatusMonitor {
-  constructor({ onModel, onCapabilities }) {
+  // onModel(card): the engine is ready and serves this model (GET /v1/models card); onDown(): it stopped.
+  constructor({ onModel, onCapabilities, onDown, onStats }) {
     this.onModel = onModel;
+    this.onStats = onStats;
     this.onCapabilities = onCapabilities;
+    this.onDown = onDown;
     this.state = "unknown";
     this.model = null;
     this.busy = false;
@@ -43,28 +48,44 @@ export class StatusMonitor {
   // Faster stats while an answer streams, so the block pool visibly fills and drains.
   setBusy(busy) {
     this.busy = busy;
-    if (busy) { clearTimeout(this.statsTimer); this.pollStats(); }
+    clearTimeout(this.statsTimer);
+    this.pollStats();     // at once: the pool visibly fills when an answer starts and empties when it ends
   }
 
-  setState(state, detail) {
+  setState(state, detail, progress) {
+    const was = this.state;
     this.state = state;
     const box = $("status");
     box.dataset.state = state;
-    box.querySelector(".status-text").textContent = LABELS[state] || state;
+    const pctText = typeof progress === "number" ? ` ${Math.floor(100 * Math.max(0, Math.min(1, progress)))}%` : "";
+    box.querySelector(".status-text").textContent = (LABELS[state] || state) + (state === "starting" ? pctText : "");
+    box.dataset.progress = pctText.trim();
     box.title = detail || "";
+    if (state !== "ready" && (was === "ready" || was === "unknown")) this.down();
+    if (state === "ready" && was !== "ready") { clearTimeout(this.statsTimer); this.pollStats(); }
+  }
+
+  // While the engine is away nothing it reported before is true any more: clear the model and the numbers.
+  down() {
+    this.model = null;
+    $("model-name").textContent = "—";
+    this.samples = [];
+    $("kv-spark").querySelector("polyline").setAttribute("points", "");
+    for (const id of ["kv-used", "kv-free", "kv-cached", "kv-gpu-text", "kv-gpu-bytes", "kv-cpu-text", "kv-block-size", "kv-queues",
+                      "kv-hit", "kv-preempt", "kv-throughput"]) $(id).textContent = "—";
+    for (const bar of document.querySelectorAll(".kv .bar .seg")) bar.style.width = "0";
+    this.onDown?.();
   }
 
   async pollHealth() {
     try {
-      const resp = await fetch("/api/health", { cache: "no-store" });
-      const body = await resp.json().catch(() => ({}));
-      const state = resp.ok ? "ready" : (body.engine || "unreachable");
-      this.setState(state, body.error?.message);
+      const resp = await fetch("/api/status", { cache: "no-store" });
+      const body = await resp.json();
+      const state = body.engine || "unreachable";
+      this.setState(state, body.error?.message || body.phase, body.progress);
       if (state === "ready" && !this.model) await this.loadModel();
-      if (state !== "ready") this.model = null;  // a restarted engine may serve another model
     } catch {
       this.setState("offline", "The chat server (proxy) does not answer.");
-      this.model = null;
     }
     clearTimeout(this.healthTimer);
     this.healthTimer = setTimeout(() => this.pollHealth(), this.state === "ready" ? 4000 : 1500);
@@ -74,19 +95,24 @@ export class StatusMonitor {
     try {
       const resp = await fetch("/v1/models", { cache: "no-store" });
       const body = await resp.json();
-      const id = body?.data?.[0]?.id;
-      if (resp.ok && id) {
-        this.model = id;
-        $("model-name").textContent = id;
-        this.onModel(id);
+      const card = body?.data?.[0];
+      if (resp.ok && card?.id) {
+        this.model = card.id;
+        $("model-name").textContent = card.id;
+        this.onModel(card);
       }
     } catch { /* the next health poll retries */ }
   }
 
   async pollStats() {
+    clearTimeout(this.statsTimer);
+    if (this.state !== "ready") { this.statsTimer = setTimeout(() => this.pollStats(), 2500); return; }
     try {
       const resp = await fetch("/stats", { cache: "no-store" });
-      if (resp.ok) this.renderStats(await resp.json());
+      if (resp.ok && this.state === "ready") {
+        this.renderStats(await resp.json());
+        await this.onStats?.();
+      }
     } catch { /* shown by the health light */ }
     clearTimeout(this.statsTimer);
     this.statsTimer = setTimeout(() => this.pollStats(), this.busy ? 700 : 2500);
@@ -107,6 +133,9 @@ export class StatusMonitor {
     $("kv-gpu-text").textContent = `${fmt(used)} / ${fmt(total)}`;
     $("kv-gpu-bar").querySelector(".used").style.width = `${pct(used, total)}%`;
     $("kv-gpu-bar").setAttribute("aria-label", `${fmt(used)} of ${fmt(total)} GPU blocks used`);
+    const bpb = s.bytes_per_block;
+    $("kv-gpu-bytes").textContent = Number.isFinite(bpb)
+      ? `${formatBytes(used * bpb)} used of ${formatBytes(total * bpb)} (${formatBytes(bpb)} per block)` : "—";
 
     const cpuTotal = s.num_total_cpu_blocks;
     const cpuUsed = cpuTotal - s.num_free_cpu_blocks;

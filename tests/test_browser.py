@@ -8,49 +8,25 @@ from __future__ import annotations
 import base64
 import io
 import json
-import shutil
+import re
 import signal
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from servers import (REPO, SERVED_NAME, engine, long_generation_tokens, proxy, start_engine,  # noqa: F401
-                     start_proxy, wait_idle)
+from browser_helpers import browser, delta, expect, last_answer, new_page, screenshot, send, sse  # noqa: F401
+from servers import (ENGINE_START_TIMEOUT, PYTHON, SERVED_NAME, engine, free_port,  # noqa: F401
+                     long_generation_tokens, proxy, spawn, start_engine, start_proxy, wait_idle)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
-
-CHROMIUM = "/usr/bin/chromium"
-# Without the background-networking flags Chromium keeps dialing Google hosts that this closed network refuses.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (./run_tests.sh does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser):
-    context = browser.new_context(viewport={"width": 1200, "height": 820})
-    pg = context.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda err: errors.append(str(err)))
+    context, pg, errors = new_page(browser)
     yield pg
     context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
-
-
-def expect(locator):
-    from playwright.sync_api import expect as pw_expect
-    return pw_expect(locator)
+    assert not errors, f"errors on the page: {errors}"
 
 
 def open_chat(page, server):
@@ -71,31 +47,6 @@ def extend_chat_requests(page, **extra) -> list[dict]:
 
     page.route("**/v1/chat/completions", handle)
     return sent
-
-
-def send(page, text):
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def last_answer(page):
-    return page.locator(".msg.assistant").last
-
-
-def screenshot(page, tmp_path, name):
-    path = tmp_path / name
-    page.screenshot(path=str(path), full_page=True)
-    out = REPO / "test-output"
-    out.mkdir(exist_ok=True)
-    shutil.copy(path, out / name)
-
-
-def sse(*events) -> str:
-    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
-
-
-def delta(text):
-    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
 
 
 def test_send_message_streams_answer(page, proxy, tmp_path):
@@ -120,7 +71,7 @@ def test_send_message_streams_answer(page, proxy, tmp_path):
     meta = answer.locator(".meta")
     expect(meta).to_contain_text("to first token")
     expect(meta).to_contain_text("tok/s")
-    expect(page.locator(".msg.user").last).to_have_text("Hello, who are you?")
+    expect(page.locator(".msg.user .content").last).to_have_text("Hello, who are you?")
     assert page.input_value("#prompt") == ""
     expect(page.locator("#kv-used")).not_to_have_text("—")  # the KV panel shows live /stats
 
@@ -169,8 +120,18 @@ def test_stop_mid_answer(page, proxy, engine):
     answer = last_answer(page)
     page.wait_for_function("() => Number(document.querySelector('.msg.assistant')?.dataset.chunks || 0) >= 3",
                            timeout=60_000)
+    # The block map follows the request: its blocks grow while it generates.
+    page.evaluate("""() => {
+        window.__held = [];
+        const box = document.getElementById('kv-map-box');
+        new MutationObserver(() => window.__held.push(Number(box.dataset.held))).observe(box, {attributes: true});
+    }""")
+    page.wait_for_function("new Set(window.__held.filter((n) => n > 0)).size >= 2", timeout=30_000)
+    expect(page.locator("#kv-requests li[data-state=running]")).to_have_count(1)
     page.click("#stop")
     expect(answer).to_have_attribute("data-status", "stopped", timeout=5_000)
+    expect(page.locator("#kv-map-box")).to_have_attribute("data-held", "0", timeout=5_000)   # all free after Stop
+    expect(page.locator("#kv-requests li")).to_have_count(0)
     expect(page.locator("#stop")).to_be_hidden()
     expect(page.locator("#send")).to_be_enabled()
     expect(answer.locator(".meta")).to_contain_text("stopped")
@@ -206,6 +167,7 @@ def test_markdown_rendered_without_raw_html(page, proxy):
 
 
 def test_errors_are_shown(page, proxy):
+    page.expected_errors.append("status of 400")
     open_chat(page, proxy)
     # An error event after the stream began: the partial answer stays, marked incomplete.
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
@@ -248,6 +210,7 @@ def test_demo_model_banner_and_text_only(page, proxy):
 def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
     eng = start_engine(qwen3_vl_dir, tmp_path)
     prx = start_proxy(eng.url, tmp_path)
+    page.expected_errors.append("status of 503")   # the chat request sent while the engine is gone
     try:
         open_chat(page, prx)
         n = long_generation_tokens(eng, seconds=30)
@@ -265,5 +228,53 @@ def test_engine_stopped_shows_error(page, qwen3_vl_dir, tmp_path):
         assert page.input_value("#prompt") == "Are you there?"
         screenshot(page, tmp_path, "engine-down.png")
     finally:
+        page.goto("about:blank")     # the page stops polling before its proxy goes away
         prx.stop()
         eng.stop()
+
+
+def test_loading_state_during_a_real_engine_start(page, qwen3_vl_dir, tmp_path):
+    """The proxy is up first (as run_app.sh starts them); the page follows the engine's own load progress."""
+    status_file = tmp_path / "engine-load.json"
+    port = free_port()
+    prx = start_proxy(f"http://127.0.0.1:{port}", tmp_path, engine_status_file=status_file)
+    eng = None
+    try:
+        page.goto(prx.url + "/")
+        status = page.locator("#status")
+        expect(status).to_have_attribute("data-state", "unreachable")      # no engine yet
+        eng = spawn("engine", [PYTHON, "-m", "engine", "--model", str(qwen3_vl_dir), "--served-model-name",
+                               SERVED_NAME, "--port", str(port), "--load-status-file", str(status_file)],
+                    tmp_path / "engine.log", f"http://127.0.0.1:{port}")
+        expect(status).to_have_attribute("data-state", "starting", timeout=30_000)
+        expect(status.locator(".status-text")).to_have_text(re.compile(r"^Loading model… \d{1,3}%$"))
+        progress = [status.get_attribute("data-progress")]
+        page.wait_for_function("document.getElementById('status').dataset.state !== 'starting'",
+                               timeout=ENGINE_START_TIMEOUT * 1000)
+        expect(status).to_have_attribute("data-state", "ready")
+        expect(page.locator("#model-name")).to_have_text(SERVED_NAME)
+        expect(page.locator("#kv-used")).not_to_have_text("—")
+        assert progress[0].endswith("%")
+    finally:
+        page.goto("about:blank")     # the page stops polling before its proxy goes away
+        if eng is not None:
+            eng.stop()
+        prx.stop()
+
+
+def test_ten_image_turns_without_an_error(page, proxy, tmp_path):
+    """More images than the engine takes in one prompt (8) over a conversation: the oldest are not sent again."""
+    open_chat(page, proxy)
+    sent = extend_chat_requests(page, max_tokens=2, ignore_eos=True, temperature=0)
+    for turn in range(10):
+        path = tmp_path / f"{turn}.png"
+        Image.new("RGB", (56, 56), (25 * turn, 90, 200 - 15 * turn)).save(path)
+        page.set_input_files("#file-input", [str(path)])
+        expect(page.locator(".thumb")).to_have_count(1)
+        send(page, f"Image {turn}?")
+        expect(page.locator(".msg.assistant").nth(turn)).to_have_attribute("data-status", "done", timeout=60_000)
+        expect(page.locator("#error")).to_be_hidden()
+    counts = [sum(p["type"] == "image_url" for p in m["content"]) for m in sent[-1]["messages"]
+              if isinstance(m["content"], list)]
+    assert sum(counts) == 8 and counts[:2] == [0, 0], counts
+    expect(page.locator("#send-note")).to_contain_text("2 earlier images are not sent again")

@@ -150,3 +150,13 @@ class KVCacheManager:
         self.req_to_block_ids[request.request_id] = [b.block_id for b in blocks]
         self.free_cpu_blocks.extend(cpu)
         return [(c, b.block_id) for c, b in zip(cpu, blocks)]
+
+    # ---- read-only view for the page's block map (engine/kv_map.py) ----------------------------------------
+    def block_owners(self) -> tuple[dict[str, list[int]], list[tuple[int, bool]], dict[str, int]]:
+        """(request id -> GPU block ids, per GPU block (ref_cnt, holds a prefix-cache hash), request id -> CPU
+        blocks held while swapped out). Copies, so a reader on another thread never sees a table change under
+        it; the engine thread may still move on between the three."""
+        tables = {rid: list(ids) for rid, ids in list(self.req_to_block_ids.items())}
+        blocks = [(b.ref_cnt, b.block_hash is not None) for b in self.pool.blocks]
+        swapped = {rid: len(cpu) for rid, cpu in list(self.req_to_cpu_blocks.items())}
+        return tables, blocks, swapped

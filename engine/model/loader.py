@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine import load_progress
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
@@ -70,14 +71,24 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str) -> None:
     if load_format == "dummy":
         _init_dummy(model)
     elif is_gguf(path):
-        _load_named(model, _gguf_weights(Path(path), model.config))
+        _load_named(model, _counted(_gguf_weights(Path(path), model.config), model))
     else:
-        _load_named(model, _safetensors_weights(Path(path), next(model.parameters()).device))
+        _load_named(model, _counted(_safetensors_weights(Path(path), next(model.parameters()).device), model))
+    load_progress.report("weights loaded", load_progress.WEIGHTS_END)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     quant = model.config.quantization
     logger.info("Loading model weights took %.2f GB and %.2f seconds (%s%s)", nbytes / 1e9,
                 time.perf_counter() - start, f"{quant.describe()}; " if quant else "",
                 "random dummy weights" if load_format == "dummy" else path)
+
+
+def _counted(weights: Iterator[tuple[str, torch.Tensor]], model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights as they are read, reported to load_progress against the model's own tensor count (a
+    checkpoint may hold a few more or fewer: the fraction is capped, it only has to move)."""
+    total = sum(1 for _ in model.state_dict())
+    for i, item in enumerate(weights, 1):
+        load_progress.weights(i, total)
+        yield item
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------------

@@ -7,10 +7,13 @@
 | POST /v1/chat/completions      | key  | chat.completion, or SSE chunks with stream: true             |
 | POST /v1/completions           | key  | text_completion, or SSE chunks with stream: true             |
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
+| GET  /stats/blocks             | no   | who holds which GPU block, run-length encoded (kv_map.py)    |
 | GET  /metrics                  | no   | Prometheus text                                              |
 | GET  /version                  | no   | {"version": ...}                                             |
 """
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from aiohttp import web
 
@@ -41,7 +44,10 @@ def _model_card(state: ServerState) -> dict:
     stats = state.engine.stats()
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
-            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"]}
+            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"],
+            # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
+            "max_images_per_prompt": stats.get("max_images_per_prompt"),
+            "sampling_defaults": asdict(state.sampling_defaults)}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -56,6 +62,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     return web.json_response({**request.app[STATE].engine.stats(), "version": __version__}, dumps=dumps)
+
+
+async def block_map(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].engine.block_map(), dumps=dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -75,6 +85,7 @@ ROUTES = [
     web.post("/v1/chat/completions", create_chat_completion),
     web.post("/v1/completions", create_completion),
     web.get("/stats", stats, allow_head=False),
+    web.get("/stats/blocks", block_map, allow_head=False),
     web.get("/metrics", metrics, allow_head=False),
     web.get("/version", version, allow_head=False),
 ]

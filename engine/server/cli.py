@@ -25,6 +25,7 @@ class ServerArgs:
     generation_config: str           # "auto" (the model's generation_config.json), "vllm", or a directory
     disable_access_log: bool
     disable_log_requests: bool
+    load_status_file: str | None = None     # where engine.load_progress reports how far the start has come
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -56,6 +57,9 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-uvicorn-access-log", dest="disable_access_log", action="store_true",
                    help="no access-log line per HTTP request")
     s.add_argument("--disable-log-requests", action="store_true", help="no log line per finished generation")
+    s.add_argument("--load-status-file", default=None,
+                   help="write start-up progress here as JSON (phase, progress 0..1) until the server listens; "
+                        "the proxy's --engine-status-file reads it to show 'Loading model… N%%'")
     return p
 
 
@@ -73,5 +77,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
     server_args = ServerArgs(
         host=ns.host, port=ns.port, api_key=api_key_from_env(ns.api_key), log_file=ns.log_file,
         max_request_body_mb=ns.max_request_body_mb, generation_config=ns.generation_config,
-        disable_access_log=ns.disable_access_log, disable_log_requests=ns.disable_log_requests)
+        disable_access_log=ns.disable_access_log, disable_log_requests=ns.disable_log_requests,
+        load_status_file=ns.load_status_file)
     return engine_args, server_args

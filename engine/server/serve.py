@@ -11,7 +11,7 @@ from dataclasses import MISSING, Field, asdict, fields
 
 from aiohttp import web
 
-from engine import __version__
+from engine import __version__, load_progress
 from engine.args import EngineArgs
 from engine.errors import ModelLoadError
 from engine.logger import add_log_file, init_logger
@@ -26,6 +26,7 @@ def run(argv: list[str] | None = None) -> None:
         add_log_file(server_args.log_file)
     logger.info("engine server version %s", __version__)
     logger.info("non-default args: %s", _describe_args(engine_args, server_args))
+    load_progress.start(server_args.load_status_file)
 
     from engine.async_llm import AsyncLLM            # torch and the model code: only after the flags are good
     from engine.server.app import build_app
@@ -37,6 +38,7 @@ def run(argv: list[str] | None = None) -> None:
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e.message)
         sys.exit(1)
+    load_progress.report("starting the server", 0.97)
     defaults = load_sampling_defaults(engine_args.model, server_args.generation_config)
     state = ServerState(engine=engine, served_model_name=engine.model_name, model_path=engine_args.model,
                         sampling_defaults=defaults, log_requests=not server_args.disable_log_requests)
@@ -68,6 +70,7 @@ async def _serve(app: web.Application, args: ServerArgs) -> int:
     logger.info("Available routes are:")
     for path, methods in route_table(app):
         logger.info("Route: %s, Methods: %s", path, methods)
+    load_progress.report("ready", 1.0)
     logger.info("Started server process [%d]", os.getpid())
     logger.info("Serving on %s (Press CTRL+C to quit)", args.url)
     await stop.wait()

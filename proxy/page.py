@@ -1,0 +1,69 @@
+"""What the chat page asks the proxy itself: the engine's state (always 200), the proxy's limits, and which
+rendering libraries web/install_vendor.sh put into static/vendor/, so the page loads only those that exist."""
+from __future__ import annotations
+
+import json
+import os
+
+from aiohttp import web
+
+from proxy.config import CONFIG, ProxyConfig
+from proxy.errors import error_response
+from proxy.forward import forward
+
+# library name -> files under static/vendor/ it needs
+VENDOR_FILES = {
+    "marked": ("marked.esm.js",),
+    "dompurify": ("purify.es.mjs",),
+    "highlight": ("highlight.min.mjs", "hljs-light.css", "hljs-dark.css"),
+    "katex": ("katex/katex.mjs", "katex/katex.min.css"),
+}
+
+
+def available_vendor(static_dir) -> list[str]:
+    vendor = static_dir / "vendor"
+    return [name for name, files in VENDOR_FILES.items() if all((vendor / f).is_file() for f in files)]
+
+
+def engine_loading(cfg: ProxyConfig) -> dict | None:
+    """{"phase", "progress"} while the engine process that writes the status file is alive and not yet
+    serving; None when there is no such file, it is unreadable, or its process is gone (a stale file)."""
+    if cfg.engine_status_file is None:
+        return None
+    try:
+        status = json.loads(cfg.engine_status_file.read_text())
+        os.kill(int(status["pid"]), 0)
+        return {"phase": str(status["phase"]), "progress": float(status["progress"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def loading_response(loading: dict) -> web.Response:
+    pct = int(100 * loading["progress"])
+    return error_response(503, f"The inference engine is loading the model ({loading['phase']}, {pct}%).",
+                          "service_unavailable", code="engine_starting",
+                          extra={"proxy": "ok", "engine": "starting", **loading})
+
+
+async def page_status(request: web.Request) -> web.Response:
+    """/api/health's answer, always with status 200 (the page polls this while the engine loads or is down, and
+    an expected "not ready" must not read as a failed request in the browser's console)."""
+    from proxy.server import health     # the one definition of "ready"; imported late: server.py imports us
+    answer = await health(request)
+    return web.Response(body=answer.body, content_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+async def page_config(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    return web.json_response({"max_upload_bytes": cfg.max_upload_bytes, "vendor": available_vendor(cfg.static_dir)},
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def forward_block_map(request: web.Request) -> web.StreamResponse:
+    return await forward(request)      # the engine's block map (the page's KV grid), passed through as is
+
+
+def add_page_routes(app: web.Application) -> None:
+    app.router.add_get("/api/page-config", page_config)
+    app.router.add_get("/api/status", page_status)
+    app.router.add_get("/stats/blocks", forward_block_map)

@@ -1,0 +1,144 @@
+// A chat is a tree of messages: regenerating an answer adds a sibling answer, editing a question adds a sibling
+// question (a new branch from there). Each node remembers which child is shown (`sel`); the conversation on
+// screen, and the one sent to the model, is the path of selected children from the root.
+// Pure data, no DOM: the page, the store (IndexedDB) and export/import all share this shape.
+
+export const CHAT_FORMAT = "localchat-chats";
+export const CHAT_VERSION = 1;
+
+export function uid() {
+  return (crypto.randomUUID?.() || `${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`);
+}
+
+export function newChat() {
+  const now = Date.now();
+  return { id: uid(), title: "", created: now, updated: now, nodes: { root: { id: "root", children: [], sel: 0 } } };
+}
+
+// A node: {id, parent, role: "user" | "assistant", text, images: [{url, name, width, height}], children, sel,
+//          status: "done" | "stopped" | "error", meta: {ttftMs, tokens, rate, finish, promptTokens, note}}
+export function addChild(chat, parentId, fields) {
+  const parent = chat.nodes[parentId];
+  const node = { id: uid(), parent: parentId, role: "user", text: "", images: [], children: [], sel: 0,
+                 status: "done", meta: {}, ...fields };
+  chat.nodes[node.id] = node;
+  parent.children.push(node.id);
+  parent.sel = parent.children.length - 1;
+  chat.updated = Date.now();
+  return node;
+}
+
+export function pathOf(chat) {
+  const out = [];
+  let node = chat.nodes.root;
+  while (node.children.length) {
+    node = chat.nodes[node.children[Math.min(node.sel, node.children.length - 1)]];
+    out.push(node);
+  }
+  return out;
+}
+
+export function siblingInfo(chat, id) {
+  const node = chat.nodes[id];
+  const siblings = chat.nodes[node.parent].children;
+  return { index: siblings.indexOf(id), count: siblings.length };
+}
+
+export function selectSibling(chat, id, delta) {
+  const parent = chat.nodes[chat.nodes[id].parent];
+  const i = parent.children.indexOf(id) + delta;
+  if (i >= 0 && i < parent.children.length) parent.sel = i;
+}
+
+export function removeNode(chat, id) {
+  const node = chat.nodes[id];
+  const parent = chat.nodes[node.parent];
+  const i = parent.children.indexOf(id);
+  parent.children.splice(i, 1);
+  parent.sel = Math.max(0, Math.min(parent.sel, parent.children.length - 1));
+  const stack = [id];
+  while (stack.length) {
+    const n = chat.nodes[stack.pop()];
+    stack.push(...n.children);
+    delete chat.nodes[n.id];
+  }
+  chat.updated = Date.now();
+}
+
+export function titleFrom(text) {
+  const line = (text || "").trim().split("\n")[0].replace(/\s+/g, " ");
+  return line.length > 60 ? `${line.slice(0, 57)}…` : line || "Image chat";
+}
+
+// ---- what is sent ---------------------------------------------------------------------------------------
+const OMITTED = "(an earlier image, not sent again)";
+
+// OpenAI messages for the path, keeping the newest images that fit both the engine's images-per-prompt limit
+// and the proxy's body size limit; older ones are replaced by a short text so the turn still reads right.
+// With keepEarlier false only the last message's images are sent. Returns {messages, dropped, droppedLast}:
+// droppedLast counts images of the last message itself that do not fit (the page refuses to send those).
+export function buildMessages(path, { system = "", maxImages = 8, maxBytes = Infinity, keepEarlier = true } = {}) {
+  const base = path.map((n) => ({ role: n.role, content: n.text }));
+  let bytes = JSON.stringify(base).length + system.length + 4096;  // the rest of the body, with room to spare
+  let count = 0;
+  let dropped = 0;
+  let droppedLast = 0;
+  const keep = new Map();   // node id -> images kept
+  for (let i = path.length - 1; i >= 0; i--) {
+    const node = path[i];
+    if (!node.images?.length) continue;
+    const kept = [];
+    // Newest first: within a message too, so that the last images of a message are the ones kept.
+    for (const image of [...node.images].reverse()) {
+      const allowed = (keepEarlier || i === path.length - 1) && count < maxImages
+        && bytes + image.url.length + 64 <= maxBytes;
+      if (allowed) { kept.unshift(image); count += 1; bytes += image.url.length + 64; } else if (i === path.length - 1) droppedLast += 1;
+      else dropped += 1;
+    }
+    keep.set(node.id, kept);
+  }
+  const messages = system ? [{ role: "system", content: system }] : [];
+  for (const node of path) {
+    if (node.role !== "user" || !node.images?.length) { messages.push({ role: node.role, content: node.text }); continue; }
+    const kept = keep.get(node.id);
+    const parts = kept.map((im) => ({ type: "image_url", image_url: { url: im.url } }));
+    const omitted = node.images.length - kept.length;
+    const text = [omitted ? (omitted === 1 ? OMITTED : `(${omitted} earlier images, not sent again)`) : "", node.text]
+      .filter(Boolean).join("\n");
+    if (text) parts.push({ type: "text", text });
+    messages.push({ role: "user", content: parts });
+  }
+  return { messages, dropped, droppedLast };
+}
+
+// ---- export / import -------------------------------------------------------------------------------------
+export function exportDocument(chats) {
+  return { format: CHAT_FORMAT, version: CHAT_VERSION, exported: new Date().toISOString(), chats };
+}
+
+function validNode(node, id) {
+  return node && typeof node === "object" && node.id === id && Array.isArray(node.children)
+    && (id === "root" || (["user", "assistant"].includes(node.role) && typeof node.text === "string"));
+}
+
+// The chats in an exported document (one chat object, or the export of several); throws with a message that
+// says what is wrong. Imported chats get fresh ids, so importing twice keeps both copies.
+export function parseImport(doc) {
+  const list = doc?.format === CHAT_FORMAT ? doc.chats : doc?.nodes ? [doc] : null;
+  if (!Array.isArray(list)) throw new Error("This file is not a Local Chat export (no \"chats\" list).");
+  return list.map((chat, i) => {
+    const nodes = chat?.nodes;
+    if (!nodes || !validNode(nodes.root, "root")
+        || !Object.entries(nodes).every(([id, n]) => validNode(n, id) && n.children.every((c) => c in nodes))) {
+      throw new Error(`Chat ${i + 1} in this file is damaged (its messages do not form a conversation).`);
+    }
+    for (const n of Object.values(nodes)) {
+      n.images = Array.isArray(n.images) ? n.images.filter((im) => /^data:image\//.test(im?.url || "")) : [];
+      n.meta = n.meta && typeof n.meta === "object" ? n.meta : {};
+      n.sel = Number.isInteger(n.sel) ? n.sel : 0;
+    }
+    const now = Date.now();
+    return { id: uid(), title: String(chat.title || ""), created: Number(chat.created) || now,
+             updated: Number(chat.updated) || now, nodes };
+  });
+}
