@@ -39,6 +39,7 @@ def profile_steps(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int)
     runner = engine.runner
     so = engine.scheduler.schedule()
     c0 = time.perf_counter()
+    runner.update_states(so)
     inp = runner.prepare_inputs(so, engine._inflight)
     prepare_ms = (time.perf_counter() - c0) * 1e3
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,6 +75,7 @@ def profile_prefill(llm: LLM, length: int, vocab: int, repeats: int = 5) -> dict
         engine.add_request(f"pf{length}-{r}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
         so = engine.scheduler.schedule()
         c0 = time.perf_counter()
+        runner.update_states(so)
         inp = runner.prepare_inputs(so, None)
         c1 = time.perf_counter()
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -90,7 +90,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.model_config, self.cache, self.kv, args.block_size, self.device,
+        self.runner = ModelRunner(self.model, self.model_config, self.cache, args.block_size, self.device,
                                   args.encoder_cache_size)
         plan.log(self)
         if use_graphs:
@@ -101,7 +101,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = StatLogger(self)
         self._next_id = 0
-        self._inflight: InflightStep | None = None      # launched step whose tokens are not yet on the host
+        self._inflight: InflightStep | None = None      # the launched step not yet read (see PendingTokens)
         # The start-up objects (modules, tokenizer, config: ~350k) would otherwise be scanned by every full
         # collection; one took 88 ms on a 2-core CPU, a stall for every running stream. vLLM freezes them too.
         gc.collect()
@@ -122,7 +122,7 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or self._in_flight(request_id):
             raise InvalidInputError(f"request id {request_id!r} is already running", param="request_id")
         max_tokens = self.check_lengths(processed, params)
         bad = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
@@ -136,6 +136,10 @@ class LLMEngine:
         self.outputs.add(req)
         self.scheduler.add_request(req)
         return req
+
+    def _in_flight(self, request_id: str) -> bool:
+        """A finished request's id is free again once no launched step holds a token for it."""
+        return self._inflight is not None and request_id in self._inflight.so.num_scheduled_tokens
 
     def check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
         """Refuse a prompt that cannot run (empty, too long for max_model_len); returns the resolved max_tokens."""
@@ -162,14 +166,16 @@ class LLMEngine:
         return self.outputs.finish(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        """Work left: queued requests, a step to read, or finished requests the runner has yet to forget."""
+        return (self.scheduler.has_unfinished_requests() or self._inflight is not None
+                or bool(self.scheduler.finished_req_ids))
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (wait for its tokens, update, detokenize) while
         the device computes. Returns the outputs of the previous step."""
         outputs = []
-        if self._inflight is not None and _needs_host_tokens(self._inflight):
+        if self._inflight is not None and self._inflight.so.needs_host_tokens:
             outputs = self._finish(self._inflight)       # penalties read every token id: no overlap
             self._inflight = None
         so = self.scheduler.schedule()
@@ -177,6 +183,8 @@ class LLMEngine:
         if not so.is_empty:
             self.stats.on_schedule(so)
             launched = self.runner.launch(so, self._inflight)
+        else:
+            self.runner.update_states(so)               # it may still have finished requests to forget
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
         self._inflight = launched
@@ -205,12 +213,6 @@ class LLMEngine:
 def _cpu_has_bf16() -> bool:
     check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(check and check())
-
-
-def _needs_host_tokens(step: InflightStep) -> bool:
-    """Penalties are computed from every earlier token id, so the next step must wait for these."""
-    return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
-               or r.sampling_params.repetition_penalty != 1.0 for r in step.requests)
 
 
 def _resolve_device(name: str) -> torch.device:

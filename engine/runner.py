@@ -3,24 +3,61 @@
 the next tokens on the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.encoder_cache import EncoderCache, EncoderOutput
+from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.sampling_params import SamplingParams
 from engine.transfer import to_device
 
 logger = init_logger(__name__)
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """What the runner keeps about a request between steps (vLLM's name): its fixed data, and its output ids as
+    they are read back (the penalties need them)."""
+    request_id: str
+    prompt: ProcessedPrompt
+    sampling_params: SamplingParams
+    eos_token_ids: set[int]
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+        return cls(new.request_id, new.prompt, new.sampling_params, new.eos_token_ids, new.generator)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt.prompt_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.prompt_token_ids)
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of tokens [start, end): [end-start] or, for M-RoPE, [3, end-start]."""
+        mrope, n = self.prompt.mrope_positions, self.num_prompt_tokens
+        if mrope is None:
+            return torch.arange(start, end, dtype=torch.int64)
+        parts = []
+        if start < n:
+            parts.append(mrope[:, start:min(end, n)])
+        if end > n:
+            gen = torch.arange(max(start, n), end, dtype=torch.int64)
+            parts.append((gen + self.prompt.mrope_position_delta).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 @dataclass
@@ -28,8 +65,8 @@ class ModelInput:
     input_ids: torch.Tensor          # [T]
     positions: torch.Tensor          # [T], or [3, T] for M-RoPE
     md: AttentionMetadata
-    logits_indices: torch.Tensor     # [S] rows of the batch whose logits are sampled
-    sample_requests: list[Request]   # the S requests, in logits order
+    logits_indices: torch.Tensor     # [S] rows of the batch whose logits are sampled, in sampled-row order
+    sampled: list[CachedRequestState]  # the S requests that sample, in sampled-row order
     mm: MultimodalEmbeds | None
 
 
@@ -37,13 +74,13 @@ class InflightStep:
     """A launched step: its sampled token ids are on their way to a host buffer. result() waits only for this
     step's work (an event), never for a later step queued behind it."""
 
-    def __init__(self, so: SchedulerOutput, requests: list[Request], token_ids: torch.Tensor | None,
-                 logprobs: list | None):
+    def __init__(self, so: SchedulerOutput, token_ids: torch.Tensor | None = None, logprobs: list | None = None,
+                 sampled: list[CachedRequestState] = ()):
         self.so = so
-        self.requests = requests                  # the requests that sampled, in row order
-        self.rows = {r.request_id: i for i, r in enumerate(requests)}
-        self.token_ids = token_ids                # [S] on the device (the next step's pending inputs)
+        self.token_ids = token_ids                # [S] on the device, row i for so.sampled[i] (pending inputs)
         self.logprobs = logprobs
+        self._sampled = sampled                   # the runner's records of those S requests
+        self._tokens: list[int] | None = None
         self._host = None
         self._event = None
         if token_ids is not None and token_ids.is_cuda:
@@ -55,26 +92,30 @@ class InflightStep:
     def result(self) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
         if self.token_ids is None:
             return {}, {}
-        if self._event is not None:
-            self._event.synchronize()
-            tokens = self._host.tolist()
-        else:
-            tokens = self.token_ids.tolist()
-        ids = [r.request_id for r in self.requests]
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+                self._tokens = self._host.tolist()
+            else:
+                self._tokens = self.token_ids.tolist()
+            for state, token in zip(self._sampled, self._tokens):
+                state.output_token_ids.append(token)
+        tokens = self._tokens
+        ids = [s.request_id for s in self.so.sampled]
         return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, cache: CacheEngine, kv: KVCacheManager,
-                 block_size: int, device: torch.device, encoder_cache_tokens: int = 16384):
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, cache: CacheEngine, block_size: int,
+                 device: torch.device, encoder_cache_tokens: int = 16384):
         self.model = model
         self.config = config
         self.cache = cache
         self.kv_caches = cache.layer_caches()
-        self.kv = kv
         self.block_size = block_size
         self.device = device
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
+        self.requests: dict[str, CachedRequestState] = {}   # from its first step until it finishes
         self.graphs = None          # set by enable_cuda_graphs()
         self.vision_graphs = None   # likewise, for a multimodal model
         self._staging = None        # pinned host buffer for image uploads, reused (see _upload)
@@ -85,10 +126,11 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput, prev: InflightStep | None) -> InflightStep:
         """Queue step `so` on the device and return at once. Tokens still pending from `prev` (the step in
         flight) are read from its device output, so this does not wait for it."""
+        self.update_states(so)
         self.cache.swap_out(so.blocks_to_swap_out)     # before any freed GPU block is written again
         self.cache.swap_in(so.blocks_to_swap_in)
         if not so.scheduled:
-            return InflightStep(so, [], None, None)
+            return InflightStep(so)
         # The vision encoder first: its time on the device then covers the host's work of building the batch
         # below, instead of waiting for it.
         images = self.encode_images(so)
@@ -97,12 +139,20 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
-        if not inp.sample_requests:
-            return InflightStep(so, [], None, None)
+        if not inp.sampled:
+            return InflightStep(so)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        smd = SamplingMetadata.from_requests(inp.sample_requests, logits.shape[-1], self.device)
+        smd = SamplingMetadata.from_requests(inp.sampled, logits.shape[-1], self.device,
+                                             [s.num_output_tokens for s in so.sampled])
         out = sample(logits, smd)
-        return InflightStep(so, inp.sample_requests, out.token_ids, out.logprobs)
+        return InflightStep(so, out.token_ids, out.logprobs, inp.sampled)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Forget the requests that finished, learn the new ones."""
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState.from_new(new)
 
     # ---- batch construction --------------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput, prev: InflightStep | None = None,
@@ -111,24 +161,22 @@ class ModelRunner:
         if images is None:
             images = self.encode_images(so)
         # Decodes (one token) first: the attention op runs them through its decode kernel.
-        reqs = sorted(so.scheduled, key=lambda r: so.num_scheduled_tokens[r.request_id] != 1)
+        entries = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
         pending_flat, pending_rows = [], []      # batch rows whose input token is still on the device
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
-        logits_rows, sample_reqs, chunks = [], [], []
+        logits_rows, chunks = [0] * len(so.sampled), []
         mrope = self.config.mrope_section is not None
-        for req in reqs:
-            n = so.num_scheduled_tokens[req.request_id]
-            start = so.chunk_start[req.request_id]
-            end = start + n
-            blocks = self.kv.block_ids(req.request_id)
-            ids.extend(req.all_token_ids[start:end])
-            if end > req.num_tokens:              # its last input was sampled by the step in flight
+        for s in entries:
+            req, n, start, end = self.requests[s.request_id], s.num_scheduled_tokens, s.num_computed_tokens, s.end
+            blocks = s.block_ids
+            ids.extend(s.token_ids)
+            if s.pending_row is not None:         # its last input was sampled by the step in flight
                 pending_flat.append(len(ids))
-                pending_rows.append(prev.rows[req.request_id])
+                pending_rows.append(s.pending_row)
                 ids.append(0)
             if mrope and start < req.num_prompt_tokens:
                 positions.extend(range(n))        # placeholder: the prompt's 3-axis positions are copied below
@@ -142,10 +190,9 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if req.request_id in so.sampling:
-                logits_rows.append(query_start[-1] - 1)
-                sample_reqs.append(req)
-        num_decodes = sum(1 for r in reqs if so.num_scheduled_tokens[r.request_id] == 1)
+            if s.sample_row is not None:
+                logits_rows[s.sample_row] = query_start[-1] - 1
+        num_decodes = sum(1 for s in entries if s.num_scheduled_tokens == 1)
         width = max(len(t) for t in tables)
         table = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
@@ -174,7 +221,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(logits_rows, torch.int64, dev),
-            sample_requests=sample_reqs, mm=self._multimodal_embeds(chunks, images))
+            sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images))
 
     # ---- vision --------------------------------------------------------------------------------------------
     def encode_images(self, so: SchedulerOutput) -> dict[str, EncoderOutput]:
@@ -182,12 +229,9 @@ class ModelRunner:
         encoder cache, the rest encoded together in one batch (launched on the device, not waited for)."""
         outputs: dict[str, EncoderOutput] = {}
         to_encode: dict[str, object] = {}                  # content hash -> one image with that content
-        for req in so.scheduled if self.config.is_multimodal else ():
-            if not req.images:
-                continue
-            start = so.chunk_start[req.request_id]
-            end = start + so.num_scheduled_tokens[req.request_id]
-            for image in req.images:
+        for s in so.scheduled if self.config.is_multimodal else ():
+            start, end = s.num_computed_tokens, s.end
+            for image in self.requests[s.request_id].prompt.images:
                 key = image.content_hash
                 if image.offset >= end or image.end <= start or key in outputs or key in to_encode:
                     continue
@@ -205,7 +249,7 @@ class ModelRunner:
         a chunk that starts or ends inside an image takes its slice."""
         if not encoded:          # no image in this step (every text step): skip the scan over its requests
             return None
-        wanted = [(image, flat, start, end) for req, flat, start, end in chunks for image in req.images
+        wanted = [(image, flat, start, end) for req, flat, start, end in chunks for image in req.prompt.images
                   if image.offset < end and image.end > start]
         if not wanted:
             return None

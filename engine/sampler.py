@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import Request
 from engine.transfer import to_device
 
 
@@ -32,7 +31,10 @@ class SamplingMetadata:
     max_logprobs: int | None                       # top-k logprobs to return; None: none asked
 
     @classmethod
-    def from_requests(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def from_requests(cls, reqs: list, vocab_size: int, device: torch.device,
+                      num_outputs: list[int]) -> "SamplingMetadata":
+        """reqs: the runner's records of the sampled requests (CachedRequestState); num_outputs[i]: the outputs
+        reqs[i] had before the token sampled now, still pending ones included."""
         ps = [r.sampling_params for r in reqs]
 
         def column(values, dtype, neutral):
@@ -41,10 +43,8 @@ class SamplingMetadata:
             return to_device(values, dtype, device)
 
         greedy = [p.greedy for p in ps]
-        # Outputs before the token sampled now: those on the host plus those still in flight (this one excluded).
         banned = [(i, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
-                  for i, r in enumerate(reqs)
-                  if r.num_output_tokens + r.num_pending_tokens - 1 < r.sampling_params.min_tokens]
+                  for i, (r, n) in enumerate(zip(reqs, num_outputs)) if n < r.sampling_params.min_tokens]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
         if all(greedy) and not banned and not lp and all(_no_penalty(p) for p in ps):
             return cls.greedy_only()   # the common decode case: no per-step host-to-device copies

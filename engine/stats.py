@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -25,8 +25,9 @@ class StatLogger:
 
     def on_schedule(self, so: SchedulerOutput) -> None:
         """Prefill tokens are every scheduled token except single-token steps past the prompt (decodes)."""
-        decode = sum(1 for r in so.scheduled if so.num_scheduled_tokens[r.request_id] == 1
-                     and so.chunk_start[r.request_id] >= r.num_prompt_tokens)
+        requests = self.engine.scheduler.requests
+        decode = sum(1 for s in so.scheduled if s.num_scheduled_tokens == 1
+                     and s.num_computed_tokens >= requests[s.request_id].num_prompt_tokens)
         prompt = so.total_num_scheduled_tokens - decode
         self.num_prompt_tokens += prompt
         self._interval_prompt += prompt

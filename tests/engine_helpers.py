@@ -27,4 +27,5 @@ def assert_pool_idle(llm: LLM) -> None:
     assert kv.num_free_blocks == engine.num_gpu_blocks, "GPU blocks leaked"
     assert kv.num_free_cpu_blocks == engine.num_cpu_blocks, "CPU swap blocks leaked"
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks), "a block kept a reference"
-    assert not kv.req_to_blocks and not kv.req_to_cpu_blocks
+    assert not kv.requests, "the KV cache manager kept a request's record"
+    assert not engine.runner.requests, "the runner kept a finished request's data"

@@ -72,3 +72,20 @@ def test_engine_still_serves_after_refusals(llm):
     [out] = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
     assert_pool_idle(llm)
+
+
+def test_a_request_id_is_free_again_once_no_launched_step_holds_a_token_for_it(llm):
+    engine = llm.engine
+    engine.add_request("same", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8))
+    engine.step()                                   # launched: a token for "same" is in flight
+    engine.abort_request("same")
+    with pytest.raises(InvalidInputError, match="already running"):
+        engine.add_request("same", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("same", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs[-1].outputs[0].token_ids) == 2
+    assert_pool_idle(llm)

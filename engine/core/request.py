@@ -45,7 +45,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0                     # tokens whose KV is in the cache (or being written)
-        self.num_pending_tokens = 0                      # sampled on the device, id not yet on the host
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -69,29 +68,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    @property
-    def num_tokens_with_pending(self) -> int:
-        return len(self.all_token_ids) + self.num_pending_tokens
-
     def append_output_token(self, token_id: int) -> None:
-        """A token sampled by an earlier step has reached the host."""
+        """A token sampled by an earlier step has reached the host (through PendingTokens.on_token)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self.num_pending_tokens -= 1
-
-    # ---- positions (M-RoPE for Qwen3-VL, plain indices otherwise) -----------------------------------------
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """Rotary positions of tokens [start, end): [end-start] or, for M-RoPE, [3, end-start]."""
-        mrope = self.prompt.mrope_positions
-        if mrope is None:
-            return torch.arange(start, end, dtype=torch.int64)
-        parts = []
-        if start < self.num_prompt_tokens:
-            parts.append(mrope[:, start:min(end, self.num_prompt_tokens)])
-        if end > self.num_prompt_tokens:
-            gen = torch.arange(max(start, self.num_prompt_tokens), end, dtype=torch.int64)
-            parts.append((gen + self.prompt.mrope_position_delta).expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     # ---- prefix-cache block hashes ------------------------------------------------------------------------
     def update_block_hashes(self, block_size: int) -> None:

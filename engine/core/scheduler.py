@@ -1,9 +1,6 @@
 """Continuous batching: each step picks which requests run and how many tokens each computes.
 
-One step = one forward. The engine schedules step N+1 while step N still runs on the GPU: scheduling a request
-advances its num_computed_tokens at once, and a request that will sample gets a pending token whose id the
-runner takes from step N's output on the device. So the next step never waits for the host to learn the
-sampled ids; stop conditions are applied when they arrive (a request that stopped wastes at most one slot).
+One step = one forward. Steps are scheduled one ahead of the device; PendingTokens holds what that means.
 
 Order: running requests (decodes and unfinished prefill chunks), then swapped-out
 requests coming back, then waiting ones, all within max_num_batched_tokens and max_num_seqs. A prompt longer
@@ -15,32 +12,15 @@ it has room, else freed and recomputed later. "Least important" = latest arrival
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.pending_tokens import PendingTokens
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[Request]                          # in batch order
-    num_scheduled_tokens: dict[str, int]
-    chunk_start: dict[str, int] = field(default_factory=dict)   # num_computed_tokens before this step
-    sampling: set[str] = field(default_factory=set)             # requests whose chunk ends in a new token
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu), run first
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu), run second
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
 @dataclass
@@ -65,6 +45,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.pending = PendingTokens()
+        self.finished_req_ids: set[str] = set()      # since the last step, for the runner to forget
         self.counters = SchedulerCounters()
 
     # ---- queues --------------------------------------------------------------------------------------------
@@ -85,36 +67,41 @@ class Scheduler:
         req.status = status
         req.metrics.finished_time = time.time()
         self.kv.free(req)
+        self.pending.forget(req)
         self.requests.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         for queue in (self.running, self.waiting, self.swapped):
             queue.sort(key=self._key)
-        out = SchedulerOutput(scheduled=[], num_scheduled_tokens={})
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit(out)
         now = time.time()
-        for req in out.scheduled:
-            if req.metrics.first_scheduled_time is None:
+        for s in out.scheduled:
+            req = self.requests[s.request_id]
+            if req.metrics.first_scheduled_time is None:       # the runner has not seen it yet
                 req.metrics.first_scheduled_time = now
-            n = out.num_scheduled_tokens[req.request_id]
-            out.chunk_start[req.request_id] = req.num_computed_tokens
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens_with_pending:
-                req.num_pending_tokens += 1           # this step samples its next token
-                out.sampling.add(req.request_id)
+                out.scheduled_new_reqs.append(NewRequestData(req.request_id, req.prompt, req.sampling_params,
+                                                             req.eos_token_ids, req.generator))
+            s.num_computed_tokens = req.num_computed_tokens
+            s.token_ids = req.all_token_ids[s.num_computed_tokens:s.end]
+            s.block_ids = self.kv.block_ids(req.request_id)
+            req.num_computed_tokens = s.end
+        self.pending.on_scheduled(out, self.requests)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+            if self.pending.num_outputs(req) >= req.max_tokens:
                 i += 1                                 # its last token is in flight: nothing more to compute
                 continue
-            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = min(self.pending.num_tokens(req) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]          # least important; never one already scheduled this step
                 self._preempt(victim, out)
@@ -131,7 +118,7 @@ class Scheduler:
         """Bring in swapped-out and waiting requests in policy order, stopping at the first that does not fit
         (so nothing overtakes a more important request that is still waiting for room)."""
         for req in sorted(self.swapped + self.waiting, key=self._key):
-            if req.num_pending_tokens:
+            if self.pending.count(req):
                 continue                               # preempted this very step; back once its token lands
             budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -181,17 +168,17 @@ class Scheduler:
         return victim if self._key(victim) > self._key(incoming) and victim.priority > incoming.priority else None
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        out.scheduled.append(req)
+        out.scheduled.append(ScheduledRequest(req.request_id, n))
         out.num_scheduled_tokens[req.request_id] = n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         if req.request_id in out.num_scheduled_tokens:   # un-schedule it from this step
             del out.num_scheduled_tokens[req.request_id]
-            out.scheduled.remove(req)
+            out.scheduled = [s for s in out.scheduled if s.request_id != req.request_id]
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
-        out.preempted.append(req)
+        out.preempted.append(req.request_id)
         if self.kv.can_swap_out(req):
             copies = self.kv.swap_out(req)
             out.blocks_to_swap_out.extend(copies)
@@ -219,12 +206,13 @@ class Scheduler:
         on token-level stop conditions. Requests finished meanwhile (abort, stop string) are skipped.
         Returns the requests that received a new token."""
         updated = []
-        for req in out.scheduled:
-            if req.is_finished:
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None:                            # finished meanwhile
                 continue
             token = sampled.get(req.request_id)
             if token is not None:
-                req.append_output_token(token)
+                self.pending.on_token(req, token)
                 updated.append(req)
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req)

@@ -1,0 +1,75 @@
+"""Scheduling one step ahead: the tokens launched steps sampled whose ids have not reached the host yet."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from engine.core.request import Request
+from engine.core.scheduler_output import SchedulerOutput
+
+
+class PendingTokens:
+    """The engine schedules and launches step N+1 before it reads step N's sampled ids (vLLM's async scheduling),
+    so the host never waits for the device between steps. Meanwhile a request can have tokens that exist only on
+    the device: its pending tokens. This object is their one record, and this the invariant it keeps:
+
+        A request's tokens are its host-known `all_token_ids` followed by `count(request)` pending tokens.
+        When a step is scheduled, at most one launched step is unread, so each pending token is a row of
+        that step's sampled ids, the row recorded here.
+
+    What follows, and where it is used:
+    - the scheduler schedules a request up to num_tokens() and counts pending tokens against max_tokens
+      (num_outputs()); a chunk reaching the newest token samples one more pending token (on_scheduled());
+    - the step carries, per request, `pending_row` (its last input is pending: the runner takes it from the
+      in-flight step's output on the device), `sample_row` and `num_output_tokens` (min_tokens counts pending
+      outputs);
+    - a pending token lands through on_token() when the engine reads its step's result;
+    - a preempted request is admitted again only once nothing is pending for it (its ids must be known);
+    - a block ending in a pending token is hashed for the prefix cache only once the token lands;
+    - penalties read every earlier token id, so a step that samples with them is read before the next step is
+      scheduled (SchedulerOutput.needs_host_tokens): then nothing is pending at schedule time.
+    """
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}    # request id -> pending tokens (absent: none)
+        self._rows: dict[str, int] = {}     # request id -> its row in the last scheduled step's sampled ids
+
+    def count(self, req: Request) -> int:
+        return self._count.get(req.request_id, 0)
+
+    def num_tokens(self, req: Request) -> int:
+        """All its tokens, pending ones included."""
+        return req.num_tokens + self._count.get(req.request_id, 0)
+
+    def num_outputs(self, req: Request) -> int:
+        """Its output tokens, pending ones included."""
+        return req.num_output_tokens + self._count.get(req.request_id, 0)
+
+    def on_scheduled(self, so: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """Step `so` is scheduled (every num_computed_tokens already advanced past its chunk): note which inputs
+        are pending, and give a sampled row and a new pending token to each chunk that reaches the newest token."""
+        rows: dict[str, int] = {}
+        for s in so.scheduled:
+            rid = s.request_id
+            req = requests[rid]
+            if s.end > req.num_tokens:
+                s.pending_row = self._rows[rid]
+            if s.end == self.num_tokens(req):
+                s.num_output_tokens = self.num_outputs(req)
+                s.sample_row = rows[rid] = len(rows)
+                self._count[rid] = self._count.get(rid, 0) + 1
+                so.sampled.append(s)
+                p = req.sampling_params
+                so.needs_host_tokens |= bool(p.presence_penalty or p.frequency_penalty
+                                             or p.repetition_penalty != 1.0)
+        self._rows = rows
+
+    def on_token(self, req: Request, token_id: int) -> None:
+        """A pending token of `req` reached the host."""
+        req.append_output_token(token_id)
+        left = self._count.pop(req.request_id) - 1
+        if left:
+            self._count[req.request_id] = left
+
+    def forget(self, req: Request) -> None:
+        """`req` finished: a token still in flight for it is dropped when it lands."""
+        self._count.pop(req.request_id, None)

@@ -1,0 +1,61 @@
+"""What the scheduler hands the model runner for one step: the whole contract between the two, as in vLLM v1.
+The runner learns a request's fixed data once (NewRequestData), then each step only what the step changes, and
+never asks the scheduler, a Request or the KV cache manager."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.inputs.types import ProcessedPrompt
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class NewRequestData:
+    """A request's fixed data, sent the first step it is scheduled; the runner keeps it until the request's id
+    comes back in finished_req_ids."""
+    request_id: str
+    prompt: ProcessedPrompt                  # token ids, images, M-RoPE positions
+    sampling_params: SamplingParams
+    eos_token_ids: set[int]
+    generator: torch.Generator | None        # its own RNG when a seed is given
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    """One request's part of a step: tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)."""
+    request_id: str
+    num_scheduled_tokens: int
+    num_computed_tokens: int = 0  # tokens whose KV is cached (or being written) before this step
+    token_ids: list[int] = field(default_factory=list)   # the chunk's ids known on the host (all but a pending one)
+    block_ids: list[int] = field(default_factory=list)   # its block table, long enough for the chunk
+    pending_row: int | None = None     # its last input is pending: this row of the in-flight step's sampled ids
+    sample_row: int | None = None      # this step samples its next token into this row of its sampled ids
+    num_output_tokens: int = 0         # when sampling: outputs before that token, pending ones included
+
+    @property
+    def end(self) -> int:
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)   # first scheduled in this step
+    scheduled: list[ScheduledRequest] = field(default_factory=list)          # in scheduling order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)       # request id -> tokens this step
+    sampled: list[ScheduledRequest] = field(default_factory=list)       # the requests that sample, in row order
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu), run first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu), run second
+    finished_req_ids: set[str] = field(default_factory=set)   # finished since the last step: the runner forgets them
+    preempted: list[str] = field(default_factory=list)        # request ids
+    needs_host_tokens: bool = False    # the next step waits for this one's sampled ids (see PendingTokens)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the device to do (the runner may still have finished requests to forget)."""
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
