@@ -1,43 +1,81 @@
-"""Engine settings with vLLM's names and meanings, as a dataclass (offline `LLM(...)`) and as CLI flags."""
+"""Engine settings with vLLM's names and meanings, as a dataclass (offline `LLM(...)`) and as CLI flags.
+
+Each field is declared once, with its default and its help: add_cli_args() turns the fields into the flags of
+`python -m engine` (--max-num-seqs for max_num_seqs), taking the flag's type from the annotation.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+DEVICES = ("auto", "cuda", "cpu")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def gib(text: str) -> float:
+    """A size in GiB, as `12`, `12.5` or `12GiB` (GB is refused: cards are sold in GiB, and 12 GB is not 12 GiB)."""
+    value = text.strip()
+    if value.lower().endswith("gib"):
+        value = value[:-3]
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 8, 11.5 or 12GiB)") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive and finite")
+    return number
+
+
+def flag(default: Any = MISSING, *, default_factory: Any = MISSING, help: str | None = None, **cli: Any) -> Any:
+    """A field that is also a CLI flag: its help, any short aliases (`-q`) and argparse keywords (choices, action,
+    type) travel in the field's metadata."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help, "cli": cli})
 
 
 @dataclass
 class EngineArgs:
-    model: str
-    served_model_name: str | None = None
-    dtype: str = "auto"                          # auto: checkpoint's dtype on CUDA; CPU: float32 (GGUF: bf16)
-    device: str = "auto"                         # auto: cuda when available, else cpu
-    max_model_len: int | None = None             # default: the model's context, capped by the KV pool
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    gpu_memory_limit: float | None = None        # GiB the whole engine may take on the GPU (replaces utilization)
-    cpu_kv_cache_space: float | None = None      # GiB of KV pool when running on CPU (default: 2, capped by RAM)
-    swap_space: float | None = None              # GiB of CPU swap pool (default: 4 on CUDA, 1 on CPU)
-    num_gpu_blocks_override: int | None = None
-    max_num_batched_tokens: int | None = None    # default: 8192 (at least max_model_len without chunking)
-    max_num_seqs: int = 256
-    enable_prefix_caching: bool = False
-    enforce_eager: bool = False
-    load_format: str = "auto"                    # auto | safetensors | gguf | dummy
-    quantization: str | None = None              # fp8 | awq | gptq | compressed-tensors (default: the checkpoint's)
-    scheduling_policy: str = "fcfs"              # fcfs | priority
-    limit_mm_per_prompt: dict = field(default_factory=lambda: {"image": 8})
-    mm_processor_kwargs: dict = field(default_factory=dict)   # e.g. {"max_pixels": 1003520}
-    encoder_cache_size: int = 16384              # LLM tokens of vision-encoder output kept for reuse
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
-    allow_remote_media: bool = False             # fetch http(s) image URLs (off: only data: URLs)
-    allowed_local_media_path: str | None = None  # serve file:// image URLs from inside this directory
-    seed: int = 0
-    demo_model: bool = False                     # the small text-only default model of run_app.sh
+    model: str = flag(help="Hugging Face model directory or .gguf file")
+    served_model_name: str | None = flag(None, help="model name in the API (default: the path's name)")
+    dtype: str = flag("auto", choices=DTYPES,
+                      help="auto: the checkpoint's dtype on CUDA; on CPU float32 (a GGUF: bfloat16)")
+    device: str = flag("auto", choices=DEVICES, help="auto: cuda when available, else cpu")
+    max_model_len: int | None = flag(None, help="default: the model's context, capped by the KV pool")
+    block_size: int = flag(16, help="tokens per KV cache block (a power of two)")
+    gpu_memory_utilization: float = flag(0.9, help="share of the GPU's memory the engine may use, KV pool included")
+    gpu_memory_limit: float | None = flag(
+        None, type=gib, metavar="GiB",
+        help="GPU memory the whole engine may take (weights, activations, KV cache, CUDA graphs), in GiB, "
+             "e.g. 8 or 12GiB; replaces --gpu-memory-utilization; emulates a card of that size")
+    cpu_kv_cache_space: float | None = flag(None, help="GiB of KV pool on CPU")
+    swap_space: float | None = flag(None, help="GiB of CPU swap space for preempted KV")
+    num_gpu_blocks_override: int | None = flag(None, help="KV pool size in blocks, instead of profiling")
+    max_num_batched_tokens: int | None = flag(None, help="tokens per step (default: 8192, at least max_num_seqs)")
+    max_num_seqs: int = flag(256, help="requests per step")
+    enable_prefix_caching: bool = flag(False, action=argparse.BooleanOptionalAction,
+                                       help="reuse the KV blocks of a prompt prefix seen before")
+    enforce_eager: bool = flag(False, help="no CUDA graphs: every step runs op by op")
+    load_format: str = flag("auto", choices=LOAD_FORMATS)
+    quantization: str | None = flag(
+        None, aliases=("-q",),
+        help="fp8, awq, gptq or compressed-tensors: the checkpoint's method (read from its quantization_config; "
+             "must agree) or, with --load-format dummy, the layout of the random weights")
+    scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES,
+                                  help="priority: a request's `priority` field, lower runs sooner")
+    limit_mm_per_prompt: dict = flag(default_factory=lambda: {"image": 8}, help='JSON, e.g. \'{"image": 4}\'')
+    mm_processor_kwargs: dict = flag(default_factory=dict, help='JSON, e.g. \'{"max_pixels": 1003520}\'')
+    encoder_cache_size: int = flag(16384, help="LLM tokens of vision-encoder output kept for reuse")
+    max_image_bytes: int = flag(20 * 1024 * 1024, help="larger images are refused before decoding")
+    max_image_pixels: int = flag(40_000_000, help="larger images are refused before decoding")
+    allow_remote_media: bool = flag(False, help="allow http(s) image URLs (off by default)")
+    allowed_local_media_path: str | None = flag(None, help="allow file:// image URLs under this dir")
+    seed: int = flag(0)
+    demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,7 +86,7 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.gpu_memory_limit is not None and not 0 < self.gpu_memory_limit < float("inf"):
             raise ValueError(f"gpu_memory_limit is in GiB and must be positive, not {self.gpu_memory_limit}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.quantization is not None:
             from engine.errors import ModelLoadError
@@ -72,56 +110,33 @@ class EngineArgs:
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    d = EngineArgs
-    p.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the path's name)")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-    p.add_argument("--device", default=d.device, choices=("auto", "cuda", "cpu"))
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--gpu-memory-limit", type=gib, default=None, metavar="GiB",
-                   help="GPU memory the whole engine may take (weights, activations, KV cache, CUDA graphs), in GiB, "
-                        "e.g. 8 or 12GiB; replaces --gpu-memory-utilization; emulates a card of that size")
-    p.add_argument("--cpu-kv-cache-space", type=float, default=None, help="GiB of KV pool on CPU")
-    p.add_argument("--swap-space", type=float, default=None, help="GiB of CPU swap space for preempted KV")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors", "gguf", "dummy"))
-    p.add_argument("--quantization", "-q", default=None,
-                   help="fp8, awq, gptq or compressed-tensors: the checkpoint's method (read from its "
-                        "quantization_config; must agree) or, with --load-format dummy, the layout of the random "
-                        "weights")
-    p.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=("fcfs", "priority"))
-    p.add_argument("--limit-mm-per-prompt", type=json.loads, default={"image": 8},
-                   help='JSON, e.g. \'{"image": 4}\'')
-    p.add_argument("--mm-processor-kwargs", type=json.loads, default={},
-                   help='JSON, e.g. \'{"max_pixels": 1003520}\'')
-    p.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size)
-    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    p.add_argument("--allow-remote-media", action="store_true", help="allow http(s) image URLs (off by default)")
-    p.add_argument("--allowed-local-media-path", default=None, help="allow file:// image URLs under this dir")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--demo-model", action="store_true", help=argparse.SUPPRESS)
+    """One flag per EngineArgs field; a bool is a switch, a dict is JSON, int and float parse as such."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in fields(EngineArgs):
+        cli = dict(f.metadata.get("cli", {}))
+        aliases = cli.pop("aliases", ())
+        kwargs = {"help": f.metadata.get("help"), **cli}
+        if f.default is not MISSING:
+            kwargs["default"] = f.default
+        elif f.default_factory is not MISSING:
+            kwargs["default"] = f.default_factory()
+        else:
+            kwargs["required"] = True
+        kind = _flag_type(hints[f.name])
+        if kind is bool:
+            kwargs.setdefault("action", "store_true")
+        elif kind is dict:
+            kwargs.setdefault("type", json.loads)
+        elif kind in (int, float):
+            kwargs.setdefault("type", kind)
+        p.add_argument("--" + f.name.replace("_", "-"), *aliases, **kwargs)
     return p
 
 
-def gib(text: str) -> float:
-    """A size in GiB, as `12`, `12.5` or `12GiB` (GB is refused: cards are sold in GiB, and 12 GB is not 12 GiB)."""
-    value = text.strip()
-    if value.lower().endswith("gib"):
-        value = value[:-3]
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB (e.g. 8, 11.5 or 12GiB)") from None
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive and finite")
-    return number
+def _flag_type(annotation: Any) -> type:
+    """int for `int | None`, and so on."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
 
 
 def api_key_from_env(cli_value: str | None) -> str | None:

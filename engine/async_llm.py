@@ -39,6 +39,25 @@ class StartRequest:
 
 
 @dataclass
+class AddRequest:
+    """Engine-thread command: queue a checked request (its stream already waits for outputs)."""
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    """Engine-thread command: stop a request and free its blocks (its client left)."""
+    request_id: str
+
+
+EngineCommand = AddRequest | AbortRequest
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -49,7 +68,7 @@ class AsyncLLM:
         self.engine = LLMEngine(args)
         self.model_name = self.engine.model_name
         self.max_pending = max_pending
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -101,7 +120,7 @@ class AsyncLLM:
                                         code="overloaded")
         self.check_request(prompt, params)
         self._streams[request_id] = _Stream(loop, asyncio.Queue())
-        self._send(("add", request_id, prompt, params, priority, time.time()))
+        self._send(AddRequest(request_id, prompt, params, priority, time.time()))
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -123,10 +142,10 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     async def _on_worker(self, process: Callable[[], ProcessedPrompt], start: StartRequest | None) -> ProcessedPrompt:
         loop = asyncio.get_running_loop()
@@ -148,7 +167,7 @@ class AsyncLLM:
 
     def _drop(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -157,7 +176,7 @@ class AsyncLLM:
         self.engine.input_processor.shutdown()
 
     # ---- the engine thread ---------------------------------------------------------------------------------
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: EngineCommand) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -183,12 +202,13 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, rid, prompt, params, priority, arrival = command
+            if isinstance(command, AddRequest):
+                rid = command.request_id
                 if rid not in self._streams:       # the client left before the request reached the engine
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
+                    self.engine.add_request(rid, command.prompt, command.params, priority=command.priority,
+                                            arrival_time=command.arrival_time)
                 except EngineError as e:
                     self._deliver(rid, e)
                 except Exception as e:   # noqa: BLE001 - a bug in one request must not stop the loop
@@ -196,9 +216,9 @@ class AsyncLLM:
                     self._deliver(rid, EngineError(f"could not start the request: {type(e).__name__}: {e}",
                                                    code="add_failed"))
             else:
-                out = self.engine.abort_request(command[1])
+                out = self.engine.abort_request(command.request_id)
                 if out is not None:
-                    self._deliver(command[1], out)
+                    self._deliver(command.request_id, out)
 
     def _run(self) -> None:
         try:
