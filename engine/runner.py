@@ -10,7 +10,7 @@ import torch
 
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
-from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import NewRequestData, SchedulerOutput
 from engine.encoder_cache import EncoderCache, EncoderOutput
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger

@@ -13,8 +13,8 @@ class PendingTokens:
     the device: its pending tokens. This object is their one record, and this the invariant it keeps:
 
         A request's tokens are its host-known `all_token_ids` followed by `count(request)` pending tokens.
-        When a step is scheduled, at most one launched step is unread, so each pending token is a row of
-        that step's sampled ids, the row recorded here.
+        When a step is scheduled, at most one launched step is unread (LLMEngine._inflight), so a request
+        has at most one pending token then, and it is a row of that step's sampled ids: the row recorded here.
 
     What follows, and where it is used:
     - the scheduler schedules a request up to num_tokens() and counts pending tokens against max_tokens
@@ -25,12 +25,14 @@ class PendingTokens:
     - a pending token lands through on_token() when the engine reads its step's result;
     - a preempted request is admitted again only once nothing is pending for it (its ids must be known);
     - a block ending in a pending token is hashed for the prefix cache only once the token lands;
+    - a finished request's id is taken again only once no launched step holds a token for it
+      (LLMEngine.add_request): a landing token finds its request by id;
     - penalties read every earlier token id, so a step that samples with them is read before the next step is
       scheduled (SchedulerOutput.needs_host_tokens): then nothing is pending at schedule time.
     """
 
     def __init__(self) -> None:
-        self._count: dict[str, int] = {}    # request id -> pending tokens (absent: none)
+        self._count: dict[str, int] = {}    # request id -> pending tokens (absent: none yet)
         self._rows: dict[str, int] = {}     # request id -> its row in the last scheduled step's sampled ids
 
     def count(self, req: Request) -> int:
@@ -48,27 +50,27 @@ class PendingTokens:
         """Step `so` is scheduled (every num_computed_tokens already advanced past its chunk): note which inputs
         are pending, and give a sampled row and a new pending token to each chunk that reaches the newest token."""
         rows: dict[str, int] = {}
+        count = self._count
         for s in so.scheduled:
             rid = s.request_id
             req = requests[rid]
-            if s.end > req.num_tokens:
+            end, known, pending = s.num_computed_tokens + s.num_scheduled_tokens, req.num_tokens, count.get(rid, 0)
+            if end > known:
                 s.pending_row = self._rows[rid]
-            if s.end == self.num_tokens(req):
-                s.num_output_tokens = self.num_outputs(req)
+            if end == known + pending:
+                s.num_output_tokens = req.num_output_tokens + pending
                 s.sample_row = rows[rid] = len(rows)
-                self._count[rid] = self._count.get(rid, 0) + 1
+                count[rid] = pending + 1
                 so.sampled.append(s)
                 p = req.sampling_params
-                so.needs_host_tokens |= bool(p.presence_penalty or p.frequency_penalty
-                                             or p.repetition_penalty != 1.0)
+                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                    so.needs_host_tokens = True
         self._rows = rows
 
     def on_token(self, req: Request, token_id: int) -> None:
         """A pending token of `req` reached the host."""
         req.append_output_token(token_id)
-        left = self._count.pop(req.request_id) - 1
-        if left:
-            self._count[req.request_id] = left
+        self._count[req.request_id] -= 1
 
     def forget(self, req: Request) -> None:
         """`req` finished: a token still in flight for it is dropped when it lands."""

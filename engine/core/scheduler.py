@@ -81,16 +81,16 @@ class Scheduler:
         if not out.preempted:
             self._admit(out)
         now = time.time()
-        for s in out.scheduled:
-            req = self.requests[s.request_id]
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
             if req.metrics.first_scheduled_time is None:       # the runner has not seen it yet
                 req.metrics.first_scheduled_time = now
-                out.scheduled_new_reqs.append(NewRequestData(req.request_id, req.prompt, req.sampling_params,
+                out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt, req.sampling_params,
                                                              req.eos_token_ids, req.generator))
-            s.num_computed_tokens = req.num_computed_tokens
-            s.token_ids = req.all_token_ids[s.num_computed_tokens:s.end]
-            s.block_ids = self.kv.block_ids(req.request_id)
-            req.num_computed_tokens = s.end
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + n
+            out.scheduled.append(ScheduledRequest(rid, n, start, req.all_token_ids[start:start + n],
+                                                  self.kv.block_ids(rid)))
         self.pending.on_scheduled(out, self.requests)
         return out
 
@@ -108,7 +108,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._add(out, req, n)
+                out.num_scheduled_tokens[req.request_id] = n
                 budget -= n
                 i += 1
                 continue
@@ -140,7 +140,7 @@ class Scheduler:
         assert self.kv.allocate_slots(req, n)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._add(out, req, n)
+        out.num_scheduled_tokens[req.request_id] = n
         return True
 
     def _start(self, out: SchedulerOutput, req: Request, budget: int) -> bool:
@@ -157,7 +157,7 @@ class Scheduler:
         req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, num_cached)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._add(out, req, n)
+        out.num_scheduled_tokens[req.request_id] = n
         return True
 
     def _priority_victim(self, incoming: Request) -> Request | None:
@@ -167,15 +167,9 @@ class Scheduler:
         victim = self.running[-1]
         return victim if self._key(victim) > self._key(incoming) and victim.priority > incoming.priority else None
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        out.scheduled.append(ScheduledRequest(req.request_id, n))
-        out.num_scheduled_tokens[req.request_id] = n
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        if req.request_id in out.num_scheduled_tokens:   # un-schedule it from this step
-            del out.num_scheduled_tokens[req.request_id]
-            out.scheduled = [s for s in out.scheduled if s.request_id != req.request_id]
+        out.num_scheduled_tokens.pop(req.request_id, None)   # un-schedule it from this step
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         out.preempted.append(req.request_id)

@@ -22,14 +22,14 @@ class NewRequestData:
     generator: torch.Generator | None        # its own RNG when a seed is given
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScheduledRequest:
     """One request's part of a step: tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens)."""
     request_id: str
     num_scheduled_tokens: int
-    num_computed_tokens: int = 0  # tokens whose KV is cached (or being written) before this step
-    token_ids: list[int] = field(default_factory=list)   # the chunk's ids known on the host (all but a pending one)
-    block_ids: list[int] = field(default_factory=list)   # its block table, long enough for the chunk
+    num_computed_tokens: int           # tokens whose KV is cached (or being written) before this step
+    token_ids: list[int]               # the chunk's ids known on the host (all but a pending last one)
+    block_ids: list[int]               # its block table, long enough for the chunk
     pending_row: int | None = None     # its last input is pending: this row of the in-flight step's sampled ids
     sample_row: int | None = None      # this step samples its next token into this row of its sampled ids
     num_output_tokens: int = 0         # when sampling: outputs before that token, pending ones included
@@ -43,7 +43,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)   # first scheduled in this step
     scheduled: list[ScheduledRequest] = field(default_factory=list)          # in scheduling order
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)       # request id -> tokens this step
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)       # request id -> tokens, same order
     sampled: list[ScheduledRequest] = field(default_factory=list)       # the requests that sample, in row order
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu), run first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu), run second
