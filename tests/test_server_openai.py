@@ -10,7 +10,9 @@ import asyncio
 import base64
 import io
 import json
+import re
 import socket
+from pathlib import Path
 
 import openai
 import pytest
@@ -228,6 +230,12 @@ def test_stats_health_version(server):
     health = http("GET", server.url + "/health")
     assert health.status == 200 and health.text == "ok"
     assert http("GET", server.url + "/version").json()["version"] == s["version"]
+
+
+def test_every_stats_field_is_documented_in_the_api_doc(server):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text().split("## /stats", 1)[1]
+    documented = set(re.findall(r"^\| `(\w+)` \|", doc, flags=re.M))
+    assert set(stats(server)) == documented
 
 
 def test_metrics_names(server):
