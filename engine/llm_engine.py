@@ -19,10 +19,11 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
-from engine.logger import init_logger
 from engine.inputs.setup import build_input_processor
 from engine.kv_map import block_map
 from engine.kv_sizing import plan_kv_cache
+from engine.logger import init_logger
+from engine.logits_processors import needs_host_tokens
 from engine.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
 from engine.model.loader import build_model, load_model_config, load_weights
 from engine.output_processor import OutputProcessor
@@ -30,6 +31,7 @@ from engine.outputs import RequestOutput
 from engine.runner import InflightStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
+from engine.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -99,6 +101,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         self.model_config.eos_token_ids)
         self.stats = StatLogger(self)
         self._next_id = 0
         self._inflight: InflightStep | None = None      # launched step whose tokens are not yet on the host
@@ -129,13 +133,37 @@ class LLMEngine:
         if bad:
             raise InvalidInputError(f"stop_token_ids {bad} are outside the vocabulary (size "
                                     f"{self.model_config.vocab_size})", param="stop_token_ids")
+        self.check_token_ids(params)
         req = Request(request_id, processed, params, self.model_config.eos_token_ids, max_tokens, priority,
                       arrival_time)
+        so = params.structured_outputs
+        if so is not None:
+            req.grammar = (so.compiled or self.structured_output.compile(so)).fork()
+        req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
         self.outputs.add(req)
         self.scheduler.add_request(req)
         return req
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for param, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids",
+                                                                     params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidInputError(f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab})",
+                                        param=param)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens alone and after a space (as vLLM: a word mid-sentence starts with one)."""
+        out = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
         """Refuse a prompt that cannot run (empty, too long for max_model_len); returns the resolved max_tokens."""
@@ -210,7 +238,7 @@ def _cpu_has_bf16() -> bool:
 def _needs_host_tokens(step: InflightStep) -> bool:
     """Penalties are computed from every earlier token id, so the next step must wait for these."""
     return any(r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty
-               or r.sampling_params.repetition_penalty != 1.0 for r in step.requests)
+               or r.sampling_params.repetition_penalty != 1.0 or needs_host_tokens(r) for r in step.requests)
 
 
 def _resolve_device(name: str) -> torch.device:

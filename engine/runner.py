@@ -18,6 +18,7 @@ from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.structured_output import catch_up_grammars
 from engine.transfer import to_device
 
 logger = init_logger(__name__)
@@ -100,6 +101,7 @@ class ModelRunner:
         if not inp.sample_requests:
             return InflightStep(so, [], None, None)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
+        catch_up_grammars(inp.sample_requests, prev)
         smd = SamplingMetadata.from_requests(inp.sample_requests, logits.shape[-1], self.device)
         out = sample(logits, smd)
         return InflightStep(so, inp.sample_requests, out.token_ids, out.logprobs)

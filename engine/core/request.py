@@ -51,6 +51,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
+        self.grammar = None                              # structured output: its matcher (engine.structured_output)
+        self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property
@@ -78,6 +80,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_pending_tokens -= 1
+        if self.grammar is not None:
+            self.grammar.consume(self.output_token_ids)
 
     # ---- positions (M-RoPE for Qwen3-VL, plain indices otherwise) -----------------------------------------
     def positions(self, start: int, end: int) -> torch.Tensor:
