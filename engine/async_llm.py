@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
-from engine.errors import EngineError, EngineOverloadedError
+from engine.errors import EngineError, EngineOverloadedError, InvalidInputError
 from engine.inputs.types import ProcessedPrompt
 from engine.llm_engine import LLMEngine
 from engine.logger import init_logger
@@ -58,6 +58,9 @@ class AsyncLLM:
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
         # executor, which is shut down with the engine
         self._workers = self.engine.input_processor.executor
+        # The grammar engine's view of the vocabulary takes a second or two to build: ready before the first
+        # structured-output request, built beside the engine loop.
+        self._workers.submit(self.engine.structured_output.ll_tokenizer)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -77,12 +80,26 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None,
-                           start: StartRequest | None = None) -> ProcessedPrompt:
+                           start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
-        `start`, the request is then queued from that same worker thread."""
+        `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
+        (tools, chat_template, continue_final_message)."""
         ip = self.engine.input_processor
-        return await self._on_worker(lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs),
-                                     start)
+        return await self._on_worker(
+            lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)
+
+    async def compile_structured_output(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's output constraint on a worker thread, not the engine loop; one that does not
+        compile is a 400 naming `param`, the request field that asked for it."""
+        so = params.structured_outputs
+        if so is None or so.compiled is not None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            so.compiled = await loop.run_in_executor(self._workers, self.engine.structured_output.compile, so)
+        except InvalidInputError as e:
+            e.param = param or e.param
+            raise
 
     async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
         return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)

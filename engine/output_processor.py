@@ -82,4 +82,4 @@ class OutputProcessor:
             stop_reason=req.stop_reason, text_delta=delta, token_ids_delta=delta_ids,
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None)
         return RequestOutput(req.request_id, req.prompt.prompt, req.prompt_token_ids, [completion], finished,
-                             req.metrics)
+                             req.metrics, prompt_logprobs=req.prompt_logprobs)

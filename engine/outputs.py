@@ -34,3 +34,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None            # set when the request failed inside the engine
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None at position 0)

@@ -3,7 +3,7 @@
 the next tokens on the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ class ModelInput:
     logits_indices: torch.Tensor     # [S] rows of the batch whose logits are sampled
     sample_requests: list[Request]   # the S requests, in logits order
     mm: MultimodalEmbeds | None
+    flat_starts: dict[str, int] = field(default_factory=dict)   # request id -> its chunk's first batch row
 
 
 class InflightStep:
@@ -39,8 +40,9 @@ class InflightStep:
     step's work (an event), never for a later step queued behind it."""
 
     def __init__(self, so: SchedulerOutput, requests: list[Request], token_ids: torch.Tensor | None,
-                 logprobs: list | None):
+                 logprobs: list | None, prompt_logprobs: list[PromptLogprobs] | None = None):
         self.so = so
+        self.prompt_logprobs = prompt_logprobs or []
         self.requests = requests                  # the requests that sampled, in row order
         self.rows = {r.request_id: i for i, r in enumerate(requests)}
         self.token_ids = token_ids                # [S] on the device (the next step's pending inputs)
@@ -54,6 +56,9 @@ class InflightStep:
             self._event.record()
 
     def result(self) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
+        for chunk in self.prompt_logprobs:
+            chunk.store()
+        self.prompt_logprobs = []
         if self.token_ids is None:
             return {}, {}
         if self._event is not None:
@@ -63,6 +68,43 @@ class InflightStep:
             tokens = self.token_ids.tolist()
         ids = [r.request_id for r in self.requests]
         return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
+
+
+@dataclass
+class PromptLogprobs:
+    """prompt_logprobs of one prompt chunk, on the device until the step's result is read: row j is the
+    distribution after token first + j - 1, scored at prompt token first + j."""
+    request: Request
+    first: int                        # the first prompt position these rows score
+    chosen: torch.Tensor              # [R] logprob of each prompt token
+    top_values: torch.Tensor | None   # [R, k]
+    top_ids: torch.Tensor | None
+
+    @classmethod
+    def compute(cls, model, hidden: torch.Tensor, req: Request, so: SchedulerOutput, flat: int) -> "PromptLogprobs":
+        start = so.chunk_start[req.request_id]
+        end = min(start + so.num_scheduled_tokens[req.request_id], req.num_prompt_tokens - 1)
+        lp = model.compute_logits(hidden[flat:flat + end - start]).float().log_softmax(-1)
+        targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], dtype=torch.int64, device=lp.device)
+        k = req.sampling_params.prompt_logprobs
+        top = lp.topk(k, dim=-1) if k else (None, None)
+        return cls(req, start + 1, lp.gather(-1, targets[:, None]).squeeze(-1), *top)
+
+    def store(self) -> None:
+        """Into the request's prompt_logprobs ({token: logprob}, the prompt's own token first; None at position
+        0, which nothing predicts). A prompt computed again after a preemption writes the same places."""
+        req = self.request
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        tops = zip(self.top_ids.tolist(), self.top_values.tolist()) if self.top_ids is not None else None
+        for j, value in enumerate(self.chosen.tolist()):
+            pos = self.first + j
+            entry = {req.prompt_token_ids[pos]: value}
+            if tops is not None:
+                ids, values = next(tops)
+                for t, v in zip(ids, values):
+                    entry.setdefault(t, v)
+            req.prompt_logprobs[pos] = entry
 
 
 class ModelRunner:
@@ -98,13 +140,16 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
+        prompt_lps = [PromptLogprobs.compute(self.model, hidden, r, so, inp.flat_starts[r.request_id])
+                      for r in so.scheduled if r.sampling_params.prompt_logprobs is not None
+                      and so.chunk_start[r.request_id] < r.num_prompt_tokens - 1]
         if not inp.sample_requests:
-            return InflightStep(so, [], None, None)
+            return InflightStep(so, [], None, None, prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         catch_up_grammars(inp.sample_requests, prev)
         smd = SamplingMetadata.from_requests(inp.sample_requests, logits.shape[-1], self.device)
         out = sample(logits, smd)
-        return InflightStep(so, inp.sample_requests, out.token_ids, out.logprobs)
+        return InflightStep(so, inp.sample_requests, out.token_ids, out.logprobs, prompt_lps)
 
     # ---- batch construction --------------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput, prev: InflightStep | None = None,
@@ -120,7 +165,7 @@ class ModelRunner:
         positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
-        logits_rows, sample_reqs, chunks = [], [], []
+        logits_rows, sample_reqs, chunks, flat_starts = [], [], [], {}
         mrope = self.config.mrope_section is not None
         for req in reqs:
             n = so.num_scheduled_tokens[req.request_id]
@@ -141,6 +186,7 @@ class ModelRunner:
                 positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append((req, query_start[-1], start, end))
+            flat_starts[req.request_id] = query_start[-1]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
@@ -176,7 +222,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(logits_rows, torch.int64, dev),
-            sample_requests=sample_reqs, mm=self._multimodal_embeds(chunks, images))
+            sample_requests=sample_reqs, mm=self._multimodal_embeds(chunks, images), flat_starts=flat_starts)
 
     # ---- vision --------------------------------------------------------------------------------------------
     def encode_images(self, so: SchedulerOutput) -> dict[str, EncoderOutput]:

@@ -27,7 +27,7 @@ logger = init_logger(__name__)
 # Optional whitespace between JSON tokens: one space, or one line break and an indentation; what compact and
 # pretty-printed JSON use. Unbounded whitespace would let a model (surely a random one) pad forever inside a
 # valid prefix.
-_JSON_WHITESPACE = r"(\x20|\n[\x20\x09]{0,32})?"
+JSON_WHITESPACE = r"(\x20|\n[\x20\x09]{0,32})?"
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
@@ -39,7 +39,7 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
             schema = {"type": "object"} if so.json_object else so.json
             text = schema if isinstance(schema, str) else json.dumps(schema)
             defaults = {"whitespace_flexible": False} if so.disable_any_whitespace else \
-                {"whitespace_pattern": _JSON_WHITESPACE}
+                {"whitespace_pattern": JSON_WHITESPACE}
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=defaults)
         if so.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(so.regex)

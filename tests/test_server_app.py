@@ -37,7 +37,8 @@ class ScriptedLLM:
         self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x"), max_model_len=64,
                                       model_config=SimpleNamespace(vocab_size=100))
 
-    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None):
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None,
+                           **options):
         return ProcessedPrompt(prompt_token_ids=[1, 2, 3])      # generate() plays the script, started or not
 
     def check_request(self, prompt, params) -> int:

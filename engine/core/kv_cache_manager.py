@@ -52,8 +52,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks at the start of the request, and the tokens they cover.
         Never the block holding the last token: that token must be computed to produce logits."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0          # prompt logprobs need the logits of every prompt token (as vLLM)
         request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

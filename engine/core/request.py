@@ -50,6 +50,7 @@ class Request:
         self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None   # when asked: one per prompt token
         self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
         self.grammar = None                              # structured output: its matcher (engine.structured_output)
         self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine

@@ -6,6 +6,7 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 """
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import ImageError, InvalidInputError
+from engine.errors import EngineError, ImageError, InvalidInputError
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
@@ -87,19 +88,25 @@ class InputProcessor:
 
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        """OpenAI-style chat messages, rendered with the model's chat template and tokenized without added
-        special tokens (the template writes them), as apply_chat_template does."""
-        if self.chat_template is None:
-            raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead",
-                                    param="messages")
+                     tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                     continue_final_message: bool = False) -> ProcessedPrompt:
+        """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
+        `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
+        them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
+        text ends, for the model to continue that message."""
+        template = self.chat_template if chat_template is None else request_template(chat_template)
+        if template is None:
+            raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
+                                    "or a chat_template", param="messages")
         kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None and self.chat_template is not None:   # the tokenizer's special tokens too
+            kwargs = {**self.chat_template.default_kwargs, **kwargs}
         bad = [k for k in kwargs if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KWARGS]
         if bad:
             raise InvalidInputError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
-        chat = parse_chat_messages(messages, self.chat_template.content_format)
+        chat = parse_chat_messages(messages, template.content_format)
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
@@ -107,8 +114,9 @@ class InputProcessor:
         # still wins over an image error, and images not started by then are not started.
         pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
         try:
-            text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **kwargs)
+            text = template.render(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+            if continue_final_message:
+                text = _cut_after_final_message(text, chat.messages[-1])
             token_ids = self._encode(text, add_special_tokens=False)
             images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
         finally:
@@ -225,3 +233,31 @@ class InputProcessor:
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
                                  f"accept images", param=param)
+
+
+@functools.lru_cache(maxsize=16)
+def request_template(source: str) -> ChatTemplate:
+    """A request's own chat template, compiled once per distinct source. It gets no tokenizer kwargs: the
+    request's template writes its special tokens itself."""
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidInputError("chat_template must be a non-empty Jinja template", param="chat_template")
+    try:
+        return ChatTemplate(source)
+    except EngineError as e:
+        raise InvalidInputError(f"chat_template: {e.message}", param="chat_template") from None
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat up to the end of the last message's text, as transformers' continue_final_message."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise InvalidInputError("continue_final_message needs the last message to be an assistant message with "
+                                "text", param="continue_final_message")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise InvalidInputError("continue_final_message: the chat template does not write the last message's text "
+                                "verbatim", param="continue_final_message")
+    return text[:at + len(content.strip())]

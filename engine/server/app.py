@@ -9,6 +9,7 @@
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
 | GET  /stats/blocks             | no   | who holds which GPU block, run-length encoded (kv_map.py)    |
 | GET  /metrics                  | no   | Prometheus text                                              |
+| POST /tokenize, /detokenize    | no   | a prompt or chat messages -> token ids, and back (as vLLM)   |
 | GET  /version                  | no   | {"version": ...}                                             |
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.metrics import render_metrics
 from engine.server.middleware import access_log_middleware, error_middleware
 from engine.server.state import STATE, ServerState
+from engine.server.tokenize import detokenize, tokenize
 
 SHUTDOWN_GRACE_S = 5.0      # how long running generations may go on after SIGTERM/SIGINT
 
@@ -84,6 +86,8 @@ ROUTES = [
     web.get("/v1/models/{model:.+}", retrieve_model, allow_head=False),
     web.post("/v1/chat/completions", create_chat_completion),
     web.post("/v1/completions", create_completion),
+    web.post("/tokenize", tokenize),
+    web.post("/detokenize", detokenize),
     web.get("/stats", stats, allow_head=False),
     web.get("/stats/blocks", block_map, allow_head=False),
     web.get("/metrics", metrics, allow_head=False),

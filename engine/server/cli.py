@@ -26,6 +26,8 @@ class ServerArgs:
     disable_access_log: bool
     disable_log_requests: bool
     load_status_file: str | None = None     # where engine.load_progress reports how far the start has come
+    enable_auto_tool_choice: bool = False     # tool_choice "auto": parse the model's tool calls
+    tool_call_parser: str | None = None
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -60,6 +62,10 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--load-status-file", default=None,
                    help="write start-up progress here as JSON (phase, progress 0..1) until the server listens; "
                         "the proxy's --engine-status-file reads it to show 'Loading model… N%%'")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen and Hermes)")
     return p
 
 
@@ -70,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
         parser.error(f"--port must be in [0, 65535], not {ns.port}")
     if ns.max_request_body_mb <= 0:
         parser.error("--max-request-body-mb must be positive")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     try:
         engine_args = EngineArgs.from_cli(ns)
     except ValueError as e:            # EngineArgs checks ranges and choices: a usage error, not a crash
@@ -78,5 +86,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
         host=ns.host, port=ns.port, api_key=api_key_from_env(ns.api_key), log_file=ns.log_file,
         max_request_body_mb=ns.max_request_body_mb, generation_config=ns.generation_config,
         disable_access_log=ns.disable_access_log, disable_log_requests=ns.disable_log_requests,
-        load_status_file=ns.load_status_file)
+        load_status_file=ns.load_status_file, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser)
     return engine_args, server_args

@@ -41,7 +41,8 @@ def run(argv: list[str] | None = None) -> None:
     load_progress.report("starting the server", 0.97)
     defaults = load_sampling_defaults(engine_args.model, server_args.generation_config)
     state = ServerState(engine=engine, served_model_name=engine.model_name, model_path=engine_args.model,
-                        sampling_defaults=defaults, log_requests=not server_args.disable_log_requests)
+                        sampling_defaults=defaults, log_requests=not server_args.disable_log_requests,
+                        auto_tool_choice=server_args.enable_auto_tool_choice)
     try:
         code = asyncio.run(_serve(build_app(state, server_args), server_args))
     finally:

@@ -27,6 +27,7 @@ class ServerState:
     model_path: str
     sampling_defaults: SamplingDefaults
     log_requests: bool = True
+    auto_tool_choice: bool = False     # --enable-auto-tool-choice
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     token_text: TokenText = field(init=False)
