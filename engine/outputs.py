@@ -22,6 +22,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)   # seconds between successive tokens
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
 

@@ -184,3 +184,60 @@ def test_logit_bias_over_http(server, tok):
     reply = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 3, "temperature": 0,
                                                   "logit_bias": {str(forced): 100}, "ignore_eos": True})
     assert reply["choices"][0]["message"]["content"] == tok.decode([forced] * 3)
+
+
+V1_NAMES = {  # vLLM V1's /metrics (vllm/v1/metrics/loggers.py), as prometheus_client's parser names families
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:gpu_prefix_cache_queries": "counter", "vllm:gpu_prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    **{name: "histogram" for name in (
+        "vllm:iteration_tokens_total", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+        "vllm:request_max_num_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens",
+        "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+        "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+        "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds", "vllm:time_per_prefill_token_request_seconds")},
+}
+
+
+def read_metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    reply = http("GET", server.url + "/metrics")
+    assert reply.status == 200
+    return {f.name: f for f in text_string_to_metric_families(reply.text)}
+
+
+def value(families, name, suffix="", **labels):
+    return sum(s.value for s in families[name].samples
+               if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_carry_vllm_v1_names_with_real_values(server):
+    before = read_metrics(server)
+    assert {n: before[n].type for n in V1_NAMES if n in before} == V1_NAMES
+    reply = post(server, "/v1/completions", {"prompt": "The cat sat", "max_tokens": 7, "temperature": 0,
+                                             "ignore_eos": True, "n": 2})
+    after = read_metrics(server)
+    usage = reply["usage"]
+    assert value(after, "vllm:request_params_n", "_sum") - value(before, "vllm:request_params_n", "_sum") == 2
+    assert value(after, "vllm:request_generation_tokens", "_sum") - \
+        value(before, "vllm:request_generation_tokens", "_sum") == usage["completion_tokens"] == 14
+    assert value(after, "vllm:request_prompt_tokens", "_sum") - \
+        value(before, "vllm:request_prompt_tokens", "_sum") == 2 * usage["prompt_tokens"]
+    assert value(after, "vllm:request_success", "_total", finished_reason="length") - \
+        value(before, "vllm:request_success", "_total", finished_reason="length") == 2
+    # six gaps between seven tokens, per choice
+    assert value(after, "vllm:inter_token_latency_seconds", "_count") - \
+        value(before, "vllm:inter_token_latency_seconds", "_count") == 12
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:time_to_first_token_seconds"):
+        assert value(after, name, "_count") - value(before, name, "_count") == 2
+    steps = value(after, "vllm:iteration_tokens_total", "_count") - value(before, "vllm:iteration_tokens_total",
+                                                                            "_count")
+    tokens = value(after, "vllm:iteration_tokens_total", "_sum") - value(before, "vllm:iteration_tokens_total",
+                                                                         "_sum")
+    assert steps >= 7 and tokens >= usage["prompt_tokens"] + 12
+    assert 0 <= value(after, "vllm:kv_cache_usage_perc") <= 1

@@ -72,7 +72,8 @@ async def block_map(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name)
+    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name,
+                          state.engine.engine.stats.iteration_tokens)
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

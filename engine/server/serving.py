@@ -107,6 +107,7 @@ def running_usage(out: RequestOutput) -> dict:
 async def serve_generation(request: web.Request, state: ServerState, gen: Generation,
                            fmt: ResponseFormat) -> web.StreamResponse:
     children = gen.children()
+    state.metrics.on_started(gen.n, gen.params.max_tokens)
     task = asyncio.current_task()
     state.generations.add(task)         # so that shutdown can wait for it, then cancel it
     try:

@@ -35,6 +35,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.engine.engine.tokenizer)
+        self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
 
     @property
     def max_model_len(self) -> int:
