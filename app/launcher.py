@@ -72,6 +72,9 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
     if not any(a.endswith("enable-prefix-caching") for a in extra):
         # A chat re-sends its whole history every turn: the cache skips the turns already computed.
         cmd.append("--enable-prefix-caching")
+    if not any(a.startswith("--tool-call-parser") for a in extra):
+        # Agents send tools with tool_choice "auto" (their default); Qwen writes hermes-style calls.
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     return cmd + extra
 
 
