@@ -39,7 +39,9 @@ class LogitsMasks:
                 if req.grammar is not None:
                     req.grammar.fill_bitmask(host, k)
                 if req.sampling_params.allowed_token_ids:
-                    host[k] &= _bits(req.sampling_params.allowed_token_ids, host.shape[1])
+                    if req.allowed_token_bits is None:
+                        req.allowed_token_bits = _bits(req.sampling_params.allowed_token_ids, host.shape[1])
+                    host[k] &= req.allowed_token_bits
             bitmask = to_device(host, torch.int32, device)
             rows = to_device([i for i, _ in masked], torch.int64, device)
         bias = [(i, to_device(list(b), torch.int64, device), to_device(list(b.values()), torch.float32, device))

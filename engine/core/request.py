@@ -54,6 +54,7 @@ class Request:
         self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
         self.grammar = None                              # structured output: its matcher (engine.structured_output)
         self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine
+        self.allowed_token_bits = None                   # allowed_token_ids as a bitmask row, built once
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property
