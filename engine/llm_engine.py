@@ -138,7 +138,9 @@ class LLMEngine:
                       arrival_time)
         so = params.structured_outputs
         if so is not None:
-            req.grammar = (so.compiled or self.structured_output.compile(so)).fork()
+            if so.compiled is None:      # compiled once; each request forks its own matcher
+                so.compiled = self.structured_output.compile(so)
+            req.grammar = so.compiled.fork()
         req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)

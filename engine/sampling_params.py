@@ -91,7 +91,7 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidInputError(f"{param} must be an integer", param=param)
         checks = [
-            (1 <= self.n <= 128, "n", "n must be in [1, 128]"),
+            (self.n == 1, "n", "an engine request is one sequence (n=1); the server's n fans out into n requests"),
             (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be in [0, 100]"),
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "top_k must be -1, 0 (off) or a positive integer"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine_server import http, start_engine_server, stats
+from engine_server import http, start_engine_server, stats, wait_blocks_free
 from oracle import hf_model
 
 SERVED = "tiny-vl"
@@ -70,6 +70,20 @@ def test_n_streams_every_choice(client):
             if c.finish_reason:
                 finished.add(c.index)
     assert finished == {0, 1} and set(texts) == {0, 1}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_leaving_an_n_request_frees_every_choices_blocks(client, server, stream):
+    slow = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1.5)
+    kwargs = dict(model=SERVED, messages=USER, n=3, max_tokens=1500, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = client.chat.completions.create(stream=True, **kwargs)
+        next(iter(chunks))
+        chunks.close()
+    else:
+        with pytest.raises(openai.APITimeoutError):
+            slow.chat.completions.create(**kwargs)
+    wait_blocks_free(server, timeout=10)
 
 
 def test_best_of_returns_the_most_likely_candidate(server):

@@ -196,12 +196,11 @@ def logit_bias(f: Fields) -> dict[int, float] | None:
 
 
 def sampling_params(f: Fields, defaults: SamplingDefaults, max_tokens: int | None,
-                    logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None,
-                    n: int = 1) -> SamplingParams:
-    """SamplingParams from the body; max_tokens, logprobs and n come resolved from the endpoint's own fields."""
+                    logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams of one engine request (n is the server's: serving.Generation fans out); max_tokens and
+    logprobs come resolved from the endpoint's own fields."""
     bad_words = f.strings("bad_words")
     return SamplingParams(
-        n=n,
         temperature=f.number("temperature", defaults.temperature),
         top_p=f.number("top_p", defaults.top_p),
         top_k=f.integer("top_k", defaults.top_k),

@@ -123,8 +123,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
             # share its KV blocks instead of computing the same prompt again.
             streams += [start(c) for c in children[1:]]
             if not gen.options.stream:
-                finals = [await _final(first, streams[0])]
-                finals += await asyncio.gather(*(_final(None, s) for s in streams[1:]))
+                finals = await _collect(first, streams)
                 for final in finals:
                     _on_finished(state, gen, final)
                 return web.json_response(fmt.response(_pick_best(gen, finals)), dumps=dumps)
@@ -151,6 +150,18 @@ async def _final(out: RequestOutput | None, outputs: AsyncIterator[RequestOutput
     while out is None or not out.finished:
         out = await _next_output(outputs)
     return out
+
+
+async def _collect(first: RequestOutput, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every candidate's final output. On an error or a cancellation the other readers are cancelled and
+    awaited, so that no output iterator is still being read when serve_generation closes it."""
+    tasks = [asyncio.ensure_future(_final(first if i == 0 else None, s)) for i, s in enumerate(streams)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _pick_best(gen: Generation, finals: list[RequestOutput]) -> list[RequestOutput]:
