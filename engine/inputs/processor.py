@@ -25,6 +25,7 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
                                     fetch_image_bytes, load_image)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
 
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
@@ -39,6 +40,7 @@ class InputLimits:
     allow_remote_media: bool = False                    # http(s) image URLs
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
     image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
+    allow_special_tokens_in_messages: bool = False      # typed <|im_start|> etc. in message text become tokens
 
 
 class InputProcessor:
@@ -53,6 +55,7 @@ class InputProcessor:
         self.image_processor = image_processor if model_config.is_multimodal else None
         self.limits = limits or InputLimits()
         self.image_cache = ImageCache(self.limits.image_cache_bytes)
+        self.typed_specials = TypedSpecialTokens(tokenizer)
         # The input side's one pool: the server processes prompts on it (AsyncLLM), and a chat's images load on it
         # all at once, several requests' at once, while the prompt's own thread renders and tokenizes.
         self.executor = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
@@ -107,14 +110,28 @@ class InputProcessor:
         # still wins over an image error, and images not started by then are not started.
         pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
         try:
-            text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **kwargs)
-            token_ids = self._encode(text, add_special_tokens=False)
+            text, token_ids = self._render_chat(chat.messages, add_generation_prompt, tools, kwargs)
             images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
         finally:
             for p in pending:
                 p.cancel()
         return self._build(token_ids, images, text, param="messages")
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids. Special-token strings the request typed (in messages, tools or
+        template kwargs) are tokenized as text, so that control tokens come only from the template."""
+        markers: dict[str, str] = {}
+        if not self.limits.allow_special_tokens_in_messages:
+            (messages, tools, kwargs), markers = self.typed_specials.mask((messages, tools, kwargs))
+        rendered = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **kwargs)
+        if not markers:
+            return rendered, self._encode(rendered, add_special_tokens=False)
+        if not rendered:
+            raise InvalidInputError("the prompt is empty", param="prompt")
+        return self.typed_specials.unmask(rendered, markers), self._check_token_ids(
+            self.typed_specials.encode(rendered, markers))
 
     # ---- building the prompt --------------------------------------------------------------------------------
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
