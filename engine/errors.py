@@ -42,3 +42,12 @@ class EngineOverloadedError(EngineError):
     """The engine cannot take more requests right now. HTTP 503."""
     status = 503
     err_type = "service_unavailable"
+
+
+class QueueFullError(EngineOverloadedError):
+    """More requests wait for a running slot than the server's limit (--max-waiting-requests). HTTP 503 with a
+    Retry-After header: the client should come back, not give up."""
+
+    def __init__(self, message: str, retry_after_s: int, param: str | None = None, code: str | None = "queue_full"):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s

@@ -71,7 +71,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
                            fmt: ResponseFormat) -> web.StreamResponse:
     outputs = state.engine.generate(gen.request_id, gen.prompt, gen.params, gen.options.priority)
     task = asyncio.current_task()
-    state.generations.add(task)         # so that shutdown can wait for it, then cancel it
+    state.generations[task] = gen.request_id     # so that shutdown can wait for it, then end it
     try:
         async with contextlib.aclosing(outputs):
             first = await _next_output(outputs)
@@ -90,7 +90,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
             logger.info("Aborted request %s: the client disconnected or the server is stopping", gen.request_id)
         raise
     finally:
-        state.generations.discard(task)
+        state.generations.pop(task, None)
 
 
 async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -102,7 +102,7 @@ async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
                   out: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> web.StreamResponse:
-    sse = await SSEWriter.start(request)
+    sse = await SSEWriter.start(request, state.stream_write_timeout)
     try:
         while True:
             chunk = fmt.chunk(out)
