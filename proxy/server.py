@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import CONFIG, CONTROL_SESSION, SESSION, ProxyConfig
-from proxy.engine_status import engine_down_response
+from proxy.engine_status import engine_down_response, read_engine_status
 from proxy.errors import error_response
 from proxy.forward import forward
 from proxy.page import add_page_routes, engine_loading, loading_response
@@ -86,6 +86,8 @@ async def health(request: web.Request) -> web.Response:
         return engine_down_response(cfg, for_page=True)
     if status == 200:
         return web.json_response({"proxy": "ok", "engine": "ready"})
+    if read_engine_status(cfg) is not None:          # up but still loading after a restart
+        return engine_down_response(cfg, for_page=True)
     return error_response(503, f"The inference engine is not ready yet (its /health answered {status}); "
                                "it is probably still loading the model.", "service_unavailable",
                           code="engine_starting", extra={"proxy": "ok", "engine": "starting"})
