@@ -51,3 +51,10 @@ class QueueFullError(EngineOverloadedError):
     def __init__(self, message: str, retry_after_s: int, param: str | None = None, code: str | None = "queue_full"):
         super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s
+
+
+class ServerBusyError(EngineError):
+    """A shared resource (the memory budget for decoding images) is used up for now. HTTP 429: retry shortly."""
+    status = 429
+    err_type = "rate_limit_error"
+    retry_after_s = 1

@@ -31,6 +31,11 @@ def server(qwen3_vl_dir, tmp_path_factory):
     srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-errors"), "--max-request-body-mb", "1",
                               "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
                               api_key=API_KEY, served_name=SERVED)
+    # A good image and bytes that are no image first: the first decode starts what later ones reuse, and the first
+    # unknown format makes Pillow import all its plugins (once per process); the table times each request.
+    http("POST", srv.url + CHAT, image_chat(SMALL_IMAGE), srv.auth, timeout=60)
+    http("POST", srv.url + CHAT, image_chat("data:image/png;base64," + base64.b64encode(b"warm-up").decode()),
+         srv.auth, timeout=60)
     yield srv
     srv.stop()
 
