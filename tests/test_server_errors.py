@@ -17,6 +17,7 @@ from PIL import Image
 
 from engine_helpers import noise_image
 from engine_server import http, start_engine_server, wait_blocks_free
+from servers import start_proxy
 
 API_KEY = "sk-errors-test"
 SERVED = "tiny-vl"
@@ -208,11 +209,39 @@ def test_bad_request(server, case: Case):
     assert elapsed < FAST_S, f"{elapsed * 1000:.0f} ms"
 
 
+@pytest.fixture(scope="module")
+def proxy(server, tmp_path_factory):
+    """The chat proxy in front of the same engine, holding its API key (so the table's auth cases do not apply)."""
+    srv = start_proxy(server.url, tmp_path_factory.mktemp("proxy-errors"), api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+PROXY_CASES = [c for c in CASES if c.status != 401]      # the proxy sends its own key
+
+
+@pytest.mark.parametrize("case", PROXY_CASES, ids=[c.name for c in PROXY_CASES])
+def test_bad_request_through_the_proxy(proxy, case: Case):
+    """The same table through the proxy: the same status, shape and advice (the proxy's own 404/405/415 name the
+    route and the content type as the engine does)."""
+    headers = {k: v for k, v in (case.headers or {}).items() if k != "Authorization"}
+    start = time.perf_counter()
+    reply = http(case.method, proxy.url + case.path, case.body, headers, timeout=30)
+    elapsed = time.perf_counter() - start
+    assert reply.status == case.status, reply.text
+    assert reply.headers["Content-Type"].startswith("application/json"), reply.headers
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["param"] == case.param, error
+    assert case.says in error["message"], error["message"]
+    assert elapsed < 2 * FAST_S, f"{elapsed * 1000:.0f} ms"
+
+
 def test_table_is_large_enough():
     assert len(CASES) >= 60
 
 
-def test_engine_still_serves_after_the_bad_requests(server):
+def test_engine_still_serves_after_the_bad_requests(server, proxy):
     # Runs after the table (pytest keeps file order): nothing broke, nothing leaked, nothing answered 500.
     assert http("GET", server.url + "/health").text == "ok"
     reply = http("POST", server.url + CHAT, chat(max_tokens=3, ignore_eos=True), server.auth)
