@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
 from engine.errors import EngineError, EngineOverloadedError, QueueFullError
@@ -42,6 +42,7 @@ class StartRequest:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)   # set once the engine has queued it
 
 
 class AsyncLLM:
@@ -154,6 +155,13 @@ class AsyncLLM:
             if not finished:
                 self._send(("abort", request_id))
 
+    async def wait_admitted(self, request_id: str) -> None:
+        """Return once the engine has queued the request (its checks on the engine thread passed), or at once if
+        it is not in flight here."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await stream.admitted.wait()
+
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
@@ -226,6 +234,9 @@ class AsyncLLM:
                     continue
                 try:
                     self.engine.add_request(rid, prompt, params, priority=priority, arrival_time=arrival)
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.loop.call_soon_threadsafe(stream.admitted.set)
                 except EngineError as e:
                     self._deliver(rid, e)
                 except Exception as e:   # noqa: BLE001 - a bug in one request must not stop the loop

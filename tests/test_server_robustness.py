@@ -174,6 +174,40 @@ def test_a_stalled_reader_loses_its_stream():
     assert asyncio.run(run()) < 1.0 and Request.transport.aborted
 
 
+def test_a_queued_stream_gets_its_headers_at_once(server):
+    """With every running slot taken, a new stream still gets `200 OK` and its headers at once; tokens follow
+    when a slot frees up."""
+    async def run() -> float:
+        busy = await asyncio.gather(*(_open_stream(server.port, max_tokens=1500) for _ in range(16)))
+        try:
+            deadline = time.monotonic() + 30
+            while stats(server)["num_running"] < 16:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            start = time.monotonic()
+            reader, writer = await _open_stream(server.port, max_tokens=2)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            elapsed = time.monotonic() - start
+            assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+            assert stats(server)["num_waiting"] >= 1        # it is still queued
+            writer.close()
+            return elapsed
+        finally:
+            for _, writer in busy:
+                writer.close()
+    assert asyncio.run(run()) < 1.0
+    wait_blocks_free(server, timeout=10)
+
+
+async def _open_stream(port: int, max_tokens: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(chat(max_tokens=max_tokens, ignore_eos=True, stream=True)).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    await writer.drain()
+    return reader, writer
+
+
 def test_stop_ends_open_streams_with_an_error_event_and_done(server):
     """Runs last: SIGTERM while a long stream is open. Once the grace period is over, the stream gets an error
     event and [DONE] rather than a cut connection."""

@@ -1,8 +1,9 @@
 """One generation, from a parsed request to the HTTP response, shared by chat and completions.
 
-The first engine output is awaited before any byte is sent: errors at admission (overloaded, prompt too long,
-engine dead, a failed first step) then still get their own HTTP status instead of an error event inside a
-200 stream; the client loses nothing, since no token could be sent before the first one exists anyway.
+A plain response waits for the whole generation. A stream sends its headers as soon as the engine has queued
+the request (or its first output is there, if that comes first): errors at admission (overloaded, prompt too
+long, engine dead) still get their own HTTP status, and a client whose request waits in the queue knows at once
+that it was taken. A later failure (a failed step) is an error event inside the 200 stream.
 The engine's output iterator is always closed (contextlib.aclosing), whether the response ends normally, the
 write fails because the client went away, or aiohttp cancels the handler: closing it aborts the request in
 the engine, which frees its KV blocks at the next step boundary.
@@ -74,14 +75,13 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
     state.generations[task] = gen.request_id     # so that shutdown can wait for it, then end it
     try:
         async with contextlib.aclosing(outputs):
-            first = await _next_output(outputs)
-            if not gen.options.stream:
-                final = first
-                while not final.finished:
-                    final = await _next_output(outputs)
-                _on_finished(state, gen, final)
-                return web.json_response(fmt.response(final), dumps=dumps)
-            return await _stream(request, state, gen, fmt, first, outputs)
+            if gen.options.stream:
+                return await _stream(request, state, gen, fmt, outputs)
+            final = await _next_output(outputs)
+            while not final.finished:
+                final = await _next_output(outputs)
+            _on_finished(state, gen, final)
+            return web.json_response(fmt.response(final), dumps=dumps)
     except (asyncio.CancelledError, ConnectionResetError):
         # The client went away (aiohttp cancelled the handler, or a write failed); leaving the `async with`
         # has already aborted the request in the engine.
@@ -100,10 +100,41 @@ async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
-async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
-                  out: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> web.StreamResponse:
-    sse = await SSEWriter.start(request, state.stream_write_timeout)
+async def _first_output_or_admission(state: ServerState, gen: Generation,
+                                     outputs: AsyncIterator[RequestOutput]) -> asyncio.Task:
+    """The task reading the first output, once that output is there or the engine has queued the request; an
+    error before either (the engine refused the request) is raised here, before any header is sent."""
+    first = asyncio.ensure_future(_next_output(outputs))      # starts the request if no StartRequest did
+    admitted = asyncio.ensure_future(state.engine.wait_admitted(gen.request_id))
     try:
+        await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _cancel(first)
+        raise
+    finally:
+        admitted.cancel()
+    if first.done():
+        first.result()
+    return first
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel the task reading the engine's outputs and let it unwind, so that the output iterator can then be
+    closed (closing it while the task is still inside it would fail)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
+                  outputs: AsyncIterator[RequestOutput]) -> web.StreamResponse:
+    first = await _first_output_or_admission(state, gen, outputs)
+    try:
+        sse = await SSEWriter.start(request, state.stream_write_timeout)
+    except BaseException:
+        await _cancel(first)
+        raise
+    try:
+        out = await first
         while True:
             chunk = fmt.chunk(out)
             if chunk is not None:
