@@ -3,8 +3,7 @@ is neither nested past MAX_JSON_DEPTH nor holds a lone UTF-16 surrogate.
 
 Both would otherwise fail deep inside (a RecursionError in a recursive walk, a TypeError in the tokenizer, an
 encoding error while writing an error message that quotes the value) and come back as a 500. Here they are a
-400 naming the field, found by one iterative walk over the parsed body (the lifted image data URLs are not
-strings any more, so the walk only sees the small part of a large body).
+400 naming the field, found by one iterative walk over the parsed body.
 """
 from __future__ import annotations
 
