@@ -144,7 +144,7 @@ def test_a_killed_engine_is_restarted_and_the_page_keeps_working(qwen3_vl_dir, a
     launcher, out = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], env, tmp_path)
     proxy_url = f"http://127.0.0.1:{env['PROXY_PORT']}"
     try:
-        engine = next(p for p in tree(launcher.pid) if "engine" in " ".join(p.cmdline()))
+        engine = next(p for p in tree(launcher.pid) if "-m engine" in " ".join(p.cmdline()))
         events = stream_until_cut(proxy_url, engine)
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         # Within a poll of the launcher, the proxy says why the engine does not answer.
