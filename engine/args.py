@@ -36,6 +36,8 @@ class EngineArgs:
     max_image_pixels: int = 40_000_000
     allow_remote_media: bool = False             # fetch http(s) image URLs (off: only data: URLs)
     allowed_local_media_path: str | None = None  # serve file:// image URLs from inside this directory
+    allow_special_tokens_in_messages: bool = False   # typed <|im_start|> in chat text: a token, not text
+    max_pixels_in_flight: int = 160_000_000      # image pixels decoded at once, all requests (429 past it)
     seed: int = 0
     demo_model: bool = False                     # the small text-only default model of run_app.sh
 
@@ -105,6 +107,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
     p.add_argument("--allow-remote-media", action="store_true", help="allow http(s) image URLs (off by default)")
     p.add_argument("--allowed-local-media-path", default=None, help="allow file:// image URLs under this dir")
+    p.add_argument("--max-pixels-in-flight", type=int, default=d.max_pixels_in_flight,
+                   help="image pixels being decoded at once over all requests; an image past it gets 429 "
+                        "(default %(default)s: four images at --max-image-pixels)")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="tokenize special-token strings typed in chat messages (<|im_start|>...) as control "
+                        "tokens; by default they are text, and only the chat template writes control tokens")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--demo-model", action="store_true", help=argparse.SUPPRESS)
     return p

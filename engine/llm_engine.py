@@ -81,6 +81,7 @@ class LLMEngine:
                 use_graphs, num_scratch = False, 0
         self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
+        self.input_processor.max_prompt_tokens = self.max_model_len
         if self.max_model_len < max_len:
             under = "" if self.gpu_memory_limit is None else \
                 f" under --gpu-memory-limit {self.gpu_memory_limit / GiB:.2f} GiB"

@@ -47,6 +47,12 @@ class ScriptedLLM:
     def stats(self) -> dict:
         return {"multimodal": False, "demo_model": False}
 
+    def admission_stats(self) -> dict:
+        return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}
+
+    async def wait_admitted(self, request_id) -> None:
+        await asyncio.Event().wait()     # never says "queued": each stream's first output (or error) comes first
+
     async def generate(self, request_id, prompt, params, priority=0):
         for item in self.script:
             if isinstance(item, BaseException):

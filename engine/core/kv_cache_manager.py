@@ -62,8 +62,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
+        # Counted once per request: a request that does not fit is looked up again at every step until it does,
+        # and counting each attempt would weigh the hit rate by how long requests waited.
+        if not request.prefix_cache_counted:
+            request.prefix_cache_counted = True
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def cache_computed_blocks(self, request: Request) -> None:

@@ -48,6 +48,7 @@ class Request:
         self.num_pending_tokens = 0                      # sampled on the device, id not yet on the host
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
+        self.prefix_cache_counted = False                # its lookup is in the prefix-cache stats already
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] | None = None   # when asked: one per prompt token

@@ -6,6 +6,7 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +19,8 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import EngineError, ImageError, InvalidInputError
+from engine.errors import EngineError, ImageError, InvalidInputError, PromptTooLongError
+from engine.inputs.budget import PixelBudget
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
@@ -26,8 +28,12 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
                                     fetch_image_bytes, load_image)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
 
+# _refuse_surely_too_long: characters per piece, and the tokens a cut between two pieces may add.
+_PIECE_CHARS = 16384
+_CUT_MARGIN_TOKENS = 2
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -40,6 +46,8 @@ class InputLimits:
     allow_remote_media: bool = False                    # http(s) image URLs
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
     image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
+    allow_special_tokens_in_messages: bool = False      # typed <|im_start|> etc. in message text become tokens
+    max_pixels_in_flight: int | None = 160_000_000      # pixels decoded at once over all requests (429 past it)
 
 
 class InputProcessor:
@@ -54,6 +62,11 @@ class InputProcessor:
         self.image_processor = image_processor if model_config.is_multimodal else None
         self.limits = limits or InputLimits()
         self.image_cache = ImageCache(self.limits.image_cache_bytes)
+        self.typed_specials = TypedSpecialTokens(tokenizer)
+        self.pixel_budget = PixelBudget(self.limits.max_pixels_in_flight)
+        # The engine's max_model_len, once known: a text that surely tokenizes past it is refused before it is
+        # tokenized in full (a 30 MB prompt would otherwise take seconds and gigabytes to be refused).
+        self.max_prompt_tokens: int | None = None
         # The input side's one pool: the server processes prompts on it (AsyncLLM), and a chat's images load on it
         # all at once, several requests' at once, while the prompt's own thread renders and tokenizes.
         self.executor = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
@@ -114,15 +127,32 @@ class InputProcessor:
         # still wins over an image error, and images not started by then are not started.
         pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
         try:
-            text = template.render(chat.messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
-            if continue_final_message:
-                text = _cut_after_final_message(text, chat.messages[-1])
-            token_ids = self._encode(text, add_special_tokens=False)
+            text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
+                                                continue_final_message)
             images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
         finally:
             for p in pending:
                 p.cancel()
         return self._build(token_ids, images, text, param="messages")
+
+    def _render_chat(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
+                     continue_final_message: bool) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids. Special-token strings the request typed (in messages, tools or
+        template kwargs) are tokenized as text, so that control tokens come only from the template."""
+        markers: dict[str, str] = {}
+        if not self.limits.allow_special_tokens_in_messages:
+            (messages, tools, kwargs), markers = self.typed_specials.mask((messages, tools, kwargs))
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages[-1])
+        if not markers:
+            return rendered, self._encode(rendered, add_special_tokens=False, param="messages")
+        if not rendered:
+            raise InvalidInputError("the prompt is empty", param="prompt")
+        self._refuse_surely_too_long(rendered, "messages")
+        return self.typed_specials.unmask(rendered, markers), self._check_token_ids(
+            self.typed_specials.encode(rendered, markers))
 
     # ---- building the prompt --------------------------------------------------------------------------------
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
@@ -156,13 +186,36 @@ class InputProcessor:
         return ProcessedPrompt(prompt_token_ids=ids, prompt=text, images=items, mrope_positions=positions,
                                mrope_position_delta=delta)
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         if not text:
             raise InvalidInputError("the prompt is empty", param="prompt")
+        self._refuse_surely_too_long(text, param)
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise InvalidInputError("the prompt is empty after tokenization", param="prompt")
         return self._check_token_ids(ids)
+
+    def _refuse_surely_too_long(self, text: str, param: str) -> None:
+        """Tokenize a long text piece by piece (cut before a space, where the pre-tokenizer cuts too) and stop
+        as soon as the pieces alone hold more tokens than max_prompt_tokens, with a margin for the cuts. A text
+        of at most max_prompt_tokens / 4 characters is not looked at: no character becomes more than 4 tokens."""
+        limit = self.max_prompt_tokens
+        if limit is None or len(text) * 4 <= limit:
+            return
+        count, pieces, start = 0, 0, 0
+        while start < len(text):
+            end = start + _PIECE_CHARS
+            if end < len(text):
+                space = text.rfind(" ", start + _PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            count += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            pieces += 1
+            start = end
+            if count > limit + _CUT_MARGIN_TOKENS * pieces:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {limit} tokens, but the prompt has more than {count} "
+                    f"tokens (it is {len(text)} characters; counting stopped there); shorten the prompt",
+                    param=param, code="context_length")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
@@ -206,8 +259,10 @@ class InputProcessor:
         lim = self.limits
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        return self.image_cache.get_or_process(data, lambda: self._process_image(
-            load_image(data, lim.max_image_bytes, lim.max_image_pixels, ref.param), ref.param))
+        with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
+            return self.image_cache.get_or_process(data, lambda: self._process_image(load_image(
+                data, lim.max_image_bytes, lim.max_image_pixels, ref.param,
+                on_size=lambda w, h: held.enter_context(self.pixel_budget.hold(w * h, ref.param))), ref.param))
 
     def _process_image(self, image: Image.Image, param: str) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the

@@ -28,6 +28,7 @@ from engine.server.errors import dumps, error_response
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.metrics import render_metrics
 from engine.server.middleware import access_log_middleware, error_middleware
+from engine.server.request_body import BODY_TIMEOUT
 from engine.server.state import STATE, ServerState
 from engine.server.tokenize import detokenize, tokenize
 
@@ -43,9 +44,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _model_card(state: ServerState) -> dict:
+    # root is the served name, not vLLM's model path: the API must not hand out where files live on this machine.
     stats = state.engine.stats()
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+            "root": state.served_model_name, "parent": None, "max_model_len": state.max_model_len,
             "multimodal": stats["multimodal"], "demo_model": stats["demo_model"],
             # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
             "max_images_per_prompt": stats.get("max_images_per_prompt"),
@@ -63,7 +65,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({**request.app[STATE].engine.stats(), "version": __version__}, dumps=dumps)
+    engine = request.app[STATE].engine
+    return web.json_response({**engine.stats(), **engine.admission_stats(), "version": __version__}, dumps=dumps)
 
 
 async def block_map(request: web.Request) -> web.Response:
@@ -105,6 +108,7 @@ def build_app(state: ServerState, args: ServerArgs) -> web.Application:
     # client_max_size: aiohttp refuses larger bodies with 413 while reading them (turned into JSON above).
     app = web.Application(middlewares=middlewares, client_max_size=args.max_request_body_bytes)
     app[STATE] = state
+    app[BODY_TIMEOUT] = args.request_body_timeout
     app.add_routes(ROUTES)
     app.on_shutdown.append(_drain_generations)
     return app

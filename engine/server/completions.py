@@ -11,7 +11,6 @@ from aiohttp import web
 
 from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
-from engine.inputs.types import ProcessedPrompt
 from engine.outputs import RequestOutput
 from engine.server.logprobs import completion_logprobs, prompt_logprobs_json
 from engine.server.protocol import check_token_ids_in_vocab, choice_counts, renamed_params, sampling_params

@@ -18,6 +18,7 @@ from aiohttp import web
 from engine.errors import InvalidInputError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server.defaults import SamplingDefaults
+from engine.server.request_body import check_json_content_type, check_json_tree, read_body
 
 MAX_CHOICES = 16                                     # n and best_of: each choice is one engine request
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
@@ -25,7 +26,8 @@ _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_se
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
-    raw = await request.read()
+    check_json_content_type(request)
+    raw = await read_body(request)
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
@@ -33,9 +35,12 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
         body = _loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:      # the standard parser (orjson stops at 1024 levels)
+        raise InvalidInputError("the request body is nested too deeply", code="json_too_deep") from None
     if not isinstance(body, dict):
         raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
                                 code="invalid_json")
+    check_json_tree(body)
     return body
 
 

@@ -1,8 +1,9 @@
 """One generation, from a parsed request to the HTTP response, shared by chat and completions.
 
-The first engine output is awaited before any byte is sent: errors at admission (overloaded, prompt too long,
-engine dead, a failed first step) then still get their own HTTP status instead of an error event inside a
-200 stream; the client loses nothing, since no token could be sent before the first one exists anyway.
+A plain response waits for the whole generation. A stream sends its headers as soon as the engine has queued
+the request (or its first output is there, if that comes first): errors at admission (overloaded, prompt too
+long, engine dead) still get their own HTTP status, and a client whose request waits in the queue knows at once
+that it was taken. A later failure (a failed step) is an error event inside the 200 stream.
 The engine's output iterator is always closed (contextlib.aclosing), whether the response ends normally, the
 write fails because the client went away, or aiohttp cancels the handler: closing it aborts the request in
 the engine, which frees its KV blocks at the next step boundary.
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,7 +110,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
     children = gen.children()
     state.metrics.on_started(gen.n, gen.params.max_tokens)
     task = asyncio.current_task()
-    state.generations.add(task)         # so that shutdown can wait for it, then cancel it
+    state.generations[task] = gen.request_id     # so that shutdown can wait for it, then end it
     try:
         async with contextlib.AsyncExitStack() as stack:
             def start(child) -> AsyncIterator[RequestOutput]:
@@ -118,16 +119,18 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
                 stack.push_async_callback(it.aclose)     # closing aborts the request in the engine
                 return it
             streams = [start(children[0])]
-            first = await _next_output(streams[0])
             # The other candidates start once the first has computed the prompt: with prefix caching they then
             # share its KV blocks instead of computing the same prompt again.
-            streams += [start(c) for c in children[1:]]
-            if not gen.options.stream:
-                finals = await _collect(first, streams)
-                for final in finals:
-                    _on_finished(state, gen, final)
-                return web.json_response(fmt.response(_pick_best(gen, finals)), dumps=dumps)
-            return await _stream(request, state, gen, fmt, first, streams)
+            def start_others() -> list[AsyncIterator[RequestOutput]]:
+                return [start(c) for c in children[1:]]
+            if gen.options.stream:
+                return await _stream(request, state, gen, fmt, streams, start_others)
+            first = await _next_output(streams[0])
+            streams += start_others()
+            finals = await _collect(first, streams)
+            for final in finals:
+                _on_finished(state, gen, final)
+            return web.json_response(fmt.response(_pick_best(gen, finals)), dumps=dumps)
     except (asyncio.CancelledError, ConnectionResetError):
         # The client went away (aiohttp cancelled the handler, or a write failed); leaving the `async with`
         # has already aborted the requests in the engine.
@@ -136,7 +139,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
             logger.info("Aborted request %s: the client disconnected or the server is stopping", gen.request_id)
         raise
     finally:
-        state.generations.discard(task)
+        state.generations.pop(task, None)
 
 
 async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -181,14 +184,50 @@ def _cumulative_logprob(out: RequestOutput) -> float:
     return sum(entry[t] for t, entry in zip(c.token_ids, c.logprobs or []))
 
 
-async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
-                  first: RequestOutput, streams: list[AsyncIterator[RequestOutput]]) -> web.StreamResponse:
-    sse = await SSEWriter.start(request)
-    queue: asyncio.Queue = asyncio.Queue()
-    readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
-               for i, s in enumerate(streams)]
-    finals: list[RequestOutput | None] = [None] * len(streams)
+async def _first_output_or_admission(state: ServerState, gen: Generation,
+                                     outputs: AsyncIterator[RequestOutput]) -> asyncio.Task:
+    """The task reading the first output, once that output is there or the engine has queued the request; an
+    error before either (the engine refused the request) is raised here, before any header is sent."""
+    first = asyncio.ensure_future(_next_output(outputs))      # starts the request if no StartRequest did
+    admitted = asyncio.ensure_future(state.engine.wait_admitted(gen.request_id))
     try:
+        await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _cancel(first)
+        raise
+    finally:
+        admitted.cancel()
+    if first.done():
+        first.result()
+    return first
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel the task reading the engine's outputs and let it unwind, so that the output iterator can then be
+    closed (closing it while the task is still inside it would fail)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
+                  streams: list[AsyncIterator[RequestOutput]],
+                  start_others: Callable[[], list[AsyncIterator[RequestOutput]]]) -> web.StreamResponse:
+    """SSE of every candidate's chunks. The headers go out once the engine has queued the first candidate (a
+    refusal before that is a plain error response), so that a queued client sees its request accepted."""
+    first_task = await _first_output_or_admission(state, gen, streams[0])
+    try:
+        sse = await SSEWriter.start(request, state.stream_write_timeout)
+    except BaseException:
+        await _cancel(first_task)
+        raise
+    queue: asyncio.Queue = asyncio.Queue()
+    readers: list[asyncio.Task] = []
+    try:
+        first = await first_task
+        streams += start_others()
+        readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
+                   for i, s in enumerate(streams)]
+        finals: list[RequestOutput | None] = [None] * len(streams)
         while any(f is None for f in finals):
             index, out = await queue.get()
             if isinstance(out, BaseException):
@@ -211,6 +250,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         await sse.send_error(f"internal server error ({type(exc).__name__}: {exc}); see the server log",
                              "internal_error", code="internal_error")
     finally:
+        await _cancel(first_task)
         for reader in readers:
             reader.cancel()
         # Each reader leaves its output iterator before serve_generation closes it.
