@@ -107,7 +107,8 @@ async def forward_control(request: web.Request) -> web.StreamResponse:
 
 
 # The engine routes the page and API clients use; nothing else is forwarded.
-API_ROUTES = (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"))
+API_ROUTES = (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"))
 CONTROL_ROUTES = ("/stats", "/metrics", "/version")
 
 
