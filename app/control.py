@@ -16,6 +16,11 @@ def pid_file(settings: Settings, role: str) -> Path:
     return settings.run_dir / f"{role}.pid"
 
 
+def engine_status_file(settings: Settings) -> Path:
+    """Written by the launcher while the engine is restarting or has failed; read by the proxy."""
+    return settings.run_dir / "engine_status.json"
+
+
 def state_file(settings: Settings) -> Path:
     return settings.run_dir / "state.json"
 
@@ -38,6 +43,7 @@ def clear_run_dir(settings: Settings) -> None:
     for role in ROLES:
         procs.remove(pid_file(settings, role))
     procs.remove(state_file(settings))
+    procs.remove(engine_status_file(settings))
 
 
 def running(settings: Settings) -> dict[str, psutil.Process]:

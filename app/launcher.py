@@ -2,8 +2,9 @@
 
 start: resolve the model, start `python -m proxy` (proxy.log) so the page is there at once, then
 `python -m engine` (output in vllm.log, echoed here while it loads; its load progress goes to a status file the
-proxy reads for the page's "Loading model… N%"), wait for its /health, print the URL, then supervise: if either
-process exits, stop the other and say why. Ctrl-C, SIGTERM or `python -m app stop` stop both (proxy first, then engine).
+proxy reads for the page's "Loading model… N%"), wait for its /health, print the URL, then supervise: an engine
+that exits is restarted with back-off while the proxy keeps serving the page (app/supervision.py); if the proxy
+exits, stop the engine and say why. Ctrl-C, SIGTERM or `python -m app stop` stop both (engine first, then proxy).
 Ports come from ENGINE_PORT (3001) and PROXY_PORT (8000); see app/settings.py for the rest.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from app import control, procs
+from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
 from app.settings import REPO, Settings
 
@@ -72,6 +74,9 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
     if not any(a.endswith("enable-prefix-caching") for a in extra):
         # A chat re-sends its whole history every turn: the cache skips the turns already computed.
         cmd.append("--enable-prefix-caching")
+    if not any(a.startswith("--tool-call-parser") for a in extra):
+        # Agents send tools with tool_choice "auto" (their default); Qwen writes hermes-style calls.
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     return cmd + extra
 
 
@@ -92,16 +97,35 @@ class Supervisor:
         self.proxy: subprocess.Popen | None = None
 
     def _children(self):
-        return (("proxy", self.proxy, self.s.proxy_log), ("engine", self.engine, self.s.engine_log))
+        # Stop order: the engine first, which ends open streams with an error event and [DONE] (the proxy
+        # passes them on, and answers new requests 503 meanwhile); then the proxy.
+        return (("engine", self.engine, self.s.engine_log), ("proxy", self.proxy, self.s.proxy_log))
 
-    def start_engine(self) -> None:
-        procs.rotate(self.s.engine_log)
+    def start_engine(self, rotate_log: bool = True) -> subprocess.Popen:
+        if rotate_log:
+            procs.rotate(self.s.engine_log)
         env = {"VLLM_API_KEY": self.api_key} if self.api_key else {}
         cmd = engine_command(self.s, self.model, self.engine_args) + ["--load-status-file",
                                                                      str(load_status_file(self.s))]
         say("engine: " + " ".join(cmd))
         self.engine = procs.spawn(cmd, self.s.engine_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "engine"), self.engine.pid, "engine")
+        return self.engine
+
+    def restart_engine(self) -> subprocess.Popen:
+        """After a crash: whatever the dead engine left behind goes, the log goes on (it says why it died)."""
+        procs.stop_tree(self.engine.pid, timeout=2)
+        return self.start_engine(rotate_log=False)
+
+    def engine_healthy(self) -> bool:
+        return procs.http_status(self.s.engine_url + "/health", timeout=1.0) == 200
+
+    def watch_engine(self) -> EngineWatch:
+        watch = EngineWatch(self.restart_engine, self.engine_healthy,
+                            RestartPolicy.from_env(start_timeout_s=self.s.engine_start_timeout),
+                            EngineStatusFile(control.engine_status_file(self.s)), self.s.engine_log, say)
+        watch.attach(self.engine)
+        return watch
 
     def wait_engine(self) -> None:
         """Echo the engine's log until /health answers 200; fail if it exits or takes too long."""
@@ -132,7 +156,8 @@ class Supervisor:
         procs.rotate(self.s.proxy_log)
         cmd = [self.s.python, "-m", "proxy", "--host", self.s.proxy_host, "--port", str(self.s.proxy_port),
                "--engine-url", self.s.engine_url, "--static-dir", str(self.s.static_dir),
-               "--engine-status-file", str(load_status_file(self.s))]
+               "--engine-status-file", str(load_status_file(self.s)),
+               "--supervisor-status-file", str(control.engine_status_file(self.s))]
         env = {"ENGINE_API_KEY": self.api_key} if self.api_key else {}
         self.proxy = procs.spawn(cmd, self.s.proxy_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "proxy"), self.proxy.pid, "proxy")
@@ -145,16 +170,19 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def supervise(self) -> str:
-        """Block until a child exits; return why."""
+        """Restart the engine whenever it dies (EngineWatch); block until the proxy exits and return why."""
+        watch = self.watch_engine()
         while True:
-            for role, proc, log in self._children():
-                if proc.poll() is not None:
-                    lines = "\n  ".join(procs.tail(log, 15))
-                    return f"the {role} exited unexpectedly (code {proc.returncode}); last lines of {log}:\n  {lines}"
+            watch.poll()
+            self.engine = watch.engine
+            if self.proxy.poll() is not None:
+                lines = "\n  ".join(procs.tail(self.s.proxy_log, 15))
+                return (f"the proxy exited unexpectedly (code {self.proxy.returncode}); last lines of "
+                        f"{self.s.proxy_log}:\n  {lines}")
             time.sleep(POLL_S)
 
     def stop_all(self) -> None:
-        for role, proc, _ in self._children():  # proxy first: no new requests reach a stopping engine
+        for role, proc, _ in self._children():
             if proc is not None and proc.poll() is None:
                 say(f"stopping {role} (pid {proc.pid})…")
                 procs.stop_tree(proc.pid)

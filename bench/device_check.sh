@@ -18,7 +18,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # The device's copy of .git can be stale: the caller passes COMMIT=$(git rev-parse HEAD) where it matters.
 echo "commit ${COMMIT:-$(git log -1 --format=%H 2>/dev/null) [from the copy of .git on the device]}" | tee -a "$OUT/env.txt"
 # The device has no network: wheels of pure-runtime dependencies it lacks travel in .whl/ (run's `carry`), made with
-#   pip download pybase64 orjson blake3 py-spy --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
+#   pip download pybase64 orjson blake3 llguidance py-spy --no-deps -d .whl --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64     (py-spy: only for SPY=1)
 # Every wheel there is installed, so that an older tree timed against this one (imageab) finds its own too.
 if [ -d .whl ]; then

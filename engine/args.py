@@ -74,6 +74,12 @@ class EngineArgs:
     max_image_pixels: int = flag(40_000_000, help="larger images are refused before decoding")
     allow_remote_media: bool = flag(False, help="allow http(s) image URLs (off by default)")
     allowed_local_media_path: str | None = flag(None, help="allow file:// image URLs under this dir")
+    allow_special_tokens_in_messages: bool = flag(
+        False, help="tokenize special-token strings typed in chat messages (<|im_start|>...) as control tokens; "
+                    "by default they are text, and only the chat template writes control tokens")
+    max_pixels_in_flight: int = flag(
+        160_000_000, help="image pixels being decoded at once over all requests; an image past it gets 429 "
+                          "(default %(default)s: four images at --max-image-pixels)")
     seed: int = flag(0)
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 

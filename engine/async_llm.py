@@ -14,10 +14,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.args import EngineArgs
-from engine.errors import EngineError, EngineOverloadedError
+from engine.errors import EngineError, EngineOverloadedError, InvalidInputError, QueueFullError
 from engine.inputs.types import ProcessedPrompt
 from engine.llm_engine import LLMEngine
 from engine.logger import init_logger
@@ -61,13 +61,17 @@ EngineCommand = AddRequest | AbortRequest
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)   # set once the engine has queued it
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, max_pending: int = 4096):
+    def __init__(self, args: EngineArgs, max_pending: int = 4096, max_waiting: int | None = None):
         self.engine = LLMEngine(args)
         self.model_name = self.engine.model_name
-        self.max_pending = max_pending
+        self.max_pending = max_pending      # every request in flight, whatever its priority
+        self.max_waiting = max_waiting      # requests without a running slot; None: only max_pending applies
+        self.num_refused_queue_full = 0
+        self._admit = threading.Lock()      # worker threads admit concurrently: the count and the insert are one
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -77,6 +81,9 @@ class AsyncLLM:
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
         # executor, which is shut down with the engine
         self._workers = self.engine.input_processor.executor
+        # The grammar engine's view of the vocabulary takes a second or two to build: ready before the first
+        # structured-output request, built beside the engine loop.
+        self._workers.submit(self.engine.structured_output.ll_tokenizer)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -91,17 +98,46 @@ class AsyncLLM:
     def block_map(self) -> dict:
         return self.engine.get_block_map()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted here that hold no running slot: still crossing to the engine thread, waiting, or
+        swapped out. (The scheduler's lists are read from this thread; len() of a list is atomic.)"""
+        return max(0, len(self._streams) - len(self.engine.scheduler.running))
+
+    def admission_stats(self) -> dict:
+        return {"num_pending": self.num_waiting, "max_waiting_requests": self.max_waiting,
+                "num_refused_queue_full": self.num_refused_queue_full}
+
+    def _retry_after_s(self) -> int:
+        """A hint for Retry-After: about one wave of running requests per queued batch of max_num_seqs."""
+        waves = self.num_waiting // max(1, self.engine.scheduler.max_num_seqs) + 1
+        return min(60, waves)
+
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None,
-                           start: StartRequest | None = None) -> ProcessedPrompt:
+                           start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
-        `start`, the request is then queued from that same worker thread."""
+        `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
+        (tools, chat_template, continue_final_message)."""
         ip = self.engine.input_processor
-        return await self._on_worker(lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs),
-                                     start)
+        return await self._on_worker(
+            lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)
+
+    async def compile_structured_output(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's output constraint on a worker thread, not the engine loop; one that does not
+        compile is a 400 naming `param`, the request field that asked for it."""
+        so = params.structured_outputs
+        if so is None or so.compiled is not None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            so.compiled = await loop.run_in_executor(self._workers, self.engine.structured_output.compile, so)
+        except InvalidInputError as e:
+            e.param = param or e.param
+            raise
 
     async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
         return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)
@@ -115,12 +151,23 @@ class AsyncLLM:
         """Check and queue a request, from any thread; generate() then streams its outputs to `loop`."""
         if not self.is_healthy:
             raise EngineOverloadedError("the engine loop is not running", code="engine_dead")
+        self.check_request(prompt, params)
+        with self._admit:
+            self._check_room(priority)
+            self._streams[request_id] = _Stream(loop, asyncio.Queue())
+        self._send(AddRequest(request_id, prompt, params, priority, time.time()))
+
+    def _check_room(self, priority: int) -> None:
         if len(self._streams) >= self.max_pending:
             raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)}); retry shortly",
                                         code="overloaded")
-        self.check_request(prompt, params)
-        self._streams[request_id] = _Stream(loop, asyncio.Queue())
-        self._send(AddRequest(request_id, prompt, params, priority, time.time()))
+        # vLLM's priority convention: lower runs sooner. A request more urgent than the default may pass the
+        # queue limit (the priority policy then also schedules it first).
+        if self.max_waiting is not None and priority >= 0 and self.num_waiting >= self.max_waiting:
+            self.num_refused_queue_full += 1
+            retry = self._retry_after_s()
+            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting (limit "
+                                 f"{self.max_waiting}, --max-waiting-requests); retry in about {retry}s", retry)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -144,7 +191,22 @@ class AsyncLLM:
             if not finished:
                 self._send(AbortRequest(request_id))
 
+    async def wait_admitted(self, request_id: str) -> None:
+        """Return once the engine has queued the request (its checks on the engine thread passed), or at once if
+        it is not in flight here."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            await stream.admitted.wait()
+
     def abort(self, request_id: str) -> None:
+        self._send(AbortRequest(request_id))
+
+    def fail_request(self, request_id: str, error: EngineError) -> None:
+        """End a request with `error` (its consumer raises it: a stream then ends with an error event), and
+        abort it in the engine. From the event loop that consumes it."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(error)
         self._send(AbortRequest(request_id))
 
     async def _on_worker(self, process: Callable[[], ProcessedPrompt], start: StartRequest | None) -> ProcessedPrompt:
@@ -209,6 +271,9 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(rid, command.prompt, command.params, priority=command.priority,
                                             arrival_time=command.arrival_time)
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.loop.call_soon_threadsafe(stream.admitted.set)
                 except EngineError as e:
                     self._deliver(rid, e)
                 except Exception as e:   # noqa: BLE001 - a bug in one request must not stop the loop

@@ -42,3 +42,19 @@ class EngineOverloadedError(EngineError):
     """The engine cannot take more requests right now. HTTP 503."""
     status = 503
     err_type = "service_unavailable"
+
+
+class QueueFullError(EngineOverloadedError):
+    """More requests wait for a running slot than the server's limit (--max-waiting-requests). HTTP 503 with a
+    Retry-After header: the client should come back, not give up."""
+
+    def __init__(self, message: str, retry_after_s: int, param: str | None = None, code: str | None = "queue_full"):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class ServerBusyError(EngineError):
+    """A shared resource (the memory budget for decoding images) is used up for now. HTTP 429: retry shortly."""
+    status = 429
+    err_type = "rate_limit_error"
+    retry_after_s = 1

@@ -29,13 +29,15 @@ class LLM:
         return self._run(processed, sampling_params, priority)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """messages: one OpenAI-style conversation (a list of {"role", "content"}) or a list of conversations."""
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one OpenAI-style conversation (a list of {"role", "content"}) or a list of conversations;
+        tools: OpenAI function tools, shown to the model by its chat template."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("messages must be a non-empty list", param="messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        processed = [self.engine.input_processor.process_chat(c, add_generation_prompt, chat_template_kwargs)
-                     for c in conversations]
+        processed = [self.engine.input_processor.process_chat(c, add_generation_prompt, chat_template_kwargs,
+                                                              tools=tools) for c in conversations]
         return self._run(processed, sampling_params, None)
 
     def _run(self, processed, sampling_params, priority) -> list[RequestOutput]:

@@ -19,10 +19,10 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
-from engine.logger import init_logger
 from engine.inputs.setup import build_input_processor
 from engine.kv_map import block_map
 from engine.kv_sizing import plan_kv_cache
+from engine.logger import init_logger
 from engine.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
 from engine.model.loader import build_model, load_model_config, load_weights
 from engine.output_processor import OutputProcessor
@@ -30,6 +30,7 @@ from engine.outputs import RequestOutput
 from engine.runner import InflightStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
+from engine.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -79,6 +80,7 @@ class LLMEngine:
                 use_graphs, num_scratch = False, 0
         self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
+        self.input_processor.max_prompt_tokens = self.max_model_len
         if self.max_model_len < max_len:
             under = "" if self.gpu_memory_limit is None else \
                 f" under --gpu-memory-limit {self.gpu_memory_limit / GiB:.2f} GiB"
@@ -99,6 +101,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                         self.model_config.eos_token_ids)
         self.stats = StatLogger(self)
         self._next_id = 0
         self._inflight: InflightStep | None = None      # the launched step not yet read (see PendingTokens)
@@ -129,8 +133,17 @@ class LLMEngine:
         if bad:
             raise InvalidInputError(f"stop_token_ids {bad} are outside the vocabulary (size "
                                     f"{self.model_config.vocab_size})", param="stop_token_ids")
+        self.check_token_ids(params)
         req = Request(request_id, processed, params, self.model_config.eos_token_ids, max_tokens, priority,
                       arrival_time)
+        so = params.structured_outputs
+        if so is not None:
+            if so.compiled is None:      # compiled once; each request forks its own matcher
+                so.compiled = self.structured_output.compile(so)
+            req.grammar = so.compiled.fork()
+        req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
+        # A multi-token bad word is banned after its other tokens, which must be on the host.
+        req.needs_host_tokens |= any(len(ids) > 1 for ids in req.bad_words_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
         self.outputs.add(req)
@@ -140,6 +153,25 @@ class LLMEngine:
     def _in_flight(self, request_id: str) -> bool:
         """A finished request's id is free again once no launched step holds a token for it."""
         return self._inflight is not None and request_id in self._inflight.so.num_scheduled_tokens
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for param, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids",
+                                                                     params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidInputError(f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab})",
+                                        param=param)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens alone and after a space (as vLLM: a word mid-sentence starts with one)."""
+        out = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def check_lengths(self, processed: ProcessedPrompt, params: SamplingParams) -> int:
         """Refuse a prompt that cannot run (empty, too long for max_model_len); returns the resolved max_tokens."""
@@ -176,7 +208,7 @@ class LLMEngine:
         the device computes. Returns the outputs of the previous step."""
         outputs = []
         if self._inflight is not None and self._inflight.so.needs_host_tokens:
-            outputs = self._finish(self._inflight)       # penalties read every token id: no overlap
+            outputs = self._finish(self._inflight)       # its sampling reads every token id: no overlap
             self._inflight = None
         so = self.scheduler.schedule()
         launched = None
@@ -191,8 +223,10 @@ class LLMEngine:
         return outputs
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
-        sampled, logprobs = step.result()
-        updated = self.scheduler.update_from_output(step.so, sampled)
+        result = step.result()
+        self._store_prompt_logprobs(result.prompt_logprobs)
+        logprobs = result.logprobs
+        updated = self.scheduler.update_from_output(step.so, result.sampled)
         outputs = []
         for req in updated:
             out = self.outputs.on_token(req, logprobs.get(req.request_id))
@@ -201,6 +235,17 @@ class LLMEngine:
             outputs.append(out)
         self.stats.on_tokens(len(updated))
         return outputs
+
+    def _store_prompt_logprobs(self, chunks: dict[str, tuple[int, list[dict[int, float]]]]) -> None:
+        """Into each request's prompt_logprobs (None at position 0, which nothing predicts). A prompt computed
+        again after a preemption writes the same places."""
+        for rid, (first, entries) in chunks.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:                               # aborted while the step ran
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            req.prompt_logprobs[first:first + len(entries)] = entries
 
     def get_stats(self) -> dict:
         return self.stats.snapshot()

@@ -32,8 +32,12 @@ class OutputProcessor:
     def on_token(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
         """The request just got one more token (and may already be finished by a stop token or length)."""
         st = self.states[req.request_id]
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.time()
+        now, m = time.time(), req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         st.detok.add(req.output_token_ids[-1:])
@@ -82,4 +86,4 @@ class OutputProcessor:
             stop_reason=req.stop_reason, text_delta=delta, token_ids_delta=delta_ids,
             logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None)
         return RequestOutput(req.request_id, req.prompt.prompt, req.prompt_token_ids, [completion], finished,
-                             req.metrics)
+                             req.metrics, prompt_logprobs=req.prompt_logprobs)

@@ -22,6 +22,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)   # seconds between successive tokens
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
 
@@ -34,3 +36,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None            # set when the request failed inside the engine
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (None at position 0)

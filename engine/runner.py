@@ -10,7 +10,7 @@ import torch
 
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
-from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.encoder_cache import EncoderCache, EncoderOutput
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
@@ -18,6 +18,7 @@ from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammar, catch_up_grammars
 from engine.transfer import to_device
 
 logger = init_logger(__name__)
@@ -26,17 +27,21 @@ logger = init_logger(__name__)
 @dataclass(eq=False)
 class CachedRequestState:
     """What the runner keeps about a request between steps (vLLM's name): its fixed data, and its output ids as
-    they are read back (the penalties need them)."""
+    they are read back (the penalties, bad words and the grammar matcher need them)."""
     request_id: str
     prompt: ProcessedPrompt
     sampling_params: SamplingParams
     eos_token_ids: set[int]
     generator: torch.Generator | None
+    grammar: Grammar | None = None                  # structured output; the runner is its only user
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_bits: torch.Tensor | None = None  # allowed_token_ids as a bitmask row, built on first use
     output_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
-        return cls(new.request_id, new.prompt, new.sampling_params, new.eos_token_ids, new.generator)
+        return cls(new.request_id, new.prompt, new.sampling_params, new.eos_token_ids, new.generator, new.grammar,
+                   new.bad_words_token_ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -68,6 +73,7 @@ class ModelInput:
     logits_indices: torch.Tensor     # [S] rows of the batch whose logits are sampled, in sampled-row order
     sampled: list[CachedRequestState]  # the S requests that sample, in sampled-row order
     mm: MultimodalEmbeds | None
+    flat_starts: dict[str, int] = field(default_factory=dict)   # request id -> its chunk's first batch row
 
 
 class InflightStep:
@@ -75,12 +81,13 @@ class InflightStep:
     step's work (an event), never for a later step queued behind it."""
 
     def __init__(self, so: SchedulerOutput, token_ids: torch.Tensor | None = None, logprobs: list | None = None,
-                 sampled: list[CachedRequestState] = ()):
+                 sampled: list[CachedRequestState] = (), prompt_logprobs: list[PromptLogprobs] = ()):
         self.so = so
         self.token_ids = token_ids                # [S] on the device, row i for so.sampled[i] (pending inputs)
+        self.prompt_logprobs = list(prompt_logprobs)   # chunks scored this step, on the device until result()
         self.logprobs = logprobs
         self._sampled = sampled                   # the runner's records of those S requests
-        self._tokens: list[int] | None = None
+        self._result: StepResult | None = None
         self._host = None
         self._event = None
         if token_ids is not None and token_ids.is_cuda:
@@ -89,20 +96,69 @@ class InflightStep:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def result(self) -> tuple[dict[str, int], dict[str, dict[int, float]]]:
-        if self.token_ids is None:
-            return {}, {}
-        if self._tokens is None:
-            if self._event is not None:
-                self._event.synchronize()
-                self._tokens = self._host.tolist()
-            else:
-                self._tokens = self.token_ids.tolist()
-            for state, token in zip(self._sampled, self._tokens):
-                state.output_token_ids.append(token)
-        tokens = self._tokens
-        ids = [s.request_id for s in self.so.sampled]
-        return dict(zip(ids, tokens)), (dict(zip(ids, self.logprobs)) if self.logprobs else {})
+    def result(self) -> StepResult:
+        """The step's output on the host (waits for this step only). Read once: later calls return the same, so
+        the runner may read it early (catch_up_grammars) and the engine later."""
+        if self._result is None:
+            self._result = StepResult(prompt_logprobs={c.request_id: c.to_host() for c in self.prompt_logprobs})
+            self.prompt_logprobs = []
+            if self.token_ids is not None:
+                if self._event is not None:
+                    self._event.synchronize()
+                    tokens = self._host.tolist()
+                else:
+                    tokens = self.token_ids.tolist()
+                for state, token in zip(self._sampled, tokens):
+                    state.output_token_ids.append(token)
+                ids = [s.request_id for s in self.so.sampled]
+                self._result.sampled = dict(zip(ids, tokens))
+                self._result.logprobs = dict(zip(ids, self.logprobs)) if self.logprobs else {}
+        return self._result
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)                        # request id -> token id
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)          # request id -> {token: logprob}
+    # request id -> (first prompt position scored, one {token: logprob} per position from there)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobs:
+    """prompt_logprobs of one prompt chunk, on the device until the step's result is read: row j is the
+    distribution after token first + j - 1, scored at prompt token first + j."""
+    request_id: str
+    first: int                        # the first prompt position these rows score
+    targets: list[int]                # the prompt tokens at those positions
+    chosen: torch.Tensor              # [R] logprob of each prompt token
+    top_values: torch.Tensor | None   # [R, k]
+    top_ids: torch.Tensor | None
+
+    @classmethod
+    def compute(cls, model, hidden: torch.Tensor, req: CachedRequestState, s: ScheduledRequest,
+                flat: int) -> "PromptLogprobs":
+        start = s.num_computed_tokens
+        end = min(s.end, req.num_prompt_tokens - 1)
+        lp = model.compute_logits(hidden[flat:flat + end - start]).float().log_softmax(-1)
+        targets = req.prompt_token_ids[start + 1:end + 1]
+        k = req.sampling_params.prompt_logprobs
+        top = lp.topk(k, dim=-1) if k else (None, None)
+        chosen = lp.gather(-1, torch.tensor(targets, dtype=torch.int64, device=lp.device)[:, None]).squeeze(-1)
+        return cls(req.request_id, start + 1, targets, chosen, *top)
+
+    def to_host(self) -> tuple[int, list[dict[int, float]]]:
+        """(first, one {token: logprob} per scored position, the prompt's own token first)."""
+        tops = zip(self.top_ids.tolist(), self.top_values.tolist()) if self.top_ids is not None else None
+        entries = []
+        for target, value in zip(self.targets, self.chosen.tolist()):
+            entry = {target: value}
+            if tops is not None:
+                ids, values = next(tops)
+                for t, v in zip(ids, values):
+                    entry.setdefault(t, v)
+            entries.append(entry)
+        return self.first, entries
 
 
 class ModelRunner:
@@ -139,13 +195,18 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
+        prompt_lps = [PromptLogprobs.compute(self.model, hidden, self.requests[s.request_id], s,
+                                             inp.flat_starts[s.request_id])
+                      for s in so.scheduled if self.requests[s.request_id].sampling_params.prompt_logprobs
+                      is not None and s.num_computed_tokens < self.requests[s.request_id].num_prompt_tokens - 1]
         if not inp.sampled:
-            return InflightStep(so)
+            return InflightStep(so, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
+        catch_up_grammars(so, inp.sampled, prev)
         smd = SamplingMetadata.from_requests(inp.sampled, logits.shape[-1], self.device,
                                              [s.num_output_tokens for s in so.sampled])
         out = sample(logits, smd)
-        return InflightStep(so, out.token_ids, out.logprobs, inp.sampled)
+        return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Forget the requests that finished, learn the new ones."""
@@ -168,7 +229,7 @@ class ModelRunner:
         positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
-        logits_rows, chunks = [0] * len(so.sampled), []
+        logits_rows, chunks, flat_starts = [0] * len(so.sampled), [], {}
         mrope = self.config.mrope_section is not None
         for s in entries:
             req, n, start, end = self.requests[s.request_id], s.num_scheduled_tokens, s.num_computed_tokens, s.end
@@ -187,6 +248,7 @@ class ModelRunner:
                 positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append((req, query_start[-1], start, end))
+            flat_starts[req.request_id] = query_start[-1]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
@@ -221,7 +283,8 @@ class ModelRunner:
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(logits_rows, torch.int64, dev),
-            sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images))
+            sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images),
+            flat_starts=flat_starts)
 
     # ---- vision --------------------------------------------------------------------------------------------
     def encode_images(self, so: SchedulerOutput) -> dict[str, EncoderOutput]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import LogitsMasks
 from engine.transfer import to_device
 
 
@@ -29,6 +30,7 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]]            # (row, token ids) masked until min_tokens is reached
     generators: dict[int, torch.Generator]         # row -> the request's own generator
     max_logprobs: int | None                       # top-k logprobs to return; None: none asked
+    masks: LogitsMasks | None = None               # grammar, allowed_token_ids, logit_bias, bad_words
 
     @classmethod
     def from_requests(cls, reqs: list, vocab_size: int, device: torch.device,
@@ -46,7 +48,8 @@ class SamplingMetadata:
         banned = [(i, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
                   for i, (r, n) in enumerate(zip(reqs, num_outputs)) if n < r.sampling_params.min_tokens]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
-        if all(greedy) and not banned and not lp and all(_no_penalty(p) for p in ps):
+        masks = LogitsMasks.from_requests(reqs, vocab_size, device)
+        if all(greedy) and not banned and not lp and masks is None and all(_no_penalty(p) for p in ps):
             return cls.greedy_only()   # the common decode case: no per-step host-to-device copies
         return cls(
             temperature=to_device([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device),
@@ -63,6 +66,7 @@ class SamplingMetadata:
             banned=banned,
             generators={i: r.generator for i, r in enumerate(reqs) if r.generator is not None},
             max_logprobs=max(lp) if lp else None,
+            masks=masks,
         )
 
     @classmethod
@@ -123,6 +127,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits: [B, V] fp32 for the rows that produce a token this step."""
+    if md.masks is not None:
+        logits = md.masks.apply(logits)
     for row, ids in md.banned:
         logits[row, ids] = float("-inf")
     logits = apply_penalties(logits, md)

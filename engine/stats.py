@@ -1,13 +1,52 @@
 """Engine counters for /stats, /metrics and the periodic vLLM-style throughput line in the log."""
 from __future__ import annotations
 
+import bisect
 import time
+from dataclasses import dataclass, field
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
 LOG_INTERVAL_S = 5.0
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram's state: observations per bucket, their sum and count."""
+    buckets: tuple[float, ...]
+    counts: list[int] = field(init=False)      # per bucket, not cumulative; the last one is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, n in zip((*map(repr, map(float, self.buckets)), "+Inf"), self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{{labels},le="{bound}"}} {cumulative}')
+        out += [f"{name}_sum{{{labels}}} {float(self.total)!r}", f"{name}_count{{{labels}}} {self.count}"]
+        return out
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class StatLogger:
@@ -22,6 +61,7 @@ class StatLogger:
         self._interval_gen = 0
         self.last_prompt_throughput = 0.0
         self.last_generation_throughput = 0.0
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)   # tokens computed per engine step
 
     def on_schedule(self, so: SchedulerOutput) -> None:
         """Prefill tokens are every scheduled token except single-token steps past the prompt (decodes)."""
@@ -32,6 +72,7 @@ class StatLogger:
         self.num_prompt_tokens += prompt
         self._interval_prompt += prompt
         self.num_steps += 1
+        self.iteration_tokens.observe(so.total_num_scheduled_tokens)
 
     def on_tokens(self, num_generated: int) -> None:
         self.num_generation_tokens += num_generated

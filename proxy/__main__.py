@@ -9,7 +9,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from proxy.config import ProxyConfig
+from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS, ProxyConfig
+from proxy.guard import OriginPolicy, normalize_origin
 from proxy.server import create_app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +33,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-status-file", type=Path, help="the engine's --load-status-file: while the engine "
                    "loads, /api/health says how far it has come (the page shows 'Loading model… N%%')")
     p.add_argument("--log-file", type=Path, help="append log and access lines here instead of stderr")
+    p.add_argument("--allowed-hosts", default=os.environ.get("LOCALCHAT_ALLOWED_HOSTS", ""),
+                   help="comma-separated host names besides localhost and IP addresses under which the page and "
+                        "API may be reached (DNS-rebinding guard; env LOCALCHAT_ALLOWED_HOSTS)")
+    p.add_argument("--allowed-origins", default=os.environ.get("LOCALCHAT_ALLOWED_ORIGINS", ""),
+                   help="comma-separated origins (https://example.com) whose pages may call the API from a "
+                        "browser, with CORS; '*' allows any (env LOCALCHAT_ALLOWED_ORIGINS; default none)")
+    p.add_argument("--timeout-keep-alive", type=float, default=15.0, help="seconds an idle connection, or one "
+                   "whose request headers have not all arrived, stays open (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive; slower ones get 408 (default %(default)s)")
+    p.add_argument("--write-timeout", type=float, default=60.0, help="seconds a response may wait for a "
+                   "browser that stopped reading before the request is dropped (default %(default)s)")
+    p.add_argument("--max-upstream-connections", type=int, default=DEFAULT_MAX_UPSTREAM_CONNECTIONS,
+                   help="connections to the engine for generations: its --max-num-seqs plus its "
+                        "--max-waiting-requests and some room (default %(default)s)")
+    p.add_argument("--supervisor-status-file", type=Path, help="JSON file where the launcher says the engine is "
+                   "restarting or failed; read when the engine does not answer")
     return p.parse_args(argv)
+
+
+def split_list(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
 
 
 def load_api_key(key_file: Path | None) -> str | None:
@@ -57,16 +79,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"proxy: {static_dir}/chat.html not found (--static-dir)")
     cfg = ProxyConfig(engine_url=args.engine_url.rstrip("/"), static_dir=static_dir,
                       api_key=load_api_key(args.api_key_file),
-                      max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
-                      engine_status_file=args.engine_status_file)
+                      max_upload_bytes=int(args.max_upload_mb * (1 << 20)), body_timeout=args.body_timeout,
+                      write_timeout=args.write_timeout, max_upstream_connections=args.max_upstream_connections,
+                      engine_status_file=args.engine_status_file,
+                      supervisor_status_file=args.supervisor_status_file,
+                      origin_policy=OriginPolicy(
+                          allowed_hosts=frozenset(h.lower() for h in split_list(args.allowed_hosts)),
+                          allowed_origins=frozenset(normalize_origin(o) for o in split_list(args.allowed_origins))))
     log = logging.getLogger("proxy")
     log.info("proxy on http://%s:%d -> engine %s (api key %s, upload limit %g MB)", args.host, args.port,
              cfg.engine_url, "set" if cfg.api_key else "not set", args.max_upload_mb)
     # handler_cancellation: a browser that disconnects cancels its handler at once, which closes the upstream
     # request (see forward.py); shutdown_timeout: open streams must not hold a stop for a minute.
+    # keepalive_timeout also closes a connection whose headers never finish; lingering_time bounds the reading
+    # of a body nobody will use (after a 408 or 413); backlog: a burst of clients waits, not refused.
     web.run_app(create_app(cfg), host=args.host, port=args.port, access_log=logging.getLogger("proxy.access"),
                 access_log_format=ACCESS_FORMAT, handler_cancellation=True, shutdown_timeout=2.0,
-                print=None)
+                keepalive_timeout=args.timeout_keep_alive, lingering_time=1.0, backlog=2048, print=None)
 
 
 if __name__ == "__main__":

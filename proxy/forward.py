@@ -18,8 +18,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from proxy.config import CONFIG, SESSION
-from proxy.errors import engine_unavailable, error_body, payload_too_large
+from proxy.config import CONFIG
+from proxy.engine_status import engine_down_response
+from proxy.errors import error_body, error_response, payload_too_large
 
 log = logging.getLogger("proxy")
 
@@ -35,16 +36,32 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body, refusing (before reading, when Content-Length says so) anything over `limit`."""
+async def read_body(request: web.Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole request body, refusing (before reading, when Content-Length says so) anything over `limit`.
+    A body that takes longer than `timeout` raises TimeoutError (a stalled or slowloris client)."""
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge
     buf = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 16):
-        buf += chunk
-        if len(buf) > limit:  # chunked uploads carry no length: count as we go
-            raise BodyTooLarge
+    async with asyncio.timeout(timeout):
+        async for chunk in request.content.iter_chunked(1 << 16):
+            buf += chunk
+            if len(buf) > limit:  # chunked uploads carry no length: count as we go
+                raise BodyTooLarge
     return bytes(buf)
+
+
+class StalledClient(Exception):
+    """The browser stopped reading: one write waited past the proxy's --write-timeout."""
+
+
+async def _write(request: web.Request, response: web.StreamResponse, data: bytes, timeout: float) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            await response.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise StalledClient from None
 
 
 def _upstream_headers(request: web.Request, api_key: str | None) -> dict[str, str]:
@@ -62,23 +79,27 @@ def _stream_error_event(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
-async def forward(request: web.Request, upstream_path: str | None = None) -> web.StreamResponse:
+async def forward(request: web.Request, upstream_path: str, session: aiohttp.ClientSession) -> web.StreamResponse:
+    """Send the request to the engine at `upstream_path` (plus the query string) through `session`'s pool."""
     cfg = request.app[CONFIG]
-    session: aiohttp.ClientSession = request.app[SESSION]
     try:
-        body = await read_body(request, cfg.max_upload_bytes)
+        body = await read_body(request, cfg.max_upload_bytes, cfg.body_timeout)
     except BodyTooLarge:
         log.warning("refused %s %s: body over %d bytes", request.method, request.path, cfg.max_upload_bytes)
         return payload_too_large(cfg.max_upload_bytes)
+    except TimeoutError:
+        log.warning("refused %s %s: body not received within %gs", request.method, request.path, cfg.body_timeout)
+        return error_response(408, f"The request body did not arrive within {cfg.body_timeout:g}s.",
+                              "invalid_request_error", code="request_timeout")
 
-    path = upstream_path or request.rel_url.path_qs
+    path = upstream_path + (f"?{request.query_string}" if request.query_string else "")
     url = cfg.engine_url + path
     try:
         upstream = await session.request(request.method, url, data=body or None, allow_redirects=False,
                                          headers=_upstream_headers(request, cfg.api_key))
     except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         log.warning("engine unreachable for %s %s: %s", request.method, path, exc.__class__.__name__)
-        return engine_unavailable(cfg.engine_url)
+        return engine_down_response(cfg)
 
     started = time.monotonic()
     finished = False
@@ -95,14 +116,16 @@ async def forward(request: web.Request, upstream_path: str | None = None) -> web
         try:
             # iter_any yields whatever bytes have arrived, without waiting for a line or a buffer to fill.
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+                await _write(request, response, chunk, cfg.write_timeout)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             # The engine went away mid-response (crash, kill). Say so in the stream's own error format.
             log.warning("engine connection lost during %s %s: %s", request.method, path, exc)
             if is_sse:
-                await response.write(_stream_error_event(
-                    "The connection to the inference engine was lost while generating; see vllm.log."))
-        await response.write_eof()
+                await _write(request, response, _stream_error_event(
+                    "The connection to the inference engine was lost while generating; see vllm.log."),
+                    cfg.write_timeout)
+        async with asyncio.timeout(cfg.write_timeout):
+            await response.write_eof()
         finished = True
         return response
     except asyncio.CancelledError:
@@ -113,6 +136,10 @@ async def forward(request: web.Request, upstream_path: str | None = None) -> web
         # Writing to a browser that already left (seen when cancellation did not win the race).
         log.info("client disconnected from %s %s after %.2fs; aborting upstream request",
                  request.method, path, time.monotonic() - started)
+        return response
+    except (StalledClient, TimeoutError):
+        log.warning("client stopped reading %s %s for %gs; aborting upstream request", request.method, path,
+                    cfg.write_timeout)
         return response
     finally:
         if finished:

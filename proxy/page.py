@@ -7,7 +7,7 @@ import os
 
 from aiohttp import web
 
-from proxy.config import CONFIG, ProxyConfig
+from proxy.config import CONFIG, CONTROL_SESSION, ProxyConfig
 from proxy.errors import error_response
 from proxy.forward import forward
 
@@ -60,7 +60,8 @@ async def page_config(request: web.Request) -> web.Response:
 
 
 async def forward_block_map(request: web.Request) -> web.StreamResponse:
-    return await forward(request)      # the engine's block map (the page's KV grid), passed through as is
+    # the engine's block map (the page's KV grid), passed through as is, on the pool of the small routes
+    return await forward(request, "/stats/blocks", request.app[CONTROL_SESSION])
 
 
 def add_page_routes(app: web.Application) -> None:

@@ -9,6 +9,8 @@ const HISTORY = 60;  // samples of used GPU blocks kept for the sparkline
 const LABELS = {
   ready: "Ready",
   starting: "Loading model…",
+  restarting: "Engine restarting…",
+  failed: "Engine stopped",
   unreachable: "Engine not reachable",
   offline: "Server offline",
   unknown: "Connecting…",

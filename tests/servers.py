@@ -111,7 +111,8 @@ def start_engine(model_dir: Path, log_dir: Path, api_key: str | None = None, ext
 
 
 def start_proxy(engine_url: str, log_dir: Path, api_key: str | None = None,
-                max_upload_mb: float | None = None, engine_status_file: Path | None = None) -> Server:
+                max_upload_mb: float | None = None, engine_status_file: Path | None = None,
+                extra_args: tuple = ()) -> Server:
     port = free_port()
     cmd = [PYTHON, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--engine-url", engine_url,
            "--log-file", str(log_dir / f"proxy-{port}.log")]
@@ -119,6 +120,7 @@ def start_proxy(engine_url: str, log_dir: Path, api_key: str | None = None,
         cmd += ["--max-upload-mb", str(max_upload_mb)]
     if engine_status_file is not None:
         cmd += ["--engine-status-file", str(engine_status_file)]
+    cmd += list(extra_args)
     env = {"ENGINE_API_KEY": api_key or "", "VLLM_API_KEY": ""}  # only the key a test gives, never the shell's
     server = spawn("proxy", cmd, log_dir / f"proxy-{port}.log", f"http://127.0.0.1:{port}", env=env)
     wait_http(server, "/api/health", 30, ready=lambda status: True)  # any answer: the proxy is listening

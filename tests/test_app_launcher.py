@@ -107,6 +107,7 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     assert cmd[cmd.index("--model") + 1] == str(smollm2_gguf)
     assert "--demo-model" in cmd and cmd[-2:] == ["--block-size", "16"]
     assert "--enable-prefix-caching" in cmd           # chats re-send their history: on by default in the app
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
     off = engine_command(Settings.from_env(), resolved, ["--no-enable-prefix-caching"])
     assert "--enable-prefix-caching" not in off
 

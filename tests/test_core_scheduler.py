@@ -114,6 +114,17 @@ def test_min_tokens_counts_outputs_still_in_flight():
     assert first.sampled[0].num_output_tokens == 0 and second.sampled[0].num_output_tokens == 1
 
 
+
+def test_a_step_sampling_a_request_that_reads_its_earlier_tokens_is_read_before_the_next_is_scheduled():
+    plain, penalised, bad_words = make_request("a", 4), make_request("b", 4, repetition_penalty=1.2), \
+        make_request("c", 4)
+    bad_words.needs_host_tokens = True           # set by the engine for a multi-token bad word
+    assert not plain.needs_host_tokens and penalised.needs_host_tokens
+    for req in (plain, penalised, bad_words):
+        only = scheduler()
+        only.add_request(req)
+        assert only.schedule().needs_host_tokens == req.needs_host_tokens
+
 # ---- preemption ----------------------------------------------------------------------------------------------
 def test_out_of_blocks_without_swap_space_the_newest_request_is_freed_and_later_recomputed():
     sched = scheduler(num_gpu_blocks=4)

@@ -269,7 +269,7 @@ def test_a_load_still_queued_runs_on_the_thread_that_needs_it(qwen3_vl_dir):
 
 
 def test_the_first_bad_image_in_the_prompt_is_reported(vl):
-    bad = {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     sliver = image_part(noise(402, 2))
     for parts, at, message in (([bad, image_part(noise(64, 64, 7)), sliver], 0, "could not decode image"),
                                ([image_part(noise(64, 64, 8)), sliver, bad], 1, "aspect ratio over 200")):
@@ -282,7 +282,7 @@ def test_the_first_bad_image_in_the_prompt_is_reported(vl):
     ([], "messages", "non-empty list"),
     ("hello", "messages", "non-empty list"),
     (["hello"], "messages[0]", "must be an object"),
-    ([{"role": "wizard", "content": "x"}], "messages[0].role", "must be one of system, user, assistant, tool"),
+    ([{"role": "wizard", "content": "x"}], "messages[0].role", "must be one of system, developer, user, assistant"),
     ([{"role": "user"}], "messages[0].content", "is required"),
     ([{"role": "user", "content": 5}], "messages[0].content", "string or a list"),
     ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]", "must be an object"),
@@ -294,10 +294,14 @@ def test_the_first_bad_image_in_the_prompt_is_reported(vl):
      "PIL image"),
     ([{"role": "assistant", "content": [image_part(A)]}], "messages[0].content[0]",
      "only accepted in user and tool messages"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": "https://example.com/cat.png"}]}],
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}],
      "messages[0].content[0].image_url", "--allow-remote-media"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]}],
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
      "messages[0].content[0].image_url", "could not decode image"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}]}],
+     "messages[0].content[0].image_url", "must be {"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
 ])
 def test_bad_messages_are_refused_naming_the_field(vl, messages, param, message):
     with pytest.raises(InvalidInputError, match=message) as info:

@@ -102,6 +102,16 @@ def test_hit_rate_is_counted(cached):
     assert stats["num_cached_blocks"] > 0
 
 
+def test_each_request_counts_once_in_the_prefix_stats_however_long_it_waits(qwen3_vl_dir):
+    """A pool of 8 blocks and 40 requests: most wait through many steps for room, looked up at each one, yet
+    the stats count each prompt once."""
+    llm = make_llm(qwen3_vl_dir, enable_prefix_caching=True, num_gpu_blocks_override=8, max_model_len=128)
+    prompts = [llm.engine.input_processor.process(f"{i} " * 20) for i in range(40)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert llm.engine.get_stats()["prefix_cache_queries"] == sum(len(p.prompt_token_ids) for p in prompts)
+    assert_pool_idle(llm)
+
+
 def test_freed_cached_blocks_are_reclaimed_oldest_first(qwen3_vl_dir):
     llm = make_llm(qwen3_vl_dir, enable_prefix_caching=True, num_gpu_blocks_override=12)
     old = [{"role": "user", "content": SYSTEM}]

@@ -37,7 +37,8 @@ class ScriptedLLM:
         self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x"), max_model_len=64,
                                       model_config=SimpleNamespace(vocab_size=100))
 
-    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None):
+    async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None,
+                           **options):
         return ProcessedPrompt(prompt_token_ids=[1, 2, 3])      # generate() plays the script, started or not
 
     def check_request(self, prompt, params) -> int:
@@ -45,6 +46,12 @@ class ScriptedLLM:
 
     def stats(self) -> dict:
         return {"multimodal": False, "demo_model": False}
+
+    def admission_stats(self) -> dict:
+        return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}
+
+    async def wait_admitted(self, request_id) -> None:
+        await asyncio.Event().wait()     # never says "queued": each stream's first output (or error) comes first
 
     async def generate(self, request_id, prompt, params, priority=0):
         for item in self.script:

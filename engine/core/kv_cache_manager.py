@@ -64,8 +64,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached full blocks at the start of the request, and the tokens they cover.
         Never the block holding the last token: that token must be computed to produce logits."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0          # prompt logprobs need the logits of every prompt token (as vLLM)
         request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -74,8 +74,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
+        # Counted once per request: a request that does not fit is looked up again at every step until it does,
+        # and counting each attempt would weigh the hit rate by how long requests waited.
+        if not request.prefix_cache_counted:
+            request.prefix_cache_counted = True
+            self.prefix_stats.queries += request.num_tokens
+            self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def cache_computed_blocks(self, request: Request) -> None:

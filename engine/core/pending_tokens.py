@@ -27,8 +27,9 @@ class PendingTokens:
     - a block ending in a pending token is hashed for the prefix cache only once the token lands;
     - a finished request's id is taken again only once no launched step holds a token for it
       (LLMEngine.add_request): a landing token finds its request by id;
-    - penalties read every earlier token id, so a step that samples with them is read before the next step is
-      scheduled (SchedulerOutput.needs_host_tokens): then nothing is pending at schedule time.
+    - penalties and multi-token bad words read every earlier token id, so a step that samples with them is read
+      before the next step is scheduled (Request.needs_host_tokens -> SchedulerOutput.needs_host_tokens): then
+      nothing is pending at schedule time.
     """
 
     def __init__(self) -> None:
@@ -62,8 +63,7 @@ class PendingTokens:
                 s.sample_row = rows[rid] = len(rows)
                 count[rid] = pending + 1
                 so.sampled.append(s)
-                p = req.sampling_params
-                if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                if req.needs_host_tokens:
                     so.needs_host_tokens = True
         self._rows = rows
 

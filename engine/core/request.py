@@ -47,9 +47,18 @@ class Request:
         self.num_computed_tokens = 0                     # tokens whose KV is in the cache (or being written)
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []              # chained hashes of its full blocks (prefix caching)
+        self.prefix_cache_counted = False                # its lookup is in the prefix-cache stats already
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None   # when asked: one per prompt token
         self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
+        # Handed to the runner once (NewRequestData), which alone uses them from then on.
+        self.grammar = None                              # structured output: its matcher (engine.structured_output)
+        self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine
+        # Its sampling reads every earlier token id (penalties, multi-token bad words): a step that samples it
+        # is read before the next is scheduled (PendingTokens.on_scheduled). The engine adds bad words.
+        p = sampling_params
+        self.needs_host_tokens = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property

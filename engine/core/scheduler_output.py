@@ -20,6 +20,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: set[int]
     generator: torch.Generator | None        # its own RNG when a seed is given
+    grammar: object | None = None            # structured output: its matcher (engine.structured_output.Grammar)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # bad_words, tokenized by the engine
 
 
 @dataclass(eq=False, slots=True)

@@ -7,6 +7,7 @@ Errors name the offending field the way OpenAI does: messages[1].content[0].imag
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from PIL import Image
 
 from engine.errors import InvalidInputError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_ROLES = ("user", "tool")  # the roles whose images chat templates render (Qwen3-VL: user and tool)
 
 
@@ -65,8 +66,36 @@ def parse_chat_messages(messages: Any, content_format: str = "openai") -> Parsed
         elif not isinstance(content, str):
             raise InvalidInputError(f"{where}.content must be a string or a list of content parts",
                                     param=f"{where}.content")
-        out.append({**message, "content": content})
+        parsed = {**message, "content": content}
+        if role == "developer":      # OpenAI's newer name for the system turn; chat templates know "system"
+            parsed["role"] = "system"
+        if message.get("tool_calls") is not None:
+            parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
+        out.append(parsed)
     return ParsedChat(out, images)
+
+
+def _parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls. Their arguments arrive as a JSON string (OpenAI's shape) and reach the
+    template as an object, as vLLM passes them: templates write `arguments | tojson`."""
+    if not isinstance(calls, list):
+        raise InvalidInputError(f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise InvalidInputError(f"{at} must be {{id, type: function, function: {{name, arguments}}}}",
+                                    param=at)
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(f"{at}.function.arguments is not valid JSON: {e}",
+                                        param=f"{at}.function.arguments") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dict[str, Any]:
@@ -86,7 +115,7 @@ def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dic
                                 f"not {role}", param=where)
     if kind == "image_url":
         value = part.get("image_url")
-        url = value.get("url") if isinstance(value, Mapping) else value   # {"url": ...} or a plain string
+        url = value.get("url") if isinstance(value, Mapping) else None    # OpenAI's shape only: {"url": ...}
         if not isinstance(url, str) or not url:
             raise InvalidInputError(f"{where}.image_url must be {{\"url\": \"data:image/...;base64,...\"}}",
                                     param=f"{where}.image_url")

@@ -14,12 +14,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pybase64
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
+from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError, ServerBusyError
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
@@ -83,8 +84,9 @@ def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_
 
 
 def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-               param: str | None = None) -> Image.Image:
-    """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos)."""
+               param: str | None = None, on_size: Callable[[int, int], None] | None = None) -> Image.Image:
+    """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos).
+    on_size(width, height) runs once the header is read and checked, before any pixel is decoded."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -93,9 +95,11 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)  # lazy: reads the header only
             check_pixels(image.width, image.height, max_pixels, param)
+            if on_size is not None:
+                on_size(image.width, image.height)
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
-    except ImageError:
+    except (ImageError, ServerBusyError):
         raise
     except Image.DecompressionBombError as e:  # Pillow's own hard stop (2 x 89 Mpx) fires while reading the header
         raise ImageError(f"image has more than the limit of {max_pixels} pixels: {e}", param=param) from e

@@ -6,6 +6,8 @@ Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are comput
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import ImageError, InvalidInputError
+from engine.errors import EngineError, ImageError, InvalidInputError, PromptTooLongError
+from engine.inputs.budget import PixelBudget
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
@@ -25,8 +28,12 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
                                     fetch_image_bytes, load_image)
 from engine.inputs.image_processor import ImageProcessor
 from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
 
+# _refuse_surely_too_long: characters per piece, and the tokens a cut between two pieces may add.
+_PIECE_CHARS = 16384
+_CUT_MARGIN_TOKENS = 2
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -39,6 +46,8 @@ class InputLimits:
     allow_remote_media: bool = False                    # http(s) image URLs
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
     image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
+    allow_special_tokens_in_messages: bool = False      # typed <|im_start|> etc. in message text become tokens
+    max_pixels_in_flight: int | None = 160_000_000      # pixels decoded at once over all requests (429 past it)
 
 
 class InputProcessor:
@@ -53,6 +62,11 @@ class InputProcessor:
         self.image_processor = image_processor if model_config.is_multimodal else None
         self.limits = limits or InputLimits()
         self.image_cache = ImageCache(self.limits.image_cache_bytes)
+        self.typed_specials = TypedSpecialTokens(tokenizer)
+        self.pixel_budget = PixelBudget(self.limits.max_pixels_in_flight)
+        # The engine's max_model_len, once known: a text that surely tokenizes past it is refused before it is
+        # tokenized in full (a 30 MB prompt would otherwise take seconds and gigabytes to be refused).
+        self.max_prompt_tokens: int | None = None
         # The input side's one pool: the server processes prompts on it (AsyncLLM), and a chat's images load on it
         # all at once, several requests' at once, while the prompt's own thread renders and tokenizes.
         self.executor = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
@@ -87,19 +101,25 @@ class InputProcessor:
 
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        """OpenAI-style chat messages, rendered with the model's chat template and tokenized without added
-        special tokens (the template writes them), as apply_chat_template does."""
-        if self.chat_template is None:
-            raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead",
-                                    param="messages")
+                     tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                     continue_final_message: bool = False) -> ProcessedPrompt:
+        """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
+        `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
+        them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
+        text ends, for the model to continue that message."""
+        template = self.chat_template if chat_template is None else request_template(chat_template)
+        if template is None:
+            raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
+                                    "or a chat_template", param="messages")
         kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None and self.chat_template is not None:   # the tokenizer's special tokens too
+            kwargs = {**self.chat_template.default_kwargs, **kwargs}
         bad = [k for k in kwargs if not isinstance(k, str) or k in _RESERVED_TEMPLATE_KWARGS]
         if bad:
             raise InvalidInputError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
-        chat = parse_chat_messages(messages, self.chat_template.content_format)
+        chat = parse_chat_messages(messages, template.content_format)
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
@@ -107,14 +127,32 @@ class InputProcessor:
         # still wins over an image error, and images not started by then are not started.
         pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
         try:
-            text = self.chat_template.render(chat.messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **kwargs)
-            token_ids = self._encode(text, add_special_tokens=False)
+            text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
+                                                continue_final_message)
             images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
         finally:
             for p in pending:
                 p.cancel()
         return self._build(token_ids, images, text, param="messages")
+
+    def _render_chat(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
+                     continue_final_message: bool) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids. Special-token strings the request typed (in messages, tools or
+        template kwargs) are tokenized as text, so that control tokens come only from the template."""
+        markers: dict[str, str] = {}
+        if not self.limits.allow_special_tokens_in_messages:
+            (messages, tools, kwargs), markers = self.typed_specials.mask((messages, tools, kwargs))
+        rendered = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages[-1])
+        if not markers:
+            return rendered, self._encode(rendered, add_special_tokens=False, param="messages")
+        if not rendered:
+            raise InvalidInputError("the prompt is empty", param="prompt")
+        self._refuse_surely_too_long(rendered, "messages")
+        return self.typed_specials.unmask(rendered, markers), self._check_token_ids(
+            self.typed_specials.encode(rendered, markers))
 
     # ---- building the prompt --------------------------------------------------------------------------------
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
@@ -148,13 +186,36 @@ class InputProcessor:
         return ProcessedPrompt(prompt_token_ids=ids, prompt=text, images=items, mrope_positions=positions,
                                mrope_position_delta=delta)
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         if not text:
             raise InvalidInputError("the prompt is empty", param="prompt")
+        self._refuse_surely_too_long(text, param)
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise InvalidInputError("the prompt is empty after tokenization", param="prompt")
         return self._check_token_ids(ids)
+
+    def _refuse_surely_too_long(self, text: str, param: str) -> None:
+        """Tokenize a long text piece by piece (cut before a space, where the pre-tokenizer cuts too) and stop
+        as soon as the pieces alone hold more tokens than max_prompt_tokens, with a margin for the cuts. A text
+        of at most max_prompt_tokens / 4 characters is not looked at: no character becomes more than 4 tokens."""
+        limit = self.max_prompt_tokens
+        if limit is None or len(text) * 4 <= limit:
+            return
+        count, pieces, start = 0, 0, 0
+        while start < len(text):
+            end = start + _PIECE_CHARS
+            if end < len(text):
+                space = text.rfind(" ", start + _PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            count += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            pieces += 1
+            start = end
+            if count > limit + _CUT_MARGIN_TOKENS * pieces:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {limit} tokens, but the prompt has more than {count} "
+                    f"tokens (it is {len(text)} characters; counting stopped there); shorten the prompt",
+                    param=param, code="context_length")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
@@ -198,8 +259,10 @@ class InputProcessor:
         lim = self.limits
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        return self.image_cache.get_or_process(data, lambda: self._process_image(
-            load_image(data, lim.max_image_bytes, lim.max_image_pixels, ref.param), ref.param))
+        with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
+            return self.image_cache.get_or_process(data, lambda: self._process_image(load_image(
+                data, lim.max_image_bytes, lim.max_image_pixels, ref.param,
+                on_size=lambda w, h: held.enter_context(self.pixel_budget.hold(w * h, ref.param))), ref.param))
 
     def _process_image(self, image: Image.Image, param: str) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the
@@ -225,3 +288,31 @@ class InputProcessor:
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
                                  f"accept images", param=param)
+
+
+@functools.lru_cache(maxsize=16)
+def request_template(source: str) -> ChatTemplate:
+    """A request's own chat template, compiled once per distinct source. It gets no tokenizer kwargs: the
+    request's template writes its special tokens itself."""
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidInputError("chat_template must be a non-empty Jinja template", param="chat_template")
+    try:
+        return ChatTemplate(source)
+    except EngineError as e:
+        raise InvalidInputError(f"chat_template: {e.message}", param="chat_template") from None
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat up to the end of the last message's text, as transformers' continue_final_message."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise InvalidInputError("continue_final_message needs the last message to be an assistant message with "
+                                "text", param="continue_final_message")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise InvalidInputError("continue_final_message: the chat template does not write the last message's text "
+                                "verbatim", param="continue_final_message")
+    return text[:at + len(content.strip())]

@@ -20,5 +20,7 @@ def build_input_processor(args: EngineArgs, config: ModelConfig) -> InputProcess
     limits = InputLimits(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                          limit_images_per_prompt=int((args.limit_mm_per_prompt or {}).get("image", 8)),
                          allow_remote_media=args.allow_remote_media,
-                         allowed_local_media_path=args.allowed_local_media_path)
+                         allowed_local_media_path=args.allowed_local_media_path,
+                         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+                         max_pixels_in_flight=args.max_pixels_in_flight)
     return InputProcessor(config, tokenizer, template, image_processor, limits)

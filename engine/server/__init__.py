@@ -1,5 +1,5 @@
 """The engine's HTTP server: an OpenAI-compatible API (chat, completions, models) plus /health, /stats,
-/metrics and /version, on aiohttp, in front of AsyncLLM.
+/metrics, /version, /tokenize and /detokenize, on aiohttp, in front of AsyncLLM.
 
 | file            | holds                                                                       |
 |-----------------|-----------------------------------------------------------------------------|
@@ -12,9 +12,13 @@
 | protocol.py     | request bodies -> typed fields and SamplingParams                           |
 | defaults.py     | default sampling parameters (generation_config.json, as vLLM's auto mode)   |
 | state.py        | ServerState: what every handler shares; the shutdown drain                  |
-| serving.py      | one generation: admission, streaming or collecting, metrics                 |
+| serving.py      | one generation (n choices, best_of): admission, streaming or collecting      |
 | chat.py         | POST /v1/chat/completions                                                   |
-| completions.py  | POST /v1/completions                                                        |
+| completions.py  | POST /v1/completions (prompt lists, echo)                                   |
+| tools.py        | tools / tool_choice: checks, and the grammar that forces tool calls         |
+| tool_parser.py  | the hermes tool-call parser, whole and streamed                             |
+| structured.py   | response_format / structured_outputs / guided_* -> StructuredOutputsParams  |
+| tokenize.py     | POST /tokenize and /detokenize                                              |
 | logprobs.py     | engine logprobs -> the two OpenAI logprobs shapes                           |
 | sse.py          | the Server-Sent Events writer                                               |
 | metrics.py      | Prometheus text for /metrics                                                |

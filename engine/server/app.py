@@ -9,6 +9,7 @@
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
 | GET  /stats/blocks             | no   | who holds which GPU block, run-length encoded (kv_map.py)    |
 | GET  /metrics                  | no   | Prometheus text                                              |
+| POST /tokenize, /detokenize    | no   | a prompt or chat messages -> token ids, and back (as vLLM)   |
 | GET  /version                  | no   | {"version": ...}                                             |
 """
 from __future__ import annotations
@@ -27,7 +28,9 @@ from engine.server.errors import dumps, error_response
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.metrics import render_metrics
 from engine.server.middleware import access_log_middleware, error_middleware
+from engine.server.request_body import BODY_TIMEOUT
 from engine.server.state import STATE, ServerState
+from engine.server.tokenize import detokenize, tokenize
 
 SHUTDOWN_GRACE_S = 5.0      # how long running generations may go on after SIGTERM/SIGINT
 
@@ -41,9 +44,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _model_card(state: ServerState) -> dict:
+    # root is the served name, not vLLM's model path: the API must not hand out where files live on this machine.
     stats = state.engine.stats()
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+            "root": state.served_model_name, "parent": None, "max_model_len": state.max_model_len,
             "multimodal": stats["multimodal"], "demo_model": stats["demo_model"],
             # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
             "max_images_per_prompt": stats.get("max_images_per_prompt"),
@@ -61,7 +65,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response({**request.app[STATE].engine.stats(), "version": __version__}, dumps=dumps)
+    engine = request.app[STATE].engine
+    return web.json_response({**engine.stats(), **engine.admission_stats(), "version": __version__}, dumps=dumps)
 
 
 async def block_map(request: web.Request) -> web.Response:
@@ -70,7 +75,8 @@ async def block_map(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name)
+    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name,
+                          state.engine.engine.stats.iteration_tokens)
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -84,6 +90,8 @@ ROUTES = [
     web.get("/v1/models/{model:.+}", retrieve_model, allow_head=False),
     web.post("/v1/chat/completions", create_chat_completion),
     web.post("/v1/completions", create_completion),
+    web.post("/tokenize", tokenize),
+    web.post("/detokenize", detokenize),
     web.get("/stats", stats, allow_head=False),
     web.get("/stats/blocks", block_map, allow_head=False),
     web.get("/metrics", metrics, allow_head=False),
@@ -100,6 +108,7 @@ def build_app(state: ServerState, args: ServerArgs) -> web.Application:
     # client_max_size: aiohttp refuses larger bodies with 413 while reading them (turned into JSON above).
     app = web.Application(middlewares=middlewares, client_max_size=args.max_request_body_bytes)
     app[STATE] = state
+    app[BODY_TIMEOUT] = args.request_body_timeout
     app.add_routes(ROUTES)
     app.on_shutdown.append(_drain_generations)
     return app

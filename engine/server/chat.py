@@ -10,30 +10,58 @@ from aiohttp import web
 from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
-from engine.server.logprobs import chat_logprobs
-from engine.server.protocol import Fields, check_token_ids_in_vocab, renamed_params, sampling_params
-from engine.server.serving import Generation, read_request, serve_generation, usage
+from engine.server.logprobs import chat_logprobs, prompt_logprobs_json
+from engine.server.protocol import Fields, check_token_ids_in_vocab, choice_counts, renamed_params, sampling_params
+from engine.server.serving import Generation, read_request, running_usage, serve_generation, usage
 from engine.server.state import ServerState
+from engine.server.structured import parse_structured_outputs
+from engine.server.tool_parser import StreamingToolParser, parse_tool_calls
+from engine.server.tools import ToolConfig, parse_tools, tool_call_constraint
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state, f, options = await read_request(request)
+    tools = parse_tools(f, state.auto_tool_choice)
+    constraint, constraint_param = parse_structured_outputs(f)
+    forced = tool_call_constraint(tools)
+    if forced is not None:
+        if constraint is not None:
+            raise InvalidInputError(f'tool_choice "{tools.choice}" cannot be combined with {constraint_param}',
+                                    param=constraint_param)
+        constraint, constraint_param = forced, "tools"
+    n, best_of = choice_counts(f, options)
     top_logprobs = _top_logprobs(f)
+    # best_of ranks candidates by their cumulative log-probability: the engine returns the chosen tokens' then.
+    engine_logprobs = top_logprobs if (best_of or n) == n else (top_logprobs or 0)
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one. The newer one wins.
     max_field = "max_completion_tokens" if f.given("max_completion_tokens") else "max_tokens"
     user_max = f.integer(max_field, None)
-    add_generation_prompt = f.boolean("add_generation_prompt", True)
-    template_kwargs = f.obj("chat_template_kwargs")
+    template = _template_options(f)
     with renamed_params({"max_tokens": max_field, "logprobs": "top_logprobs", "prompt": "messages"}):
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
-        params = sampling_params(f, state.sampling_defaults, max_tokens, top_logprobs)
+        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs, constraint)
         check_token_ids_in_vocab(params, state.vocab_size)
+        if constraint is not None:
+            await state.engine.compile_structured_output(params, constraint_param)
         start = StartRequest(f"chatcmpl-{uuid.uuid4().hex}", params, options.priority,
                              None if user_max is not None else state.fit_default_max_tokens)
-        prompt = await state.engine.process_chat(f.body.get("messages"), add_generation_prompt, template_kwargs,
-                                                 start=start)
-    gen = Generation(start.request_id, prompt, params, options, int(time.time()))
-    return await serve_generation(request, state, gen, ChatFormat(gen, state))
+        prompt = await state.engine.process_chat(f.body.get("messages"), start=start, tools=tools.tools,
+                                                 **template)
+    gen = Generation(start.request_id, prompt, params, options, int(time.time()), n=n, best_of=best_of)
+    return await serve_generation(request, state, gen, ChatFormat(gen, state, tools, top_logprobs))
+
+
+def _template_options(f: Fields) -> dict:
+    """How the messages are rendered: vLLM's add_generation_prompt, continue_final_message (the prompt ends
+    inside the last, assistant, message, for the model to continue it), chat_template (this request's own
+    template, rendered in the same sandbox) and chat_template_kwargs."""
+    options = dict(add_generation_prompt=f.boolean("add_generation_prompt", True),
+                   continue_final_message=f.boolean("continue_final_message", False),
+                   chat_template=f.string("chat_template", None), chat_template_kwargs=f.obj("chat_template_kwargs"))
+    if options["continue_final_message"] and options["add_generation_prompt"]:
+        raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true (set "
+                                "add_generation_prompt: false)", param="continue_final_message")
+    return options
 
 
 def _top_logprobs(f: Fields) -> int | None:
@@ -46,41 +74,68 @@ def _top_logprobs(f: Fields) -> int | None:
 
 
 class ChatFormat:
-    def __init__(self, gen: Generation, state: ServerState):
+    def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, logprobs: int | None):
         self.gen = gen
         self.state = state
-        self.role_sent = False
+        self.tools = tools
+        self.logprobs = logprobs                 # what the client asked (best_of may ask the engine for more)
+        self.tool_parsers: dict[int, StreamingToolParser] = {}
+        self.role_sent: set[int] = set()
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends with "stop".
+        return "tool_calls" if reason == "stop" and called and self.tools.choice != "named" else reason
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.gen.request_id, "object": obj, "created": self.gen.created,
                 "model": self.state.served_model_name, "choices": choices, **extra}
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
-        if self.gen.params.logprobs is None or not token_ids or not entries:
+        if self.logprobs is None or not token_ids or not entries:
             return None
-        return chat_logprobs(token_ids, entries[-len(token_ids):], self.gen.params.logprobs, self.state.token_text)
+        return chat_logprobs(token_ids, entries[-len(token_ids):], self.logprobs, self.state.token_text)
 
-    def chunk(self, out: RequestOutput) -> dict | None:
+    def chunk(self, out: RequestOutput, index: int) -> dict | None:
         c = out.outputs[0]
         logprobs = self._logprobs(c.token_ids_delta, c.logprobs)
-        if self.role_sent and not c.text_delta and c.finish_reason is None and logprobs is None:
+        text_delta, calls, parser = c.text_delta, [], None
+        if self.tools.parse_calls:
+            parser = self.tool_parsers.setdefault(index, StreamingToolParser())
+            text_delta, calls = parser.feed(c.text, final=out.finished)
+        role_sent = index in self.role_sent
+        if role_sent and not text_delta and not calls and c.finish_reason is None and logprobs is None:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
-        delta: dict = {} if self.role_sent else {"role": "assistant"}
-        if c.text_delta or not self.role_sent:
-            delta["content"] = c.text_delta
-        self.role_sent = True
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        delta: dict = {} if role_sent else {"role": "assistant"}
+        if text_delta or not role_sent:
+            delta["content"] = text_delta
+        if calls:
+            delta["tool_calls"] = calls
+        self.role_sent.add(index)
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": self._finish_reason(c.finish_reason, parser is not None and parser.called)}
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason        # vLLM's extension: the stop string or token id
-        extra = {"usage": None} if self.gen.options.include_usage else {}
+        extra = {}
+        if self.gen.options.include_usage:
+            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
         return self._envelope("chat.completion.chunk", [choice], **extra)
 
-    def usage_chunk(self, final: RequestOutput) -> dict:
-        return self._envelope("chat.completion.chunk", [], usage=usage(final))
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+        return self._envelope("chat.completion.chunk", [], usage=usage(finals))
 
-    def response(self, final: RequestOutput) -> dict:
+    def response(self, finals: list[RequestOutput]) -> dict:
+        extra = {}
+        if self.gen.params.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, self.state.token_text)
+        return self._envelope("chat.completion", [self._choice(i, f) for i, f in enumerate(finals)],
+                              usage=usage(finals), **extra)
+
+    def _choice(self, index: int, final: RequestOutput) -> dict:
         c = final.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
-        return self._envelope("chat.completion", [choice], usage=usage(final))
+        message: dict = {"role": "assistant", "content": c.text}
+        if self.tools.parse_calls:
+            parsed = parse_tool_calls(c.text)
+            message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+        return {"index": index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
+                "stop_reason": c.stop_reason}

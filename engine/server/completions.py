@@ -1,10 +1,8 @@
-"""POST /v1/completions: a raw prompt (text or token ids) in, a text_completion (or a stream of them) out.
-
-One prompt per request: a list of several prompts (OpenAI's batch form) is refused with a 400 rather than
-answered with several choices, since the engine serves n=1 and clients of this server send one prompt.
-"""
+"""POST /v1/completions: raw prompts (text or token ids, one or a list) in, a text_completion (or a stream of
+them) out. Choice i * n + j is sample j of prompt i; `echo` puts the prompt before each choice's text."""
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from typing import Any
@@ -14,83 +12,139 @@ from aiohttp import web
 from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
-from engine.server.logprobs import completion_logprobs
-from engine.server.protocol import check_token_ids_in_vocab, renamed_params, sampling_params
-from engine.server.serving import Generation, read_request, serve_generation, usage
+from engine.server.logprobs import completion_logprobs, prompt_logprobs_json
+from engine.server.protocol import check_token_ids_in_vocab, choice_counts, renamed_params, sampling_params
+from engine.server.serving import Generation, read_request, running_usage, serve_generation, usage
 from engine.server.state import ServerState
+from engine.server.structured import parse_structured_outputs
 
 DEFAULT_MAX_TOKENS = 16       # OpenAI's and vLLM's default for /v1/completions
+MAX_PROMPTS = 64              # prompts in one request (each is n engine requests)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state, f, options = await read_request(request)
-    prompt_input = parse_prompt(f.body.get("prompt"))
+    n, best_of = choice_counts(f, options)
+    inputs = parse_prompts(f.body.get("prompt"))
+    echo = f.boolean("echo", False)
+    constraint, constraint_param = parse_structured_outputs(f)
     user_max = f.integer("max_tokens", None)
+    logprobs = f.integer("logprobs", None)
+    # best_of ranks candidates by their cumulative log-probability: the engine returns the chosen tokens' then.
+    engine_logprobs = logprobs if (best_of or n) == n else (logprobs or 0)
     with renamed_params({"messages": "prompt", "multi_modal_data": "prompt"}):
         max_tokens = user_max if user_max is not None else DEFAULT_MAX_TOKENS
-        params = sampling_params(f, state.sampling_defaults, max_tokens, f.integer("logprobs", None))
+        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs, constraint)
+        if echo and logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = logprobs          # echoed prompt tokens carry logprobs too, as vLLM's
         check_token_ids_in_vocab(params, state.vocab_size)
-        start = StartRequest(f"cmpl-{uuid.uuid4().hex}", params, options.priority,
-                             None if user_max is not None else state.fit_default_max_tokens)
-        prompt = await state.engine.process_prompt(prompt_input, start=start)
-    gen = Generation(start.request_id, prompt, params, options, int(time.time()))
-    return await serve_generation(request, state, gen, CompletionFormat(gen, state))
+        if constraint is not None:
+            await state.engine.compile_structured_output(params, constraint_param)
+        fit = None if user_max is not None else state.fit_default_max_tokens
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        # The first prompt starts as soon as it is processed; the others (own parameters: a default max_tokens
+        # is fitted to each prompt) after.
+        prompts = [(await state.engine.process_prompt(inputs[0], start=StartRequest(request_id, params,
+                                                                                     options.priority, fit)),
+                    params)]
+        for prompt_input in inputs[1:]:
+            prompt = await state.engine.process_prompt(prompt_input)
+            own = copy.copy(params)
+            if fit is not None:
+                fit(prompt, own)
+            prompts.append((prompt, own))
+    gen = Generation(request_id, prompts[0][0], params, options, int(time.time()), n=n, best_of=best_of,
+                     prompts=prompts)
+    return await serve_generation(request, state, gen, CompletionFormat(gen, state, logprobs, echo))
 
 
-def parse_prompt(value: Any) -> str | dict[str, Any]:
-    """A string, a list of token ids, or either wrapped in a one-element list -> what the engine takes."""
+def parse_prompts(value: Any) -> list[str | dict[str, Any]]:
+    """A string, a list of token ids, or a list of either (OpenAI's batch form) -> the engine's prompt inputs."""
     if isinstance(value, str):
-        return value
+        return [value]
     if isinstance(value, list) and value:
         if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return {"prompt_token_ids": value}
-        if all(isinstance(v, (str, list)) for v in value):
-            if len(value) > 1:
-                raise InvalidInputError(f"prompt holds {len(value)} prompts; this server takes one prompt per "
-                                        f"request (send them as separate requests)", param="prompt")
-            return parse_prompt(value[0]) if isinstance(value[0], str) else {"prompt_token_ids": value[0]}
+            return [{"prompt_token_ids": value}]
+        if len(value) > MAX_PROMPTS:
+            raise InvalidInputError(f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} per request",
+                                    param="prompt")
+        out = []
+        for i, v in enumerate(value):
+            if isinstance(v, str) and v:
+                out.append(v)
+            elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                out.append({"prompt_token_ids": v})
+            else:
+                raise InvalidInputError(f"prompt[{i}] must be a non-empty string or a non-empty list of token ids",
+                                        param="prompt")
+        return out
     if value is None:
         raise InvalidInputError("prompt is required: a string or a list of token ids", param="prompt")
     raise InvalidInputError("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
 
 
 class CompletionFormat:
-    def __init__(self, gen: Generation, state: ServerState):
+    def __init__(self, gen: Generation, state: ServerState, logprobs: int | None, echo: bool):
         self.gen = gen
         self.state = state
-        self.text_offset = 0          # characters of completion text already covered by streamed logprobs
+        self.logprobs = logprobs                 # what the client asked (best_of may ask the engine for more)
+        self.echo = echo
+        self.text_offset: dict[int, int] = {}    # per choice: characters already covered by streamed logprobs
 
     def _envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.gen.request_id, "object": "text_completion", "created": self.gen.created,
                 "model": self.state.served_model_name, "choices": choices, **extra}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
-        if self.gen.params.logprobs is None or not token_ids or not entries:
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]] | None,
+                  prompt: RequestOutput | None = None) -> dict | None:
+        """`prompt`: also the prompt's tokens first (echo), the first of which has no logprob (null)."""
+        if self.logprobs is None:
             return None
-        result = completion_logprobs(token_ids, entries[-len(token_ids):], self.gen.params.logprobs,
-                                     self.state.token_text, self.text_offset)
-        self.text_offset += sum(len(t) for t in result["tokens"])
+        ids, rows = [], []
+        if prompt is not None:
+            ids, rows = list(prompt.prompt_token_ids), [None] + list(prompt.prompt_logprobs or [])[1:]
+        if token_ids and entries:
+            ids, rows = ids + token_ids, rows + entries[-len(token_ids):]
+        if not ids:
+            return None
+        result = completion_logprobs(ids, rows, self.logprobs, self.state.token_text, self.text_offset.get(index, 0))
+        self.text_offset[index] = self.text_offset.get(index, 0) + sum(len(t) for t in result["tokens"])
         return result
 
-    def _choice(self, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason          # vLLM's extension: the stop string or token id
         return choice
 
-    def chunk(self, out: RequestOutput) -> dict | None:
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.state.engine.engine.tokenizer.decode(
+            out.prompt_token_ids)
+
+    def chunk(self, out: RequestOutput, index: int) -> dict | None:
         c = out.outputs[0]
-        logprobs = self._logprobs(c.token_ids_delta, c.logprobs)
-        if not c.text_delta and c.finish_reason is None and logprobs is None:
+        first = index not in self.text_offset
+        echo = self.echo and first
+        logprobs = self._logprobs(index, c.token_ids_delta, c.logprobs, out if echo else None)
+        text = (self._prompt_text(out) if echo else "") + c.text_delta
+        if not text and c.finish_reason is None and logprobs is None:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
-        extra = {"usage": None} if self.gen.options.include_usage else {}
-        return self._envelope([self._choice(c.text_delta, logprobs, c.finish_reason, c.stop_reason)], **extra)
+        self.text_offset.setdefault(index, 0)
+        extra = {}
+        if self.gen.options.include_usage:
+            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
+        return self._envelope([self._choice(index, text, logprobs, c.finish_reason, c.stop_reason)], **extra)
 
-    def usage_chunk(self, final: RequestOutput) -> dict:
-        return self._envelope([], usage=usage(final))
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+        return self._envelope([], usage=usage(finals, len(self.gen.prompts)))
 
-    def response(self, final: RequestOutput) -> dict:
-        c = final.outputs[0]
-        logprobs = self._logprobs(c.token_ids, c.logprobs)
-        return self._envelope([self._choice(c.text, logprobs, c.finish_reason, c.stop_reason)],
-                              usage=usage(final))
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for index, final in enumerate(finals):
+            c = final.outputs[0]
+            logprobs = self._logprobs(index, c.token_ids, c.logprobs, final if self.echo else None)
+            text = (self._prompt_text(final) if self.echo else "") + c.text
+            choices.append(self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
+            if self.gen.params.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, self.state.token_text)
+        return self._envelope(choices, usage=usage(finals, len(self.gen.prompts)))

@@ -45,4 +45,8 @@ def engine_error_body(err: EngineError) -> dict:
 
 
 def error_response(err: EngineError) -> web.Response:
-    return web.json_response(engine_error_body(err), status=err.status, dumps=dumps)
+    response = web.json_response(engine_error_body(err), status=err.status, dumps=dumps)
+    retry_after = getattr(err, "retry_after_s", None)
+    if retry_after is not None:      # a full queue (QueueFullError): when to come back, as HTTP says it
+        response.headers["Retry-After"] = str(retry_after)
+    return response

@@ -44,15 +44,32 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, float]], top_k: 
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, float]], top_k: int, text_of: TokenText,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """text_offset: characters of completion text before these tokens (streaming chunks continue the count)."""
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], top_k: int,
+                        text_of: TokenText, text_offset: int = 0) -> dict[str, Any]:
+    """text_offset: characters of completion text before these tokens (streaming chunks continue the count).
+    An entry of None (an echoed prompt's first token: nothing predicts it) gives null logprobs. As vLLM's, each
+    top_logprobs dict holds the chosen token beside the top k (with logprobs 0: the chosen token alone)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         text = text_of(token_id)
         tokens.append(text)
-        token_logprobs.append(_finite(entry[token_id]))
-        tops.append({text_of(t): _finite(lp) for t, lp in _top(entry, top_k)} if top_k else None)
         offsets.append(text_offset)
         text_offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        token_logprobs.append(_finite(entry[token_id]))
+        top = {text_of(t): _finite(lp) for t, lp in _top(entry, top_k)}
+        top.setdefault(text, _finite(entry[token_id]))
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[dict[int, float] | None] | None, text_of: TokenText) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {"token id": {logprob, decoded_token}}, the
+    prompt's own token first, then the top k."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(lp), "decoded_token": text_of(t)}
+                                    for t, lp in e.items()} for e in entries]

@@ -71,7 +71,7 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException, limit_mb:
     if exc.status == 404:
         return NotFoundError(f"no route {request.method} {request.path}; the API is GET /v1/models, "
                              f"POST /v1/chat/completions, POST /v1/completions (and GET /health, /stats, "
-                             f"/metrics, /version)", code="not_found")
+                             f"/metrics, /version, POST /tokenize, /detokenize)", code="not_found")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
         return MethodNotAllowedError(f"{request.method} is not allowed on {request.path}; use {allowed}",

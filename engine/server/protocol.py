@@ -2,7 +2,7 @@
 
 As OpenAI and vLLM do, fields this server does not know are ignored; fields it knows are type-checked here
 (a wrong type is a 400 naming the field) and range-checked by SamplingParams. A few known fields that would
-change the answer if silently ignored (n > 1, best_of, echo, logit_bias, tools) are refused instead.
+change the answer if silently ignored are checked, never dropped.
 """
 from __future__ import annotations
 
@@ -16,15 +16,18 @@ import orjson   # parses a 4 MB image request in half the standard library's tim
 from aiohttp import web
 
 from engine.errors import InvalidInputError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server.defaults import SamplingDefaults
+from engine.server.request_body import check_json_content_type, check_json_tree, read_body
 
+MAX_CHOICES = 16                                     # n and best_of: each choice is one engine request
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
-    raw = await request.read()
+    check_json_content_type(request)
+    raw = await read_body(request)
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
@@ -32,9 +35,12 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
         body = _loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:      # the standard parser (orjson stops at 1024 levels)
+        raise InvalidInputError("the request body is nested too deeply", code="json_too_deep") from None
     if not isinstance(body, dict):
         raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
                                 code="invalid_json")
+    check_json_tree(body)
     return body
 
 
@@ -146,6 +152,7 @@ class RequestOptions:
     stream: bool
     include_usage: bool          # stream_options.include_usage: a last chunk with the usage
     priority: int
+    continuous_usage_stats: bool = False   # stream_options.continuous_usage_stats: usage in every chunk
 
 
 def parse_options(f: Fields) -> RequestOptions:
@@ -153,29 +160,52 @@ def parse_options(f: Fields) -> RequestOptions:
     stream_options = f.obj("stream_options") or {}
     if stream_options and not stream:
         raise InvalidInputError("stream_options is only allowed when stream is true", param="stream_options")
-    with renamed_params({"include_usage": "stream_options.include_usage"}):
+    with renamed_params({"include_usage": "stream_options.include_usage",
+                         "continuous_usage_stats": "stream_options.continuous_usage_stats"}):
         include_usage = Fields(stream_options).boolean("include_usage", False)
-    return RequestOptions(model=f.string("model", None), stream=stream, include_usage=include_usage,
-                          priority=f.integer("priority", 0))
+        continuous = Fields(stream_options).boolean("continuous_usage_stats", False)
+    return RequestOptions(model=f.string("model", None), stream=stream, include_usage=include_usage or continuous,
+                          priority=f.integer("priority", 0), continuous_usage_stats=continuous)
 
 
-def refuse_unsupported(f: Fields) -> None:
-    """Known OpenAI/vLLM fields whose effect this server does not implement: refused rather than ignored."""
-    if f.integer("best_of", 1) != 1:
-        raise InvalidInputError("best_of > 1 is not supported; send n=1 requests", param="best_of")
-    if f.boolean("echo", False):
-        raise InvalidInputError("echo is not supported", param="echo")
-    if f.given("logit_bias") and f.body["logit_bias"] != {}:
-        raise InvalidInputError("logit_bias is not supported", param="logit_bias")
-    if f.given("tools") and f.body["tools"] != []:
-        raise InvalidInputError("tools (function calling) are not supported by this server", param="tools")
+def choice_counts(f: Fields, options: RequestOptions) -> tuple[int, int | None]:
+    """(n, best_of). best_of candidates are generated and the n most likely returned: not while streaming,
+    where choices are sent before they can be compared (OpenAI refuses the same)."""
+    n = f.integer("n", 1)
+    best_of = f.integer("best_of", None)
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidInputError(f"n must be in [1, {MAX_CHOICES}]", param="n")
+    if best_of is not None:
+        if not n <= best_of <= MAX_CHOICES:
+            raise InvalidInputError(f"best_of must be in [n, {MAX_CHOICES}] (n is {n})", param="best_of")
+        if best_of > n and options.stream:
+            raise InvalidInputError("best_of > n cannot be streamed", param="best_of")
+    return n, best_of
+
+
+def logit_bias(f: Fields) -> dict[int, float] | None:
+    """OpenAI sends {"token id as a string": bias}."""
+    value = f.obj("logit_bias")
+    if not value:
+        return None
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidInputError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidInputError(f"logit_bias[{key!r}] must be a number", param="logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def sampling_params(f: Fields, defaults: SamplingDefaults, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the body; max_tokens and logprobs come resolved from the endpoint's own fields."""
+                    logprobs: int | None, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams of one engine request (n is the server's: serving.Generation fans out); max_tokens and
+    logprobs come resolved from the endpoint's own fields."""
+    bad_words = f.strings("bad_words")
     return SamplingParams(
-        n=f.integer("n", 1),
         temperature=f.number("temperature", defaults.temperature),
         top_p=f.number("top_p", defaults.top_p),
         top_k=f.integer("top_k", defaults.top_k),
@@ -192,6 +222,11 @@ def sampling_params(f: Fields, defaults: SamplingDefaults, max_tokens: int | Non
         logprobs=logprobs,
         skip_special_tokens=f.boolean("skip_special_tokens", True),
         include_stop_str_in_output=f.boolean("include_stop_str_in_output", False),
+        prompt_logprobs=f.integer("prompt_logprobs", None),
+        logit_bias=logit_bias(f),
+        allowed_token_ids=f.integers("allowed_token_ids"),
+        bad_words=[bad_words] if isinstance(bad_words, str) else bad_words,
+        structured_outputs=structured_outputs,
     )
 
 

@@ -19,6 +19,8 @@ from engine.server.cli import ServerArgs, parse_args
 
 logger = init_logger(__name__)
 
+LISTEN_BACKLOG = 2048
+
 
 def run(argv: list[str] | None = None) -> None:
     engine_args, server_args = parse_args(argv)
@@ -34,14 +36,16 @@ def run(argv: list[str] | None = None) -> None:
     from engine.server.state import ServerState
 
     try:
-        engine = AsyncLLM(engine_args)
+        engine = AsyncLLM(engine_args, max_waiting=server_args.max_waiting_requests)
     except ModelLoadError as e:
         logger.error("cannot load the model: %s", e.message)
         sys.exit(1)
     load_progress.report("starting the server", 0.97)
     defaults = load_sampling_defaults(engine_args.model, server_args.generation_config)
     state = ServerState(engine=engine, served_model_name=engine.model_name, model_path=engine_args.model,
-                        sampling_defaults=defaults, log_requests=not server_args.disable_log_requests)
+                        sampling_defaults=defaults, log_requests=not server_args.disable_log_requests,
+                        auto_tool_choice=server_args.enable_auto_tool_choice,
+                        stream_write_timeout=server_args.stream_write_timeout)
     try:
         code = asyncio.run(_serve(build_app(state, server_args), server_args))
     finally:
@@ -55,10 +59,14 @@ async def _serve(app: web.Application, args: ServerArgs) -> int:
     # handler_cancellation: when a client disconnects, aiohttp cancels its handler at once, which closes the
     # engine's output iterator and aborts the request, even while it is still waiting for its first token.
     # Running generations get their grace period from the app's on_shutdown hook (ServerState.drain).
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    # keepalive_timeout also closes a connection whose request headers never finish (aiohttp arms it when the
+    # connection opens); lingering_time bounds how long an unread body is drained after an early answer (408).
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0,
+                           keepalive_timeout=args.timeout_keep_alive, lingering_time=1.0)
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port, reuse_address=True).start()
+        # backlog: a burst of clients (hundreds of streams opening at once) waits in the kernel, not refused.
+        await web.TCPSite(runner, args.host, args.port, reuse_address=True, backlog=LISTEN_BACKLOG).start()
     except OSError as e:
         logger.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
         await runner.cleanup()

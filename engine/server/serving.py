@@ -1,8 +1,9 @@
 """One generation, from a parsed request to the HTTP response, shared by chat and completions.
 
-The first engine output is awaited before any byte is sent: errors at admission (overloaded, prompt too long,
-engine dead, a failed first step) then still get their own HTTP status instead of an error event inside a
-200 stream; the client loses nothing, since no token could be sent before the first one exists anyway.
+A plain response waits for the whole generation. A stream sends its headers as soon as the engine has queued
+the request (or its first output is there, if that comes first): errors at admission (overloaded, prompt too
+long, engine dead) still get their own HTTP status, and a client whose request waits in the queue knows at once
+that it was taken. A later failure (a failed step) is an error event inside the 200 stream.
 The engine's output iterator is always closed (contextlib.aclosing), whether the response ends normally, the
 write fails because the client went away, or aiohttp cancels the handler: closing it aborts the request in
 the engine, which frees its KV blocks at the next step boundary.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,8 +26,7 @@ from engine.logger import init_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import dumps
-from engine.server.protocol import (Fields, RequestOptions, parse_options, read_json_body,
-                                    refuse_unsupported)
+from engine.server.protocol import Fields, RequestOptions, parse_options, read_json_body
 from engine.server.sse import SSEWriter
 from engine.server.state import STATE, ServerState
 
@@ -34,63 +35,111 @@ logger = init_logger(__name__)
 
 @dataclass
 class Generation:
-    request_id: str                     # chatcmpl-... / cmpl-...: the response id and the engine's request id
-    prompt: ProcessedPrompt
+    request_id: str                     # chatcmpl-... / cmpl-...: the response id and the first engine request's id
+    prompt: ProcessedPrompt             # the first prompt (completions may send several: `prompts`)
     params: SamplingParams
     options: RequestOptions
     created: int
+    n: int = 1                          # choices returned per prompt
+    best_of: int | None = None          # candidates generated per prompt, the n most likely returned
+    # Several prompts (completions' batch form), each with its parameters (a default max_tokens is fitted to
+    # each prompt's length). None: the one prompt above.
+    prompts: list[tuple[ProcessedPrompt, SamplingParams]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompts is None:
+            self.prompts = [(self.prompt, self.params)]
+
+    @property
+    def num_candidates(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    def children(self) -> list[tuple[str, ProcessedPrompt, SamplingParams]]:
+        """One engine request per candidate: prompt p, sample s. A seeded request's sample s draws with seed +
+        s (as vLLM does), so the n choices differ and each is reproducible."""
+        out = []
+        for p, (prompt, base) in enumerate(self.prompts):
+            for s in range(self.num_candidates):
+                rid = self.request_id if p == s == 0 else f"{self.request_id}-{p}-{s}"
+                params = base if s == 0 or base.seed is None else dataclasses.replace(base, seed=base.seed + s)
+                out.append((rid, prompt, params))
+        return out
 
 
 class ResponseFormat(Protocol):
-    """The endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet)."""
+    """The endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet). `index` is
+    the choice's index: prompt * n + sample."""
 
-    def chunk(self, out: RequestOutput) -> dict | None: ...        # None: nothing worth sending this step
+    def chunk(self, out: RequestOutput, index: int) -> dict | None: ...   # None: nothing worth sending now
 
-    def usage_chunk(self, final: RequestOutput) -> dict: ...
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict: ...
 
-    def response(self, final: RequestOutput) -> dict: ...
+    def response(self, finals: list[RequestOutput]) -> dict: ...
 
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
     """The server's state, the body's fields and the options every generation endpoint shares, once the body
-    has named the served model and nothing this server does not support."""
+    has named the served model."""
     state = request.app[STATE]
     f = Fields(await read_json_body(request))
     options = parse_options(f)
     state.check_model(options.model)
-    refuse_unsupported(f)
     return state, f, options
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(outs: list[RequestOutput], num_prompts: int = 1) -> dict:
+    """Each prompt counted once (its n samples share it), every choice's tokens; cached_tokens: prompt tokens
+    served from the prefix cache."""
+    per_prompt = len(outs) // max(num_prompts, 1)
+    firsts = outs[::per_prompt] if per_prompt else []
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
+    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def running_usage(out: RequestOutput) -> dict:
+    """stream_options.continuous_usage_stats: one choice's counts so far, in every chunk (as vLLM sends them)."""
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def serve_generation(request: web.Request, state: ServerState, gen: Generation,
                            fmt: ResponseFormat) -> web.StreamResponse:
-    outputs = state.engine.generate(gen.request_id, gen.prompt, gen.params, gen.options.priority)
+    children = gen.children()
+    state.metrics.on_started(gen.n, gen.params.max_tokens)
     task = asyncio.current_task()
-    state.generations.add(task)         # so that shutdown can wait for it, then cancel it
+    state.generations[task] = gen.request_id     # so that shutdown can wait for it, then end it
     try:
-        async with contextlib.aclosing(outputs):
-            first = await _next_output(outputs)
-            if not gen.options.stream:
-                final = first
-                while not final.finished:
-                    final = await _next_output(outputs)
+        async with contextlib.AsyncExitStack() as stack:
+            def start(child) -> AsyncIterator[RequestOutput]:
+                rid, prompt, params = child
+                it = state.engine.generate(rid, prompt, params, gen.options.priority)
+                stack.push_async_callback(it.aclose)     # closing aborts the request in the engine
+                return it
+            streams = [start(children[0])]
+            # The other candidates start once the first has computed the prompt: with prefix caching they then
+            # share its KV blocks instead of computing the same prompt again.
+            def start_others() -> list[AsyncIterator[RequestOutput]]:
+                return [start(c) for c in children[1:]]
+            if gen.options.stream:
+                return await _stream(request, state, gen, fmt, streams, start_others)
+            first = await _next_output(streams[0])
+            streams += start_others()
+            finals = await _collect(first, streams)
+            for final in finals:
                 _on_finished(state, gen, final)
-                return web.json_response(fmt.response(final), dumps=dumps)
-            return await _stream(request, state, gen, fmt, first, outputs)
+            return web.json_response(fmt.response(_pick_best(gen, finals)), dumps=dumps)
     except (asyncio.CancelledError, ConnectionResetError):
         # The client went away (aiohttp cancelled the handler, or a write failed); leaving the `async with`
-        # has already aborted the request in the engine.
+        # has already aborted the requests in the engine.
         state.metrics.request_success["abort"] += 1
         if state.log_requests:
             logger.info("Aborted request %s: the client disconnected or the server is stopping", gen.request_id)
         raise
     finally:
-        state.generations.discard(task)
+        state.generations.pop(task, None)
 
 
 async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -100,20 +149,97 @@ async def _next_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
-async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
-                  out: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> web.StreamResponse:
-    sse = await SSEWriter.start(request)
+async def _final(out: RequestOutput | None, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    while out is None or not out.finished:
+        out = await _next_output(outputs)
+    return out
+
+
+async def _collect(first: RequestOutput, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Every candidate's final output. On an error or a cancellation the other readers are cancelled and
+    awaited, so that no output iterator is still being read when serve_generation closes it."""
+    tasks = [asyncio.ensure_future(_final(first if i == 0 else None, s)) for i, s in enumerate(streams)]
     try:
-        while True:
-            chunk = fmt.chunk(out)
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _pick_best(gen: Generation, finals: list[RequestOutput]) -> list[RequestOutput]:
+    """best_of: per prompt, the n candidates of highest cumulative log-probability, best first."""
+    if gen.num_candidates == gen.n:
+        return finals
+    k = gen.num_candidates
+    picked = []
+    for p in range(len(gen.prompts)):
+        group = finals[p * k:(p + 1) * k]
+        picked += sorted(group, key=_cumulative_logprob, reverse=True)[:gen.n]
+    return picked
+
+
+def _cumulative_logprob(out: RequestOutput) -> float:
+    c = out.outputs[0]
+    return sum(entry[t] for t, entry in zip(c.token_ids, c.logprobs or []))
+
+
+async def _first_output_or_admission(state: ServerState, gen: Generation,
+                                     outputs: AsyncIterator[RequestOutput]) -> asyncio.Task:
+    """The task reading the first output, once that output is there or the engine has queued the request; an
+    error before either (the engine refused the request) is raised here, before any header is sent."""
+    first = asyncio.ensure_future(_next_output(outputs))      # starts the request if no StartRequest did
+    admitted = asyncio.ensure_future(state.engine.wait_admitted(gen.request_id))
+    try:
+        await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _cancel(first)
+        raise
+    finally:
+        admitted.cancel()
+    if first.done():
+        first.result()
+    return first
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    """Cancel the task reading the engine's outputs and let it unwind, so that the output iterator can then be
+    closed (closing it while the task is still inside it would fail)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
+                  streams: list[AsyncIterator[RequestOutput]],
+                  start_others: Callable[[], list[AsyncIterator[RequestOutput]]]) -> web.StreamResponse:
+    """SSE of every candidate's chunks. The headers go out once the engine has queued the first candidate (a
+    refusal before that is a plain error response), so that a queued client sees its request accepted."""
+    first_task = await _first_output_or_admission(state, gen, streams[0])
+    try:
+        sse = await SSEWriter.start(request, state.stream_write_timeout)
+    except BaseException:
+        await _cancel(first_task)
+        raise
+    queue: asyncio.Queue = asyncio.Queue()
+    readers: list[asyncio.Task] = []
+    try:
+        first = await first_task
+        streams += start_others()
+        readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
+                   for i, s in enumerate(streams)]
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        while any(f is None for f in finals):
+            index, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            chunk = fmt.chunk(out, index)
             if chunk is not None:
                 await sse.send(chunk)
             if out.finished:
-                break
-            out = await _next_output(outputs)
-        _on_finished(state, gen, out)
+                finals[index] = out
+                _on_finished(state, gen, out)
         if gen.options.include_usage:
-            await sse.send(fmt.usage_chunk(out))
+            await sse.send(fmt.usage_chunk(finals))
     except (asyncio.CancelledError, ConnectionResetError):
         raise                           # the client went away: nobody to send an error event to
     except EngineError as err:
@@ -123,8 +249,28 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         logger.exception("request %s failed while streaming", gen.request_id)
         await sse.send_error(f"internal server error ({type(exc).__name__}: {exc}); see the server log",
                              "internal_error", code="internal_error")
+    finally:
+        await _cancel(first_task)
+        for reader in readers:
+            reader.cancel()
+        # Each reader leaves its output iterator before serve_generation closes it.
+        await asyncio.gather(*readers, return_exceptions=True)
     await sse.finish()
     return sse.response
+
+
+async def _read_into(queue: asyncio.Queue, index: int, outputs: AsyncIterator[RequestOutput],
+                     first: RequestOutput | None) -> None:
+    """One candidate's outputs into the shared queue, in order; its error too, then it stops."""
+    try:
+        out = first if first is not None else await _next_output(outputs)
+        while True:
+            queue.put_nowait((index, out))
+            if out.finished:
+                return
+            out = await _next_output(outputs)
+    except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the stream with it
+        queue.put_nowait((index, exc))
 
 
 def _on_finished(state: ServerState, gen: Generation, final: RequestOutput) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.async_llm import AsyncLLM
+from engine.errors import EngineOverloadedError
 from engine.inputs.types import ProcessedPrompt
 from engine.sampling_params import SamplingParams
 from engine.logger import init_logger
@@ -27,13 +28,16 @@ class ServerState:
     model_path: str
     sampling_defaults: SamplingDefaults
     log_requests: bool = True
+    auto_tool_choice: bool = False     # --enable-auto-tool-choice
+    stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     token_text: TokenText = field(init=False)
-    generations: set[asyncio.Task] = field(default_factory=set)   # handler tasks inside serve_generation
+    generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.engine.engine.tokenizer)
+        self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
 
     @property
     def max_model_len(self) -> int:
@@ -56,17 +60,24 @@ class ServerState:
                             code="model_not_found")
 
     async def drain(self, grace_s: float) -> None:
-        """At shutdown: let running generations finish for up to grace_s, then cancel the rest, which aborts
-        them in the engine. (aiohttp itself only stops waiting for a handler; it does not cancel it.)"""
+        """At shutdown: let running generations finish for up to grace_s, then end the rest with an error
+        (a stream gets an error event and [DONE], a plain request a 503), which aborts them in the engine;
+        whatever still runs a second later is cancelled. (aiohttp itself only stops waiting for a handler.)"""
         running = {task for task in self.generations if not task.done()}
         if not running:
             return
         logger.info("Waiting up to %.0fs for %d running request(s) to finish", grace_s, len(running))
         _, pending = await asyncio.wait(running, timeout=grace_s)
+        if not pending:
+            return
+        logger.info("Ending %d request(s) still running at shutdown", len(pending))
+        for task in pending:
+            self.engine.fail_request(self.generations[task], EngineOverloadedError(
+                "the server is shutting down; the answer was cut short", code="server_shutdown"))
+        _, pending = await asyncio.wait(pending, timeout=1.0)
         for task in pending:
             task.cancel()
         if pending:
-            logger.info("Cancelled %d request(s) still running at shutdown", len(pending))
             await asyncio.wait(pending, timeout=1.0)
 
 

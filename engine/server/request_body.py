@@ -1,0 +1,106 @@
+"""Checks on a request body that come before any field is read: the Content-Type says JSON, and the parsed JSON
+is neither nested past MAX_JSON_DEPTH nor holds a lone UTF-16 surrogate.
+
+Both would otherwise fail deep inside (a RecursionError in a recursive walk, a TypeError in the tokenizer, an
+encoding error while writing an error message that quotes the value) and come back as a 500. Here they are a
+400 naming the field, found by one iterative walk over the parsed body.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from engine.errors import EngineError, InvalidInputError
+
+# The deepest real bodies: a tool's JSON-schema parameters (tools[0].function.parameters.properties.x.items...).
+MAX_JSON_DEPTH = 64
+JSON_CONTENT_TYPES = ("application/json",)
+
+
+class UnsupportedMediaTypeError(EngineError):
+    status = 415
+    err_type = "invalid_request_error"
+
+
+def check_json_content_type(request: web.Request) -> None:
+    """A body must be declared as JSON. A missing Content-Type is accepted (curl --data-binary, old clients);
+    any other type is refused, so a browser's cross-site "simple" request (text/plain, form data) never reaches
+    a handler."""
+    declared = request.headers.get("Content-Type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media in JSON_CONTENT_TYPES or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {declared[:60]!r} (curl: -H "
+                                    f"'Content-Type: application/json')", code="unsupported_media_type")
+
+
+def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise InvalidInputError (naming the field) for nesting deeper than max_depth or a string (value or key)
+    that is not valid Unicode text (a lone surrogate: JSON can escape one, UTF-8 cannot encode it)."""
+    stack: list[tuple[Any, int, tuple]] = [(body, 0, ())]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, path)
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth >= max_depth:      # named by its top-level field: the full path would be max_depth long
+            field = field_path(path[:1])
+            raise InvalidInputError(f"{field or 'the body'} is nested more than {max_depth} levels deep",
+                                    param=field or None, code="json_too_deep")
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key, path + (key,))
+                stack.append((value, depth + 1, path + (key,)))
+        else:
+            stack.extend((value, depth + 1, path + (i,)) for i, value in enumerate(node))
+
+
+def _check_text(text: Any, path: tuple) -> None:
+    if not isinstance(text, str) or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = field_path(path) or "the body"
+        raise InvalidInputError(f"{where} holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at "
+                                f"character {e.start}; send valid Unicode text", param=field_path(path) or None,
+                                code="invalid_unicode") from None
+
+
+def field_path(path: tuple) -> str:
+    """("messages", 0, "content") -> "messages[0].content", the way OpenAI names fields in errors."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            safe = part.encode("utf-8", "backslashreplace").decode("utf-8")[:60]
+            out += f".{safe}" if out else safe
+    return out
+
+
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
+class RequestTimeoutError(EngineError):
+    status = 408
+    err_type = "invalid_request_error"
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, which must arrive within the app's BODY_TIMEOUT: a client that stops half-way (or sends
+    a byte a second) is answered 408, and the server closes the connection after its short lingering time, instead
+    of holding it open forever."""
+    timeout = request.config_dict.get(BODY_TIMEOUT)
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout:g}s "
+                                  f"(--request-body-timeout)", code="request_timeout") from None

@@ -1,0 +1,46 @@
+"""POST /tokenize and POST /detokenize, as vLLM has them: a prompt (or chat messages, rendered by the chat
+template as /v1/chat/completions renders them) to token ids, and token ids back to text."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine.errors import InvalidInputError
+from engine.server.errors import dumps
+from engine.server.protocol import Fields, read_json_body
+from engine.server.state import STATE
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    f = Fields(await read_json_body(request))
+    state.check_model(f.string("model", None))
+    if f.given("messages"):
+        prompt = await state.engine.process_chat(
+            f.body["messages"], f.boolean("add_generation_prompt", True), f.obj("chat_template_kwargs"),
+            continue_final_message=f.boolean("continue_final_message", False),
+            chat_template=f.string("chat_template", None), tools=f.body.get("tools"))
+        ids = list(prompt.prompt_token_ids)
+    else:
+        text = f.string("prompt", None)
+        if text is None:
+            raise InvalidInputError("send prompt (a string) or messages", param="prompt")
+        tokenizer = state.engine.engine.tokenizer
+        ids = tokenizer.encode(text, add_special_tokens=f.boolean("add_special_tokens", True))
+    body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+    if f.boolean("return_token_strs", False):
+        body["token_strs"] = state.engine.engine.tokenizer.convert_ids_to_tokens(ids)
+    return web.json_response(body, dumps=dumps)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    f = Fields(await read_json_body(request))
+    state.check_model(f.string("model", None))
+    ids = f.integers("tokens")
+    if ids is None:
+        raise InvalidInputError("tokens (a list of token ids) is required", param="tokens")
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise InvalidInputError(f"tokens {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
+                                param="tokens")
+    return web.json_response({"prompt": state.engine.engine.tokenizer.decode(ids)}, dumps=dumps)

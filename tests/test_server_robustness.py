@@ -1,0 +1,230 @@
+"""The engine server under careless and hostile clients: slow or half-sent requests are cut off within the
+configured timeouts, a full queue answers 503 with Retry-After at once, a reader that stops reading loses its
+request, the model card names no file path, and a stop ends open streams with an error event and [DONE].
+
+The server runs with small timeouts and queue limits (flags), so every limit is hit within a second or two.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from engine.server.sse import SSEWriter, StalledClientError
+from engine_server import http, start_engine_server, stats, wait_blocks_free
+
+KEEP_ALIVE_S = 5.0       # the default; a busy server must not close a burst of clients whose headers it has not read yet
+BODY_TIMEOUT_S = 2.0
+MAX_WAITING = 256
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_vl_dir, tmp_path_factory):
+    srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-robust"),
+                              "--timeout-keep-alive", str(KEEP_ALIVE_S), "--request-body-timeout",
+                              str(BODY_TIMEOUT_S), "--max-waiting-requests", str(MAX_WAITING),
+                              "--max-num-seqs", "16", "--disable-uvicorn-access-log", "--disable-log-requests")
+    yield srv
+    srv.stop()
+
+
+def chat(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, **fields}
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock
+
+
+def seconds_until_closed(sock: socket.socket, limit: float = 10.0) -> tuple[float, bytes]:
+    """(seconds until the server closes the connection, what it sent before)."""
+    start, got = time.monotonic(), b""
+    sock.settimeout(limit)
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return time.monotonic() - start, got
+        got += chunk
+
+
+def test_slow_headers_and_idle_connections_are_cut_off(server):
+    slow, idle = connect(server), connect(server)
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")   # and then nothing more
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waits = list(pool.map(seconds_until_closed, (slow, idle)))
+    assert all(elapsed < KEEP_ALIVE_S + 2 for elapsed, _ in waits), waits
+    assert http("GET", server.url + "/health").status == 200
+
+
+def test_a_half_sent_body_gets_408(server):
+    sock = connect(server)
+    body = json.dumps(chat()).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
+    elapsed, got = seconds_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"--request-body-timeout" in got
+    assert elapsed < BODY_TIMEOUT_S + 3
+
+
+def test_a_slowloris_body_gets_408(server):
+    sock = connect(server)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\n\r\n")
+    start, got = time.monotonic(), b""
+    sock.settimeout(0.2)
+    while time.monotonic() - start < BODY_TIMEOUT_S + 3:
+        try:
+            sock.sendall(b" ")                       # a byte at a time, forever
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert time.monotonic() - start < BODY_TIMEOUT_S + 3
+
+
+def test_model_card_names_no_path(server, qwen3_vl_dir):
+    reply = http("GET", server.url + "/v1/models")
+    assert str(qwen3_vl_dir) not in reply.text and "/" not in reply.json()["data"][0]["root"]
+
+
+async def post_raw(port: int, body: dict) -> tuple[int, dict[str, str]]:
+    """One POST written in a single send (headers and body together: a client whose body lags its headers would
+    meet --request-body-timeout, which this module sets to seconds), then the whole answer read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    head = await reader.readuntil(b"\r\n\r\n")
+    await reader.read()
+    writer.close()
+    status_line, *lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines if ": " in line)
+    return int(status_line.split()[1]), headers
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    """1000 requests at once against a queue of 256: each is answered 200 or 503 + Retry-After, none hangs."""
+    async def run() -> list[tuple[int, dict[str, str]]]:
+        return await asyncio.wait_for(asyncio.gather(
+            *(post_raw(server.port, chat(max_tokens=4, seed=i)) for i in range(1000))), timeout=240)
+    results = asyncio.run(run())
+    statuses = {status for status, _ in results}
+    assert statuses <= {200, 503}, statuses
+    refused = [headers for status, headers in results if status == 503]
+    assert refused and len(refused) < 1000 - MAX_WAITING
+    assert all(int(headers["Retry-After"]) >= 1 for headers in refused)
+    s = stats(server)
+    assert s["max_waiting_requests"] == MAX_WAITING and s["num_refused_queue_full"] >= len(refused)
+    assert s["num_pending"] == 0
+    wait_blocks_free(server, timeout=5)
+
+
+def test_a_priority_request_may_pass_a_full_queue(server):
+    """The limit counts requests of the default priority and lower; a more urgent one (priority < 0) is taken."""
+    async def run() -> tuple[list, tuple]:
+        crowd = [asyncio.ensure_future(post_raw(server.port, chat(max_tokens=4, ignore_eos=True)))
+                 for _ in range(320)]
+        while stats(server)["num_refused_queue_full"] == before:
+            await asyncio.sleep(0.01)
+        urgent = await post_raw(server.port, chat(priority=-1))
+        return await asyncio.gather(*crowd), urgent
+    before = stats(server)["num_refused_queue_full"]
+    crowd, urgent = asyncio.run(run())
+    assert 503 in {status for status, _ in crowd} and urgent[0] == 200
+
+
+def test_a_stalled_reader_loses_its_stream():
+    """An SSE write that cannot complete within the write timeout ends the stream as a disconnect would."""
+    class Transport:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    class NeverDrains:
+        async def write(self, data):
+            await asyncio.sleep(3600)
+
+    class Request:
+        transport = Transport()
+
+    async def run() -> float:
+        writer = SSEWriter(NeverDrains(), Request(), write_timeout=0.2)
+        start = time.monotonic()
+        with pytest.raises(StalledClientError):
+            await writer.send({"x": 1})
+        return time.monotonic() - start
+    assert asyncio.run(run()) < 1.0 and Request.transport.aborted
+
+
+def test_a_queued_stream_gets_its_headers_at_once(server):
+    """With every running slot taken, a new stream still gets `200 OK` and its headers at once; tokens follow
+    when a slot frees up."""
+    async def run() -> float:
+        busy = await asyncio.gather(*(_open_stream(server.port, max_tokens=1500) for _ in range(16)))
+        try:
+            deadline = time.monotonic() + 30
+            while stats(server)["num_running"] < 16:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            start = time.monotonic()
+            reader, writer = await _open_stream(server.port, max_tokens=2)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            elapsed = time.monotonic() - start
+            assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+            assert stats(server)["num_waiting"] >= 1        # it is still queued
+            writer.close()
+            return elapsed
+        finally:
+            for _, writer in busy:
+                writer.close()
+    assert asyncio.run(run()) < 1.0
+    wait_blocks_free(server, timeout=10)
+
+
+async def _open_stream(port: int, max_tokens: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(chat(max_tokens=max_tokens, ignore_eos=True, stream=True)).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    await writer.drain()
+    return reader, writer
+
+
+def test_stop_ends_open_streams_with_an_error_event_and_done(server):
+    """Runs last: SIGTERM while a long stream is open. Once the grace period is over, the stream gets an error
+    event and [DONE] rather than a cut connection."""
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            body = chat(max_tokens=1900, ignore_eos=True, stream=True)
+            async with session.post(server.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                events = []
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        events.append(line[5:].strip().decode())
+                        if len(events) == 2:
+                            server.proc.send_signal(signal.SIGTERM)
+                return events
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
+    assert server.proc.wait(20) == 0
