@@ -34,7 +34,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.serve import png_data_url, stream_request  # noqa: E402
+from bench.serve import image_data_url, stream_request  # noqa: E402
 
 QUESTION = "Describe this image in detail."
 IMAGE_SIDE = 1024
@@ -120,7 +120,7 @@ async def image_chat(base: str, model: str, seed: int, max_tokens: int, timeout:
         "model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": png_data_url(IMAGE_SIDE, seed, "photo")}},
+            {"type": "image_url", "image_url": {"url": image_data_url("photo", seed, (IMAGE_SIDE, IMAGE_SIDE))}},
             {"type": "text", "text": QUESTION}]}]}).encode()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         r = await stream_request(session, f"{base}/v1/chat/completions", body)
