@@ -25,7 +25,8 @@ const INLINE = [
   { re: /(`+)([\s\S]*?[^`])\1(?!`)/, make: (m) => el("code", null, m[2].replace(/^ (.*) $/s, "$1")) },
   { re: /!\[([^\]\n]*)\]\(([^)\s]+)\)/, make: (m) => imageElement(m[1], m[2]) },
   { re: /\[([^\]\n]+)\]\(([^)\s]+)\)/, make: (m) => link(m[1], m[2]) },
-  { re: /\bhttps?:\/\/[^\s<>()\]]*[^\s<>()\].,;:!?'"*_]/, make: (m) => link(m[0], m[0]) },
+  // A bare URL is its own text: parsing it again for inline rules would find the same URL (endless recursion).
+  { re: /\bhttps?:\/\/[^\s<>()\]]*[^\s<>()\].,;:!?'"*_]/, make: (m) => safeLink(m[0], m[0]) },
   { re: /\*\*(?=\S)([\s\S]*?\S)\*\*/, make: (m) => wrap("strong", m[1]) },
   { re: /(?<!\w)__(?=\S)([\s\S]*?\S)__(?!\w)/, make: (m) => wrap("strong", m[1]) },
   { re: /~~(?=\S)([\s\S]*?\S)~~/, make: (m) => wrap("del", m[1]) },

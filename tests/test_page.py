@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import random
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -549,6 +550,8 @@ MATH_AND_CODE = ("Euler: $e^{i\\pi} + 1 = 0$ and \\(a_1^2\\).\n\n$$\\int_0^1 x^2
                  "[bad](javascript:window.__pwned=1)\n\nThe end.")
 
 
+@pytest.mark.skipif(not (Path(__file__).resolve().parent.parent / "static/vendor/katex/katex.mjs").is_file(),
+                    reason="the rendering libraries are not installed (web/install_vendor.sh needs npm)")
 def test_math_and_highlighted_code_render_while_streaming(chat):
     open_page(chat)
     expect(chat.locator("html")).to_have_attribute("data-renderer", "marked")
