@@ -195,10 +195,7 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
-        prompt_lps = [PromptLogprobs.compute(self.model, hidden, self.requests[s.request_id], s,
-                                             inp.flat_starts[s.request_id])
-                      for s in so.scheduled if self.requests[s.request_id].sampling_params.prompt_logprobs
-                      is not None and s.num_computed_tokens < self.requests[s.request_id].num_prompt_tokens - 1]
+        prompt_lps = self.prompt_logprobs(so, hidden, inp.flat_starts)
         if not inp.sampled:
             return InflightStep(so, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
@@ -207,6 +204,16 @@ class ModelRunner:
                                              [s.num_output_tokens for s in so.sampled])
         out = sample(logits, smd)
         return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
+
+    def prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
+                        flat_starts: dict[str, int]) -> list[PromptLogprobs]:
+        """The chunks of requests that asked for prompt_logprobs and still have prompt tokens to score."""
+        out = []
+        for s in so.scheduled:
+            req = self.requests[s.request_id]
+            if req.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < req.num_prompt_tokens - 1:
+                out.append(PromptLogprobs.compute(self.model, hidden, req, s, flat_starts[s.request_id]))
+        return out
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Forget the requests that finished, learn the new ones."""
