@@ -36,7 +36,11 @@ const status = new StatusMonitor({
     updateMeter();
   },
   onCapabilities: ({ multimodal }) => {
+    const changed = app.limits.multimodal !== multimodal;
     app.limits.multimodal = multimodal;
+    // The empty chat's hint names what the model reads; it may have been drawn before the model was known.
+    const empty = document.getElementById("empty-state");
+    if (changed && empty) empty.replaceWith(emptyState());
     document.body.classList.toggle("text-only", !multimodal);
     if (multimodal !== attachments.enabled) {
       attachments.setEnabled(multimodal, "Image upload is off: the model being served is text-only.");

@@ -15,7 +15,8 @@ from PIL import Image
 
 from browser_helpers import (browser, expect, last_answer, new_page, screenshot, script_replies,  # noqa: F401
                              send, sent_requests)
-from servers import free_port, start_proxy
+from proxy.page import available_vendor
+from servers import REPO, free_port, start_proxy
 
 pytestmark = [pytest.mark.browser]
 
@@ -142,7 +143,7 @@ def test_earlier_images_beyond_the_engine_limit_are_not_sent_again(chat, tmp_pat
 
 
 def test_a_conversation_never_outgrows_the_upload_limit(chat, tmp_path):
-    chat.engine.page_config = {"max_upload_bytes": 300_000, "vendor": ["marked", "dompurify", "highlight", "katex"]}
+    chat.engine.page_config = {"max_upload_bytes": 300_000, "vendor": available_vendor(REPO / "static")}
     open_page(chat)
     for turn in range(4):   # each image is about 110 KB as a data URL: two fit in 300 KB, three do not
         chat.set_input_files("#file-input", [str(png_file(tmp_path, f"{turn}.png", size=(150, 180), noise=True))])
