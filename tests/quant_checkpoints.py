@@ -201,21 +201,7 @@ def write_quantized(src: Path, out_root: Path, spec: Spec) -> tuple[Path, Path]:
 
 def build_qwen3_wide(out_dir: Path, seed: int = 3) -> Path:
     """A tiny Qwen3 with hidden 128 and intermediate 256, so that 128-wide groups fit every projection."""
-    from transformers import Qwen3Config
-
     import tiny_models
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = tiny_models.build_tokenizer(out_dir, tiny_models.CHATML_TEMPLATE)
-    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen3Config(
-        vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=False, bos_token_id=eot, eos_token_id=im_end,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
-    tiny_models._build_text_model(out_dir, config, seed)
-    tiny_models._write_generation_config(out_dir, [im_end, eot], eot)
-    return out_dir
+    return tiny_models.build_qwen3(out_dir, seed, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   head_dim=32, tie_word_embeddings=False)

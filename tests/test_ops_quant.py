@@ -11,7 +11,6 @@ The seed of each test is printed; OPS_TEST_SEED=N reproduces a failure.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -33,13 +32,6 @@ TOL = {BF16: 1e-2, F16: 3e-3, F32: 1e-5}
 SHAPES_8B = [(4096, 4096), (4096, 1024), (4096, 6144), (4096, 24576), (12288, 4096), (4096, 12288)]
 BATCHES = [1, 2, 7, 16, 64, 256, 1000]
 
-
-@pytest.fixture
-def gen():
-    seed = int(os.environ.get("OPS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

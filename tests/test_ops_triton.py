@@ -64,13 +64,6 @@ def device_cases(cpu_dtypes, gpu_dtypes):
     return cases
 
 
-@pytest.fixture
-def gen():
-    seed = int(os.environ.get("OPS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
-
 
 def randn(gen, *shape, dtype=F32, device="cpu", std=1.0):
     return (torch.randn(*shape, generator=gen) * std).to(device=device, dtype=dtype)

@@ -162,20 +162,22 @@ def _build_text_model(out_dir: Path, config, seed: int) -> Path:
     return out_dir
 
 
-def build_qwen3(out_dir: Path, seed: int = 1) -> Path:
-    """A tiny Qwen3ForCausalLM (q/k-norm, GQA, tied embeddings as in the small Qwen3 models)."""
+def build_qwen3(out_dir: Path, seed: int = 1, **overrides) -> Path:
+    """A tiny Qwen3ForCausalLM (q/k-norm, GQA, tied embeddings as in the small Qwen3 models); `overrides` replace
+    config fields (sizes, tie_word_embeddings)."""
     from transformers import Qwen3Config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out_dir, CHATML_TEMPLATE)
     im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen3Config(
+    fields = dict(
         vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=True, bos_token_id=eot, eos_token_id=im_end,
     )
+    config = Qwen3Config(**{**fields, **overrides})
     config.architectures = ["Qwen3ForCausalLM"]
     _build_text_model(out_dir, config, seed)
     _write_generation_config(out_dir, [im_end, eot], eot)
