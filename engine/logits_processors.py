@@ -1,9 +1,9 @@
 """Per-request changes to the logits before sampling: the structured-output mask, allowed_token_ids, logit_bias
-and bad_words (vLLM's logits processors). Built once per step for the rows that ask for one; a batch where no
+(vLLM's logits processors; bad words are banned ids, which the sampler applies with min_tokens'). Built once per step for the rows that ask for one; a batch where no
 request asks costs nothing.
 
 The grammar and allowed_token_ids become one bitmask (rows x ceil(V/32) int32, filled on the host, unpacked on
-the device); logit_bias adds to a few logits; bad words are banned token ids, as min_tokens bans EOS.
+the device); logit_bias adds to a few logits.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ class LogitsMasks:
     bitmask: torch.Tensor | None                   # [R, W] int32 on the device
     bitmask_rows: torch.Tensor | None              # [R] int64: the batch rows they apply to
     bias: list[tuple[int, torch.Tensor, torch.Tensor]]   # (row, token ids, added values) on the device
-    banned: list[tuple[int, list[int]]]            # (row, token ids never sampled there)
 
     @classmethod
     def from_requests(cls, reqs: list, vocab_size: int, device: torch.device) -> "LogitsMasks | None":
@@ -28,9 +27,7 @@ class LogitsMasks:
         masked = [(i, r) for i, r in enumerate(reqs)
                   if r.grammar is not None or r.sampling_params.allowed_token_ids]
         biased = [(i, r.sampling_params.logit_bias) for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
-        banned = [(i, ids) for i, r in enumerate(reqs) if r.bad_words_token_ids
-                  for ids in [banned_by_bad_words(r)] if ids]
-        if not masked and not biased and not banned:
+        if not masked and not biased:
             return None
         bitmask = rows = None
         if masked:
@@ -46,13 +43,11 @@ class LogitsMasks:
             rows = to_device([i for i, _ in masked], torch.int64, device)
         bias = [(i, to_device(list(b), torch.int64, device), to_device(list(b.values()), torch.float32, device))
                 for i, b in biased]
-        return cls(bitmask, rows, bias, banned)
+        return cls(bitmask, rows, bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for row, ids, values in self.bias:
             logits[row, ids] += values
-        for row, ids in self.banned:
-            logits[row, ids] = float("-inf")
         if self.bitmask is not None:
             apply_token_bitmask(logits, self.bitmask, self.bitmask_rows)
         return logits

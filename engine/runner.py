@@ -73,7 +73,8 @@ class ModelInput:
     logits_indices: torch.Tensor     # [S] rows of the batch whose logits are sampled, in sampled-row order
     sampled: list[CachedRequestState]  # the S requests that sample, in sampled-row order
     mm: MultimodalEmbeds | None
-    flat_starts: dict[str, int] = field(default_factory=dict)   # request id -> its chunk's first batch row
+    # (request, its scheduled chunk, the chunk's first batch row) for chunks whose prompt tokens get scored
+    prompt_logprob_chunks: list[tuple] = field(default_factory=list)
 
 
 class InflightStep:
@@ -195,25 +196,17 @@ class ModelRunner:
             hidden = self.graphs.run(inp)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.md, inp.mm)
-        prompt_lps = self.prompt_logprobs(so, hidden, inp.flat_starts)
+        prompt_lps = [PromptLogprobs.compute(self.model, hidden, req, s, row)
+                      for req, s, row in inp.prompt_logprob_chunks]
         if not inp.sampled:
             return InflightStep(so, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        catch_up_grammars(so, inp.sampled, prev)
+        if any(state.grammar is not None for state in inp.sampled):
+            catch_up_grammars(so, inp.sampled, prev)
         smd = SamplingMetadata.from_requests(inp.sampled, logits.shape[-1], self.device,
                                              [s.num_output_tokens for s in so.sampled])
         out = sample(logits, smd)
         return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
-
-    def prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
-                        flat_starts: dict[str, int]) -> list[PromptLogprobs]:
-        """The chunks of requests that asked for prompt_logprobs and still have prompt tokens to score."""
-        out = []
-        for s in so.scheduled:
-            req = self.requests[s.request_id]
-            if req.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < req.num_prompt_tokens - 1:
-                out.append(PromptLogprobs.compute(self.model, hidden, req, s, flat_starts[s.request_id]))
-        return out
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Forget the requests that finished, learn the new ones."""
@@ -236,7 +229,7 @@ class ModelRunner:
         positions: list[int] = []    # 1-D; M-RoPE prefill chunks are patched in below
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
-        logits_rows, chunks, flat_starts = [0] * len(so.sampled), [], {}
+        logits_rows, chunks, scored = [0] * len(so.sampled), [], []
         mrope = self.config.mrope_section is not None
         for s in entries:
             req, n, start, end = self.requests[s.request_id], s.num_scheduled_tokens, s.num_computed_tokens, s.end
@@ -255,7 +248,8 @@ class ModelRunner:
                 positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append((req, query_start[-1], start, end))
-            flat_starts[req.request_id] = query_start[-1]
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                scored.append((req, s, query_start[-1]))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
@@ -291,7 +285,7 @@ class ModelRunner:
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(logits_rows, torch.int64, dev),
             sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images),
-            flat_starts=flat_starts)
+            prompt_logprob_chunks=scored)
 
     # ---- vision --------------------------------------------------------------------------------------------
     def encode_images(self, so: SchedulerOutput) -> dict[str, EncoderOutput]:

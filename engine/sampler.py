@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processors import LogitsMasks
+from engine.logits_processors import LogitsMasks, banned_by_bad_words
 from engine.transfer import to_device
 
 
@@ -27,7 +27,8 @@ class SamplingMetadata:
     repetition: torch.Tensor | None
     output_ids: list[list[int]]                    # per row, for the penalties
     prompt_ids: list[list[int]]
-    banned: list[tuple[int, list[int]]]            # (row, token ids) masked until min_tokens is reached
+    banned: list[tuple[int, list[int]]]            # (row, token ids) never sampled this step: stop ids before
+                                                   # min_tokens, bad words
     generators: dict[int, torch.Generator]         # row -> the request's own generator
     max_logprobs: int | None                       # top-k logprobs to return; None: none asked
     masks: LogitsMasks | None = None               # grammar, allowed_token_ids, logit_bias, bad_words
@@ -47,9 +48,11 @@ class SamplingMetadata:
         greedy = [p.greedy for p in ps]
         banned = [(i, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
                   for i, (r, n) in enumerate(zip(reqs, num_outputs)) if n < r.sampling_params.min_tokens]
+        banned += [(i, ids) for i, r in enumerate(reqs) if r.bad_words_token_ids
+                   for ids in [banned_by_bad_words(r)] if ids]
         lp = [p.logprobs for p in ps if p.logprobs is not None]
         masks = LogitsMasks.from_requests(reqs, vocab_size, device)
-        if all(greedy) and not banned and not lp and masks is None and all(_no_penalty(p) for p in ps):
+        if all(greedy) and not banned and not lp and masks is None and not any(p.has_penalties for p in ps):
             return cls.greedy_only()   # the common decode case: no per-step host-to-device copies
         return cls(
             temperature=to_device([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32, device),
@@ -74,10 +77,6 @@ class SamplingMetadata:
         return cls(temperature=None, greedy=None, all_greedy=True, top_k=None, top_p=None, min_p=None,
                    presence=None, frequency=None, repetition=None, output_ids=[], prompt_ids=[], banned=[],
                    generators={}, max_logprobs=None)
-
-
-def _no_penalty(p) -> bool:
-    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
 
 
 @dataclass

@@ -74,6 +74,11 @@ class SamplingParams:
         self._validate()
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads earlier token ids (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -57,8 +57,7 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine
         # Its sampling reads every earlier token id (penalties, multi-token bad words): a step that samples it
         # is read before the next is scheduled (PendingTokens.on_scheduled). The engine adds bad words.
-        p = sampling_params
-        self.needs_host_tokens = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+        self.needs_host_tokens = sampling_params.has_penalties
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property
