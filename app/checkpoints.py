@@ -170,10 +170,6 @@ def _linear_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
     return -(-n * fmt.bits // 8) + 2 * groups + zeros                 # values, fp16/bf16 scales, zero points
 
 
-def needed_bytes(config: dict, fmt: WeightFormat) -> int:
-    return weight_bytes(config, fmt) + RUNTIME_BYTES
-
-
 # ---- the cache -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CachedCheckpoint:

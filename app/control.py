@@ -26,10 +26,7 @@ def state_file(settings: Settings) -> Path:
 
 
 def write_state(settings: Settings, **state) -> None:
-    settings.run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_file(settings).with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(state_file(settings))
+    procs.write_json(state_file(settings), state)
 
 
 def read_state(settings: Settings) -> dict:

@@ -40,14 +40,18 @@ def rotate(path: Path) -> None:
         path.replace(path.with_name(path.name + ".1"))
 
 
-# ---- pid files ---------------------------------------------------------------------------------------------
+# ---- pid and state files -----------------------------------------------------------------------------------
+def write_json(path: Path, obj) -> None:
+    """Written beside and renamed over `path`, so that a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
 def write_pid(path: Path, pid: int, role: str) -> None:
     """Pid plus start time: a pid reused by an unrelated process after a crash must not be killed by `stop`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    info = {"pid": pid, "role": role, "create_time": psutil.Process(pid).create_time()}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+    write_json(path, {"pid": pid, "role": role, "create_time": psutil.Process(pid).create_time()})
 
 
 def read_pid(path: Path) -> psutil.Process | None:

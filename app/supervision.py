@@ -10,7 +10,6 @@ A crash while starting counts like any other; an engine that stays healthy for s
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from app import procs
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,10 @@ class EngineStatusFile:
         self.path = path
 
     def write(self, state: str, message: str, **extra) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"state": state, "message": message, **extra}))
-        tmp.replace(self.path)
+        procs.write_json(self.path, {"state": state, "message": message, **extra})
 
     def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        procs.remove(self.path)
 
 
 class EngineWatch:

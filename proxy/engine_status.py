@@ -24,13 +24,10 @@ def read_engine_status(cfg: ProxyConfig) -> dict | None:
     return status if isinstance(status, dict) and status.get("state") in _STATES else None
 
 
-def engine_down_response(cfg: ProxyConfig, for_page: bool = False, only_supervisor: bool = False) -> web.Response | None:
-    """503 for an engine that does not answer: restarting or failed (as the launcher says), else unreachable
-    (with only_supervisor: None instead)."""
+def engine_down_response(cfg: ProxyConfig, for_page: bool = False) -> web.Response:
+    """503 for an engine that does not answer: restarting or failed (as the launcher says), else unreachable."""
     status = read_engine_status(cfg)
     if status is None:
-        if only_supervisor:
-            return None
         return engine_unavailable(cfg.engine_url, extra={"proxy": "ok", "engine": "unreachable"} if for_page else None)
     word, code = _STATES[status["state"]]
     message = str(status.get("message") or f"The inference engine is {word}.")

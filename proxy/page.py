@@ -7,9 +7,8 @@ import os
 
 from aiohttp import web
 
-from proxy.config import CONFIG, CONTROL_SESSION, ProxyConfig
+from proxy.config import CONFIG, ProxyConfig
 from proxy.errors import error_response
-from proxy.forward import forward
 
 # library name -> files under static/vendor/ it needs
 VENDOR_FILES = {
@@ -59,12 +58,6 @@ async def page_config(request: web.Request) -> web.Response:
                              headers={"Cache-Control": "no-cache"})
 
 
-async def forward_block_map(request: web.Request) -> web.StreamResponse:
-    # the engine's block map (the page's KV grid), passed through as is, on the pool of the small routes
-    return await forward(request, "/stats/blocks", request.app[CONTROL_SESSION])
-
-
 def add_page_routes(app: web.Application) -> None:
     app.router.add_get("/api/page-config", page_config)
     app.router.add_get("/api/status", page_status)
-    app.router.add_get("/stats/blocks", forward_block_map)

@@ -77,11 +77,8 @@ async def health(request: web.Request) -> web.Response:
                                timeout=aiohttp.ClientTimeout(total=cfg.health_timeout)) as up:
             status = up.status
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        down = engine_down_response(cfg, for_page=True, only_supervisor=True)
-        if down is not None:              # the launcher is restarting it, or gave up
-            return down
-        loading = engine_loading(cfg)     # not listening yet: is it still loading the model?
-        if loading is not None:
+        # Restarting or given up (the launcher says so) wins; else, not listening yet: still loading the model?
+        if read_engine_status(cfg) is None and (loading := engine_loading(cfg)) is not None:
             return loading_response(loading)
         return engine_down_response(cfg, for_page=True)
     if status == 200:
@@ -109,7 +106,7 @@ async def forward_control(request: web.Request) -> web.StreamResponse:
 # The engine routes the page and API clients use; nothing else is forwarded.
 API_ROUTES = (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"))
-CONTROL_ROUTES = ("/stats", "/metrics", "/version")
+CONTROL_ROUTES = ("/stats", "/stats/blocks", "/metrics", "/version")   # /stats/blocks: the page's KV grid
 
 
 def create_app(cfg: ProxyConfig) -> web.Application:

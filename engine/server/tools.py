@@ -17,7 +17,6 @@ from engine.sampling_params import StructuredOutputsParams
 from engine.server.protocol import Fields
 from engine.structured_output import JSON_WHITESPACE
 
-TOOL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols, unpack_int32_rows
+from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
+from engine.ops.quant import unpack_int32
 
 LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
@@ -44,5 +45,5 @@ def convert(t: dict[str, torch.Tensor], scheme: WNA16Scheme, name: str) -> WNA16
     if scheme.symmetric:
         zeros = torch.full_like(scales, float(1 << (bits - 1)), dtype=torch.float32)
     else:
-        zeros = unpack_int32_rows(t["weight_zero_point"], bits).T.float()
+        zeros = unpack_int32(t["weight_zero_point"], bits).T.float()
     return WNA16Weights(q.to(torch.uint8), scales, zeros, t.get("weight_g_idx"))

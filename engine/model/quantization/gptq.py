@@ -8,7 +8,8 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols, unpack_int32_rows
+from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
+from engine.ops.quant import unpack_int32
 
 LEAVES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -29,4 +30,4 @@ def convert(t: dict[str, torch.Tensor], scheme: WNA16Scheme, name: str) -> WNA16
                                  f"{scheme.describe()}", code="shape_mismatch")
     # v1 stores zero - 1; a zero point of 0 wraps to all ones and reads back as 2**bits, masked back to 0.
     zeros = (unpack_int32_cols(qzeros, bits) + 1) & ((1 << bits) - 1)
-    return WNA16Weights(unpack_int32_rows(qweight, bits).to(torch.uint8), scales, zeros.float(), g_idx)
+    return WNA16Weights(unpack_int32(qweight, bits).to(torch.uint8), scales, zeros.float(), g_idx)

@@ -13,7 +13,8 @@ from torch import nn
 from engine import ops
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import Fp8BlockScheme, QuantizationConfig, WNA16Scheme
-from engine.model.quantization.weights import Fp8Weights, WNA16Weights, pack_int32_rows
+from engine.model.quantization.weights import Fp8Weights, WNA16Weights
+from engine.ops.quant import pack_int32
 
 
 def make_linear(in_features: int, output_sizes: list[int], bias: bool, quant: QuantizationConfig | None,
@@ -80,7 +81,7 @@ class WNA16Linear(_ShardedLinear):
         q = w.q
         if w.g_idx is not None:
             q = q[self._input_order(w.g_idx, name)]
-        self.qweight[:, cols] = pack_int32_rows(q, self.bits).to(self.qweight.device)
+        self.qweight[:, cols] = pack_int32(q, self.bits).to(self.qweight.device)
         self.scales[:, cols] = w.scales.to(self.scales)
         self.zeros[:, cols] = w.zeros.to(self.zeros)
 

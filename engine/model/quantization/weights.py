@@ -1,11 +1,12 @@
 """One linear layer's (or fused shard's) quantized weights in the in-memory layout, as the format converters
-produce them from checkpoint tensors, and the packing helpers they share."""
+produce them from checkpoint tensors, and the column unpacking the converters share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from engine.ops.quant import dequantize_fp8_block, unpack_int32
 
 
 @dataclass
@@ -33,30 +34,10 @@ class Fp8Weights:
     block_size: tuple[int, int]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        (n, k), (bn, bk) = self.weight.shape, self.block_size
-        scale = self.scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
-        return (self.weight.float() * scale).to(dtype)
-
-
-def unpack_int32_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """[K // pack, N] int32 packed along K, value k % pack of column n at bits [bits*(k % pack), ...)
-    -> [K, N] int32 of unsigned values."""
-    pack = 32 // bits
-    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
-    q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
-    return q.reshape(packed.shape[0] * pack, packed.shape[1])
+        return dequantize_fp8_block(self.weight, self.scale_inv, self.block_size, dtype)
 
 
 def unpack_int32_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C // pack] int32 packed along the last dimension, value i of a word at bits [bits*i, bits*(i+1))
     -> [R, C] int32 of unsigned values."""
-    return unpack_int32_rows(packed.T, bits).T
-
-
-def pack_int32_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[K, N] unsigned values -> [K // pack, N] int32, value k % pack of column n at bits [bits*(k % pack), ...)."""
-    pack = 32 // bits
-    k, n = q.shape
-    shifts = torch.arange(pack, device=q.device, dtype=torch.int64) * bits
-    words = (q.to(torch.int64).view(k // pack, pack, n) << shifts[None, :, None]).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return unpack_int32(packed.T, bits).T
