@@ -177,9 +177,9 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
 def test_a_size_the_heads_cannot_split_is_refused_with_the_sizes_that_fit(qwen3_dir, llama_dir):
     qwen3, llama = load_model_config(qwen3_dir), load_model_config(llama_dir)   # 4 heads / 2 KV; 6 heads / 2 KV
     with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 3 does not fit this model: it does not divide "
-                                             r"the 4 attention heads; .* 2 key-value heads .* sizes that fit: 1, 2, 4"):
+                                             r"the 4 attention heads; .* 2 key-value heads .*sizes that fit: 1, 2, 4"):
         qwen3.verify_tensor_parallel(3)
-    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 4 .* 6 attention heads .* sizes that fit: 1, 2, 6\)"):
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 4 .* 6 attention heads .*sizes that fit: 1, 2, 6\)"):
         llama.verify_tensor_parallel(4)
     with pytest.raises(ModelLoadError) as err:
         qwen3.verify_tensor_parallel(0)

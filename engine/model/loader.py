@@ -238,8 +238,8 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
     if get_tp_size() == 1 or not hasattr(module, "checkpoint_ranges"):
         return None
     index = [slice(None)] * 2
-    for dim, unit, rng in ((layout.n_dim, layout.n_unit, module.checkpoint_ranges(shard)[0]),
-                           (layout.k_dim, layout.k_unit, module.checkpoint_ranges(shard)[1])):
+    n_range, k_range = module.checkpoint_ranges(shard)
+    for dim, unit, rng in ((layout.n_dim, layout.n_unit, n_range), (layout.k_dim, layout.k_unit, k_range)):
         if dim is None or rng is None:
             continue
         start, length = rng
@@ -248,7 +248,9 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
                                   f"{start}..{start + length} do not fall on whole units of {unit} of the "
                                   f"checkpoint's layout")
         index[dim] = slice(start // unit, (start + length) // unit)
-    return tuple(index)
+    while index and index[-1] == slice(None):
+        index.pop()   # a 1-D tensor takes one index (g_idx); an untouched tensor is read whole
+    return tuple(index) or None
 
 
 def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, shard: int | None,
@@ -258,7 +260,7 @@ def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, 
         return entry.read()   # collector.add refuses it by name
     layout = collector.format.layout(leaf, scheme)
     tensor = entry.read(_rank_index(module, shard, layout))
-    if get_tp_size() == 1:
+    if module is None or get_tp_size() == 1:
         return tensor
     n_range, k_range = module.checkpoint_ranges(shard)
     if layout.group_index and k_range is not None and scheme.group_size != -1:
