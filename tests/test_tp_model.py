@@ -136,6 +136,14 @@ REFUSED_SPECS = {   # (spec, what the refusal names)
 
 
 @pytest.fixture(scope="module")
+def llama_bias_dir(tmp_path_factory) -> Path:
+    """Llama with attention_bias: q/k/v biases split with their heads, o_proj's added once after the all-reduce."""
+    import tiny_models
+
+    return tiny_models.build_llama(tmp_path_factory.mktemp("models") / "tiny-llama-bias", attention_bias=True)
+
+
+@pytest.fixture(scope="module")
 def quantized_dirs(qwen3_dir, qwen3_vl_dir, tmp_path_factory) -> dict[str, Path]:
     dirs = {name: write_quantized(qwen3_dir, tmp_path_factory.mktemp("tp-quant"), spec)[0]
             for name, spec in {**QUANT_SPECS, **{n: s for n, (s, _) in REFUSED_SPECS.items()}}.items()}
@@ -144,8 +152,20 @@ def quantized_dirs(qwen3_dir, qwen3_vl_dir, tmp_path_factory) -> dict[str, Path]
     return dirs
 
 
-def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, qwen3_dir, qwen3_vl_dir, quantized_dirs):
-    cases = {"llama": (str(llama_dir),), "qwen3": (str(qwen3_dir),), "qwen3-vl text": (str(qwen3_vl_dir),),
+def test_attention_biases_load_and_match_transformers(llama_bias_dir):
+    from oracle import hf_model
+
+    ours = model_logits(str(llama_bias_dir))
+    prompts, _ = _prompts(load_model_config(llama_bias_dir), image=False)
+    with torch.inference_mode():
+        ref = hf_model(str(llama_bias_dir))(torch.tensor([prompts[0]])).logits[0]
+    torch.testing.assert_close(ours["prefill"][:len(prompts[0])], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, llama_bias_dir, qwen3_dir, qwen3_vl_dir,
+                                                                quantized_dirs):
+    cases = {"llama": (str(llama_dir),), "llama with attention biases": (str(llama_bias_dir),),
+             "qwen3": (str(qwen3_dir),), "qwen3-vl text": (str(qwen3_vl_dir),),
              "qwen3-vl image": (str(qwen3_vl_dir), True),
              **{name: (str(d),) for name, d in quantized_dirs.items() if name not in REFUSED_SPECS},
              "qwen3-vl fp8 image": (str(quantized_dirs["vl fp8 with vision blocks"]), True)}
