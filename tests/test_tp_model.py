@@ -190,9 +190,11 @@ def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, llama
             assert __import__("re").search(REFUSED_SPECS[name][1], message), (name, message)
 
 
-def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
-    """4 ranks, 2 KV heads: each KV head is held by the two ranks whose q heads read it."""
-    cases = [(str(qwen3_dir),), (str(qwen3_vl_dir), True)]
+def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir, quantized_dirs):
+    """4 ranks, 2 KV heads: each KV head is held by the two ranks whose q heads read it (its quantized zero
+    points too)."""
+    cases = [(str(qwen3_dir),), (str(qwen3_vl_dir), True),
+             (str(quantized_dirs["compressed-tensors 4-bit group 16 asymmetric"]),)]
     ranks = run_tensor_parallel(many_logits, 4, cases, timeout_s=240)
     whole = many_logits(cases)
     for rank, results in enumerate(ranks):
