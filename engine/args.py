@@ -1,7 +1,8 @@
 """Engine settings with vLLM's names and meanings, as a dataclass (offline `LLM(...)`) and as CLI flags.
 
 Each field is declared once, with its default and its help: add_cli_args() turns the fields into the flags of
-`python -m engine` (--max-num-seqs for max_num_seqs), taking the flag's type from the annotation.
+`python -m engine` (--max-num-seqs for max_num_seqs), taking the flag's type from the annotation. The server's
+own settings (engine/server/cli.py) are declared the same way.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def gib(text: str) -> float:
 
 
 def flag(default: Any = MISSING, *, default_factory: Any = MISSING, help: str | None = None, **cli: Any) -> Any:
-    """A field that is also a CLI flag: its help, any short aliases (`-q`) and argparse keywords (choices, action,
-    type) travel in the field's metadata."""
+    """A field that is also a CLI flag: its help, any short aliases (`-q`), a flag name other than the field's
+    (`option`) and argparse keywords (choices, action, type) travel in the field's metadata."""
     return field(default=default, default_factory=default_factory, metadata={"help": help, "cli": cli})
 
 
@@ -111,17 +112,24 @@ class EngineArgs:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return from_cli(cls, ns)
 
 
-def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per EngineArgs field; a bool is a switch, a dict is JSON, int and float parse as such."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in fields(EngineArgs):
+def from_cli(cls: type, ns: argparse.Namespace) -> Any:
+    """The dataclass `cls` from the parsed flags (its own fields only: one parser holds several dataclasses')."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_cli_args(p: Any, cls: type = EngineArgs) -> Any:
+    """One flag per field of the dataclass `cls`, added to `p` (a parser or an argument group, returned); a bool
+    is a switch, a dict is JSON, int and float parse as such."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
         cli = dict(f.metadata.get("cli", {}))
         aliases = cli.pop("aliases", ())
-        kwargs = {"help": f.metadata.get("help"), **cli}
+        option = cli.pop("option", "--" + f.name.replace("_", "-"))
+        kwargs = {"help": f.metadata.get("help"), "dest": f.name, **cli}
         if f.default is not MISSING:
             kwargs["default"] = f.default
         elif f.default_factory is not MISSING:
@@ -135,7 +143,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs.setdefault("type", json.loads)
         elif kind in (int, float):
             kwargs.setdefault("type", kind)
-        p.add_argument("--" + f.name.replace("_", "-"), *aliases, **kwargs)
+        p.add_argument(option, *aliases, **kwargs)
     return p
 
 

@@ -10,13 +10,13 @@ the engine, which frees its KV blocks at the next step boundary.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from aiohttp import web
 
@@ -66,15 +66,38 @@ class Generation:
         return out
 
 
-class ResponseFormat(Protocol):
-    """The endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet). `index` is
-    the choice's index: prompt * n + sample."""
+class ResponseFormat(abc.ABC):
+    """An endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet), in OpenAI's
+    envelope. `index` is the choice's index: prompt * n + sample."""
+    chunk_object: str                   # the `object` of a streamed chunk
 
-    def chunk(self, out: RequestOutput, index: int) -> dict | None: ...   # None: nothing worth sending now
+    def __init__(self, gen: Generation, state: ServerState, logprobs: int | None):
+        self.gen = gen
+        self.state = state
+        self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
 
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict: ...
+    @abc.abstractmethod
+    def chunk(self, out: RequestOutput, index: int) -> dict | None:
+        """The chunk to stream for this output of choice `index`; None: nothing worth sending now."""
 
-    def response(self, finals: list[RequestOutput]) -> dict: ...
+    @abc.abstractmethod
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The whole (not streamed) response."""
+
+    def envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.gen.request_id, "object": obj, "created": self.gen.created,
+                "model": self.state.served_model_name, "choices": choices, **extra}
+
+    def chunk_of(self, out: RequestOutput, choice: dict) -> dict:
+        """A streamed chunk of one choice. stream_options.include_usage: usage null in each (the last chunk holds
+        it), or each choice's running counts with continuous_usage_stats."""
+        extra = {}
+        if self.gen.options.include_usage:
+            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
+        return self.envelope(self.chunk_object, [choice], **extra)
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+        return self.envelope(self.chunk_object, [], usage=usage(finals, len(self.gen.prompts)))
 
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
