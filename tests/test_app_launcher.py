@@ -2,12 +2,15 @@
 (start, supervise, stop) with the real engine, leaving no process behind."""
 from __future__ import annotations
 
+import http.client as httpclient
 import json
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psutil
 import pytest
@@ -147,6 +150,20 @@ def start_app(cmd, env, tmp_path) -> tuple[subprocess.Popen, Path]:
     pytest.fail(f"app not ready after {ENGINE_START_TIMEOUT}s:\n{out.read_text()}")
 
 
+def stream_events(base_url: str, max_tokens: int) -> list[str]:
+    """Every `data:` payload of one streamed chat through the proxy at base_url, until the stream ends."""
+    url = urlparse(base_url)
+    conn = httpclient.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    events = [line[5:].strip().decode() for line in resp if line.startswith(b"data:")]
+    conn.close()
+    return events
+
+
 def tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root] + root.children(recursive=True)
@@ -174,9 +191,18 @@ def test_start_all_then_stop_leaves_nothing_running(qwen3_vl_dir, app_env, tmp_p
     status_run = subprocess.run(["./start_all.sh", "status"], cwd=REPO, env=app_env, capture_output=True, text=True)
     assert status_run.returncode == 0 and "running (pid" in status_run.stdout
 
-    stop = subprocess.run(["./start_all.sh", "stop"], cwd=REPO, env=app_env, capture_output=True, text=True,
-                          timeout=90)
+    # A chat still streaming when the app stops ends with an error event and [DONE], not a cut connection.
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(stream_events, proxy_url, 3000)
+        deadline = time.monotonic() + 60
+        while http("GET", proxy_url + "/stats")[1]["num_running"] == 0:
+            assert time.monotonic() < deadline and not stream.done()
+            time.sleep(0.1)
+        stop = subprocess.run(["./start_all.sh", "stop"], cwd=REPO, env=app_env, capture_output=True, text=True,
+                              timeout=90)
+        events = stream.result(timeout=30)
     assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
     assert launcher.wait(30) == 0
     assert_all_gone(procs)
     assert not list(Path(app_env["LOCALCHAT_RUN_DIR"]).glob("*.pid"))

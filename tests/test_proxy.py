@@ -196,3 +196,38 @@ def test_api_key_added_by_proxy(qwen3_vl_dir, tmp_path):
     finally:
         for server in (with_key, without_key, guarded):
             server.stop()
+
+
+def test_stopping_the_proxy_ends_open_requests_with_a_word(engine, tmp_path):
+    """SIGTERM to the proxy alone: an open stream gets an error event and [DONE] (not a cut connection), a plain
+    request still waiting for its answer gets a 503, and the engine aborts both generations."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = start_proxy(engine.url, tmp_path)
+    n = long_generation_tokens(engine, seconds=30)
+    try:
+        conn, resp = open_stream(other.url, chat_body(stream=True, max_tokens=n, ignore_eos=True))
+        assert resp.status == 200 and next_event(resp)
+        with ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(http, "POST", other.url + "/v1/chat/completions",
+                                chat_body(max_tokens=n, ignore_eos=True), None, 60)
+            deadline = time.monotonic() + 30
+            while engine_stats(engine)["num_running"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            other.proc.send_signal(signal.SIGTERM)
+            events = []
+            while (event := next_event(resp)) is not None:
+                events.append(event)
+            status, body = plain.result(timeout=30)
+        conn.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
+        assert all("error" in json.loads(e) or json.loads(e)["choices"] for e in events[:-2])   # whole events
+        assert status == 503 and body["error"]["code"] == "server_shutdown"
+        assert other.proc.wait(10) == 0
+    finally:
+        other.stop()
+    wait_idle(engine, timeout=5)
