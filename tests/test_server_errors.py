@@ -7,10 +7,13 @@ images and 0.5 MB of prompt text per request, so every limit can be hit with sma
 from __future__ import annotations
 
 import base64
+import http.client as http_client
 import io
+import json
 import os
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import pytest
 from PIL import Image
@@ -247,6 +250,32 @@ def test_bad_request_through_the_proxy(proxy, case: Case):
     assert error["param"] == case.param, error
     assert case.says in error["message"], error["message"]
     assert elapsed < 2 * FAST_S, f"{elapsed * 1000:.0f} ms"
+
+
+def raw_post(base_url: str, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    """A POST with exactly these headers (urllib would add a form Content-Type to a body sent without one)."""
+    url = urlparse(base_url)
+    conn = http_client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", path, body, headers)
+    resp = conn.getresponse()
+    status, text = resp.status, resp.read()
+    conn.close()
+    return status, json.loads(text)
+
+
+def test_engine_and_proxy_apply_one_content_type_rule(server, proxy):
+    """A JSON body must be declared as JSON (application/json, or application/...+json, with any parameters): a
+    missing Content-Type gets the same 415 from both servers (a typeless browser Blob needs no CORS preflight)."""
+    body = json.dumps(chat()).encode()
+    refusals = [raw_post(base, CHAT, body, headers) for base, headers in ((server.url, server.auth), (proxy.url, {}))]
+    assert refusals[0] == refusals[1], refusals
+    status, reply = refusals[0]
+    assert status == 415 and reply["error"]["code"] == "unsupported_media_type"
+    assert reply["error"]["message"].startswith("Content-Type must be application/json, not missing")
+    for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        for base, headers in ((server.url, server.auth), (proxy.url, {})):
+            status, reply = raw_post(base, CHAT, body, {**headers, "Content-Type": ctype})
+            assert status == 200, (base, ctype, reply)
 
 
 def test_table_is_large_enough():
