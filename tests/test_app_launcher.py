@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from app.launcher import engine_command
+from app.launcher import ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING, engine_command, upstream_connections
 from app.models import ModelNotFound, demo_gguf, resolve_model
 from app.settings import Settings
 from servers import ENGINE_START_TIMEOUT, PYTHON, REPO, free_port, http
@@ -113,6 +113,18 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in cmd
     off = engine_command(Settings.from_env(), resolved, ["--no-enable-prefix-caching"])
     assert "--enable-prefix-caching" not in off
+
+
+def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
+    """The proxy's connections to the engine cover --max-num-seqs plus --max-waiting-requests (and room for
+    streams that are ending): a request past those is answered by the engine, not held in the proxy."""
+    from engine.args import EngineArgs
+    from engine.server.cli import DEFAULT_MAX_WAITING_REQUESTS
+    from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS
+    assert (ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING) == (EngineArgs.max_num_seqs, DEFAULT_MAX_WAITING_REQUESTS)
+    assert upstream_connections([]) == DEFAULT_MAX_UPSTREAM_CONNECTIONS == 256 + 1024 + 64
+    assert upstream_connections(["--max-num-seqs", "8", "--max-waiting-requests=100"]) == 8 + 100 + 64
+    assert upstream_connections(["--max-num-seqs", "lots"]) == 256 + 1024 + 64
 
 
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():
