@@ -135,7 +135,8 @@ def test_prompt_text_over_the_per_request_cap_is_refused_before_it_is_read(qwen3
 
 def test_text_is_counted_in_utf8_bytes_with_tools_and_template_kwargs():
     assert text_bytes("héllo") == 6 and text_bytes("日本") == 6
-    assert text_bytes(([{"role": "user", "content": "abc"}], [{"name": "f"}], {"k": "v"})) == 4 + 4 + 7 + 3 + 4 + 1 + 1 + 1
+    messages, tools, kwargs = [{"role": "user", "content": "abc"}], [{"name": "f"}], {"k": "v"}
+    assert text_bytes((messages, tools, kwargs)) == len("role" "user" "content" "abc") + len("name" "f") + len("kv")
 
 
 def test_prompt_text_past_the_in_flight_budget_gets_429_and_fits_once_the_other_is_done(qwen3_vl_dir):
