@@ -78,9 +78,18 @@ class EngineArgs:
     allow_special_tokens_in_messages: bool = flag(
         False, help="tokenize special-token strings typed in chat messages (<|im_start|>...) as control tokens; "
                     "by default they are text, and only the chat template writes control tokens")
+    max_pixels_per_request: int = flag(
+        80_000_000, help="image pixels one request's images may decode to; past it 413 (default %(default)s: two "
+                         "images at --max-image-pixels; at most --max-pixels-in-flight)")
     max_pixels_in_flight: int = flag(
         160_000_000, help="image pixels being decoded at once over all requests; an image past it gets 429 "
                           "(default %(default)s: four images at --max-image-pixels)")
+    max_prompt_text_mb: float = flag(
+        8.0, help="MB (UTF-8) of prompt text in one request, counted before it is rendered or tokenized; past it "
+                  "413 (default %(default)s; at most --max-prompt-text-mb-in-flight)")
+    max_prompt_text_mb_in_flight: float = flag(
+        32.0, help="MB of prompt text being rendered and tokenized at once over all requests; a prompt past it "
+                   "gets 429 (default %(default)s)")
     seed: int = flag(0)
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
@@ -104,6 +113,13 @@ class EngineArgs:
                 raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        # A request alone on the server must fit in the in-flight budgets, or it would get 429 for ever.
+        if not 0 < self.max_pixels_per_request <= self.max_pixels_in_flight:
+            raise ValueError(f"max_pixels_per_request must be in (0, max_pixels_in_flight = "
+                             f"{self.max_pixels_in_flight}], not {self.max_pixels_per_request}")
+        if not 0 < self.max_prompt_text_mb <= self.max_prompt_text_mb_in_flight:
+            raise ValueError(f"max_prompt_text_mb must be in (0, max_prompt_text_mb_in_flight = "
+                             f"{self.max_prompt_text_mb_in_flight:g}], not {self.max_prompt_text_mb:g}")
 
     @property
     def batched_tokens_budget(self) -> int:
