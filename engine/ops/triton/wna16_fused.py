@@ -292,14 +292,15 @@ def _split_for(programs: int, steps: int, cap: int = 16) -> int:
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int) -> FusedConfig:
     pack = 32 // bits
-    block_k = _fit_block_k(128, group_size, pack)
     if M <= GEMV_MAX_M:
-        # 128 columns per warp (4 int32 per thread, 16-byte loads), so a packed tile's rows stay in a thread.
-        warps = 4 if N >= 4096 else 2
-        block_n = 128 * warps
-        split = _split_for(triton.cdiv(N, block_n), K // block_k)
-        return FusedConfig("gemv", block_n=block_n, block_k=block_k, split_k=split, num_warps=warps,
+        # 128 columns per warp (4 int32 per thread, 16-byte loads), so a packed tile's rows stay in a thread;
+        # 8 packed rows per step (4 from 3 tokens on: each thread holds every token's activations of a step).
+        warps = 4 if N >= 16384 else 2 if N >= 4096 else 1
+        block_k = _fit_block_k((8 if M <= 2 else 4) * pack, group_size, pack)
+        split = _split_for(triton.cdiv(N, 128 * warps), K // block_k)
+        return FusedConfig("gemv", block_n=128 * warps, block_k=block_k, split_k=split, num_warps=warps,
                            acc_rows=M == 1)
+    block_k = _fit_block_k(128, group_size, pack)
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
     block_n = 64 if M <= 64 else 128
     programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
