@@ -9,6 +9,7 @@ no bf16 dot (it multiplies raw bits), so the GEMM runs in fp16 there. OPS_TEST_S
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,12 +62,13 @@ def check(device, M, K, N, group, bits, dtype, cfg, bias=True, symmetric=False):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_matches_reference(device, bits, group):
     # N = 96 is not a multiple of the 64-column strip; splits of 1, 2 and 4 cover one and several groups each;
-    # both reductions (last program, second kernel) and both accumulator shapes run.
+    # both reductions (last program, second kernel), scales per step (defer) or per weight, and both
+    # accumulator shapes of the latter run.
     K, N = 512, 96
-    for i, M in enumerate((1, 2, 3, 5, 8)):
+    for i, M in enumerate((1, 2, 3, 5, 8, 1)):
         for dtype in (F16, BF16):
             cfg = tf.FusedConfig("gemv", block_n=64, block_k=128 if i % 2 else 64, split_k=(1, 2, 4)[i % 3],
-                                 num_warps=2, acc_rows=i % 2 == 0, serial=i != 3)
+                                 num_warps=2, defer=i % 3 != 1, acc_rows=i % 2 == 0, serial=i != 3)
             err = check(device, M, K, N, group, bits, dtype, cfg, bias=i % 2 == 0, symmetric=i == 4)
             assert err < TOL[dtype], (M, dtype, cfg, err)
 
@@ -75,8 +77,9 @@ def test_gemv_matches_reference(device, bits, group):
 def test_gemv_8bit_and_even_columns(device):
     # N a multiple of the strip (no column masks) with one program per strip and K not a power of two.
     for M in (1, 4):
-        cfg = tf.FusedConfig("gemv", block_n=32, block_k=128, split_k=3, num_warps=1)   # 3 splits of one step
-        assert check(device, M, 384, 64, 128, 8, F16, cfg) < TOL[F16]
+        for defer in (True, False):
+            cfg = tf.FusedConfig("gemv", block_n=32, block_k=128, split_k=3, num_warps=1, defer=defer)  # 3 steps
+            assert check(device, M, 384, 64, 128, 8, F16, cfg) < TOL[F16]
 
 
 # ---------------------------------------------------------------- the GEMM (more tokens)
@@ -104,7 +107,7 @@ def test_automatic_dispatch_runs_the_fused_kernels(device, monkeypatch):
     qweight, scales, zeros = random_weights(K, N, group, 4, F16, device)
     for M in (1, 6, 8, 9, 40):
         cfg = tf.choose_config(M, N, K, 4, group)
-        assert cfg is not None and cfg.path == ("gemv" if M <= tf.GEMV_MAX_M else "gemm")
+        assert cfg is not None and cfg.path == ("gemv" if M == 1 else "gemm")
         x = torch.randn(2, M, K).to(F16).to(device)                 # leading dims are flattened
         y = tw.wna16_linear(x, qweight, scales, zeros, group, 4)
         ref = wna16_linear_ref(x.float().cpu(), qweight.cpu(), scales.float().cpu(), zeros.float().cpu(), group, 4)
@@ -115,6 +118,7 @@ def test_prefill_sized_batches_and_small_groups_keep_the_older_paths():
     assert tf.choose_config(tf.DEQUANT_MIN_M, 4096, 4096, 4, 128) is None
     assert tf.choose_config(tf.DEQUANT_MIN_M - 1, 4096, 4096, 4, 128).path == "gemm"
     assert tf.choose_config(64, 256, 1000, 4, 1000) is None          # group 1000: K steps of 8, too short for a dot
+    assert tf.choose_config(4, 256, 1000, 4, 1000).path == "gemv"    # ... where the gemv takes the tokens
     assert tf.choose_config(1, 256, 1000, 4, 1000).path == "gemv"
 
 
@@ -124,14 +128,24 @@ def test_tuned_table_overrides_the_default(monkeypatch):
     assert tf.choose_config(2, 4096, 4096, 4, 128) is tuned
     assert tf.choose_config(3, 4096, 4096, 4, 128) is not tuned     # bucket 4
     assert tf.choose_config(2, 4096, 4096, 4, 64) is not tuned      # the table is for group 128
+    assert tf.choose_config(2, 4096, 4096, 4, 128, hopper=False) is not tuned    # and for the H200
 
 
-def test_default_gemv_fills_the_gpu_at_the_8b_shapes():
+def test_default_one_token_gemv_fills_the_gpu_at_the_8b_shapes():
     for K, N in SHAPES_8B:
         cfg = tf.default_config(1, N, K, 4, 128)
         programs = -(-N // cfg.block_n) * cfg.split_k
-        assert programs >= 2 * tf.SMS or cfg.split_k == 16, (K, N, cfg)
-        assert cfg.block_n == 128 * cfg.num_warps                  # a packed tile's rows stay in one thread
+        assert cfg.path == "gemv" and (programs >= 2 * tf.SMS or cfg.split_k == 32), (K, N, cfg)
+        assert cfg.block_n % (128 * cfg.num_warps) == 0            # a packed tile's rows stay in one thread
+
+
+def test_default_tiles_fit_ampere_and_ada():
+    # sm80-89: at most 128-row tiles with 8 warps and 2 stages from 64 tokens (shared memory, registers).
+    for M in (2, 16, 32, 64, 128, 256, 1000):
+        cfg = tf.choose_config(M, 4096, 4096, 4, 128, hopper=False)
+        assert cfg.block_m <= 128 and cfg.num_stages <= 4
+        if M > 32:
+            assert cfg.num_warps == 8 and cfg.num_stages == 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,8 +194,7 @@ def test_cuda_graph_replays_with_split_k(M):
     K, N = 4096, 1024
     qweight, scales, zeros = random_weights(K, N, 128, 4, BF16, "cuda")
     x = torch.randn(M, K, device="cuda", dtype=BF16)
-    cfg = tf.default_config(M, N, K, 4, 128)
-    cfg = tf.FusedConfig(**{**cfg.__dict__, "split_k": 4})
+    cfg = replace(tf.default_config(M, N, K, 4, 128), split_k=4)
 
     def fn():
         return tw.wna16_linear(x, qweight, scales, zeros, 128, 4, config=cfg)

@@ -234,7 +234,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if M == 0:
         return out.reshape(*lead, N)
     if config is None and fused_kernels_enabled():
-        config = wna16_fused.choose_config(M, N, K, bits, group_size)
+        config = wna16_fused.choose_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
     if isinstance(config, wna16_fused.FusedConfig):
         out = wna16_fused.fused_linear(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size,
                                        bits, bias, out, config)

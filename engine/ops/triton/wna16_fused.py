@@ -24,81 +24,113 @@ No host syncs: every launch parameter follows from shapes, so the ops capture in
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-ONE_BITS = tl.constexpr(0x3F800000)   # float32 bits of 1.0
+ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
 
 @triton.jit
-def _field(src, P: tl.constexpr, BITS: tl.constexpr, s, zs):
-    """(q - z) * s for the BITS-bit field q at bits [P, P + BITS) of src; s and zs = z * s in float32."""
-    v = ((src & (((1 << BITS) - 1) << P)) | ONE_BITS).to(tl.float32, bitcast=True)
+def _raw(src, P: tl.constexpr, BITS: tl.constexpr, one):
+    """1 + q * 2**(P - 23) for the BITS-bit field q at bits [P, P + BITS) of src. `one` holds the bits of 1.0 in a
+    register (a kernel argument): with the mask as the immediate, AND and OR are one LOP3 (two immediates would
+    take two)."""
+    return ((src & (((1 << BITS) - 1) << P)) | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _field(src, P: tl.constexpr, BITS: tl.constexpr, s, zs, one):
+    """(q - z) * s for the field at bits [P, P + BITS) of src; s and zs = z * s in float32."""
+    v = _raw(src, P, BITS, one)
     sp = s * (1 << (23 - P))
     return tl.fma(v, sp, -(sp + zs))
 
 
 @triton.jit
-def _plane(q, j: tl.constexpr, BITS: tl.constexpr, s, zs):
+def _plane(q, j: tl.constexpr, BITS: tl.constexpr, s, zs, one):
     """Dequantized plane j of packed tile q: the weights at k = row * PACK + j."""
     if BITS == 4:
         if j < 3:
-            w = _field(q << 11, 11 + 4 * j, 4, s, zs)
+            w = _field(q << 11, 11 + 4 * j, 4, s, zs, one)
         elif j < 5:
-            w = _field(q, 4 * j, 4, s, zs)
+            w = _field(q, 4 * j, 4, s, zs, one)
         else:
-            w = _field(q >> 9, 4 * j - 9, 4, s, zs)
+            w = _field(q >> 9, 4 * j - 9, 4, s, zs, one)
     else:
         if j < 2:
-            w = _field(q << (15 - 8 * j), 15, 8, s, zs)
+            w = _field(q << (15 - 8 * j), 15, 8, s, zs, one)
         else:
-            w = _field(q >> (8 * j - 15), 15, 8, s, zs)
+            w = _field(q >> (8 * j - 15), 15, 8, s, zs, one)
     return w
 
 
 @triton.jit
-def _gemv_plane(acc, w, xj, ACC_ROWS: tl.constexpr):
-    """acc += x_j w_j: acc [BM, BKP, BN] (rows summed after the K loop) or [BM, BN] (rows summed every step)."""
-    p = w[None, :, :] * xj[:, :, None]
+def _gemv_plane(acc, w, x_ptrs, j: tl.constexpr, ACC_ROWS: tl.constexpr):
+    """acc += x_j w_j for plane j: x_j [BKP] (strided by PACK in x) against w_j [BKP, BN]; acc [BKP, BN] (rows
+    summed after the K loop) or [BN] (summed here: the rows of a thread's columns are in that thread)."""
+    p = w * tl.load(x_ptrs + j).to(tl.float32)[:, None]
     if ACC_ROWS:
         acc += p
     else:
-        acc += tl.sum(p, axis=1)
+        acc += tl.sum(p, axis=0)
     return acc
 
 
 @triton.jit
-def _gemv_step(acc, q, xt, s, zs, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KP: tl.constexpr,
-               ACC_ROWS: tl.constexpr):
-    # xt [BM, BKP, PACK] is split into its PACK planes (each [BM, BKP]) by halving the last axis.
-    if BITS == 4:
-        xe, xo = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_KP, 4, 2]))        # j even / odd
-        x04, x26 = tl.split(tl.reshape(xe, [BLOCK_M, BLOCK_KP, 2, 2]))
-        x15, x37 = tl.split(tl.reshape(xo, [BLOCK_M, BLOCK_KP, 2, 2]))
-        x0, x4 = tl.split(x04)
-        x2, x6 = tl.split(x26)
-        x1, x5 = tl.split(x15)
-        x3, x7 = tl.split(x37)
-        acc = _gemv_plane(acc, _plane(q, 0, BITS, s, zs), x0, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 1, BITS, s, zs), x1, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 2, BITS, s, zs), x2, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 3, BITS, s, zs), x3, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 4, BITS, s, zs), x4, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 5, BITS, s, zs), x5, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 6, BITS, s, zs), x6, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 7, BITS, s, zs), x7, ACC_ROWS)
-    else:
-        x02, x13 = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_KP, 2, 2]))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        acc = _gemv_plane(acc, _plane(q, 0, BITS, s, zs), x0, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 1, BITS, s, zs), x1, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 2, BITS, s, zs), x2, ACC_ROWS)
-        acc = _gemv_plane(acc, _plane(q, 3, BITS, s, zs), x3, ACC_ROWS)
+def _gemv_step(acc, q, x_ptrs, s, zs, one, BITS: tl.constexpr, ACC_ROWS: tl.constexpr):
+    for j in tl.static_range(32 // BITS):
+        acc = _gemv_plane(acc, _plane(q, j, BITS, s, zs, one), x_ptrs, j, ACC_ROWS)
     return acc
+
+
+@triton.jit
+def _gemv_step_deferred(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
+    """One group step with the scale and zero point applied once per column: sums of v_j x_j with the raw fields
+    v = 1 + q * 2**(P - 23) at P = 15 (4-bit even planes, every 8-bit plane) and P = 19 (4-bit odd planes), then
+    sum_k q_k x_k = (t15 - X15) * 2**8 + (t19 - X19) * 2**4 with X the sums of x, and
+    acc += (sum_k q_k x_k - z * X) * s. Two instructions per weight (LOP3, FFMA) and half a shift; the fields
+    sit in the top mantissa bits, so the subtraction loses only about 5 of float32's 24 bits.
+    Layouts: the products stay in the packed tile's layout (x_ptrs [BKP, 1]; acc, s, z [1, BN]; each sum first
+    assigned from a product); X comes from x_step, the step's activations [BK] spread over the threads, as
+    scalars (a cross-thread sum costs less than every thread adding all BK values)."""
+    X15 = tl.sum(tl.where(tl.arange(0, x_step.shape[0]) % 2 == 0, x_step, 0.0)) if BITS == 4 else tl.sum(x_step)
+    for j in tl.static_range(32 // BITS):
+        xj = tl.load(x_ptrs + j).to(tl.float32)
+        if BITS == 4:
+            # Nibbles 2i and 2i + 1 land at P = 15 and 19 with one shift.
+            if j < 4:
+                src = q << (15 - 4 * (j - j % 2))
+            else:
+                src = q >> (4 * (j - j % 2) - 15)
+            if j % 2 == 0:
+                p = tl.sum(_raw(src, 15, 4, one) * xj, axis=0, keep_dims=True)
+            else:
+                p = tl.sum(_raw(src, 19, 4, one) * xj, axis=0, keep_dims=True)
+        else:
+            if j < 2:
+                src = q << (15 - 8 * j)
+            else:
+                src = q >> (8 * j - 15)
+            p = tl.sum(_raw(src, 15, 8, one) * xj, axis=0, keep_dims=True)
+        # Rows summed per plane (in-thread FMA chains: the tile's rows live in one thread).
+        if j == 0:
+            t15 = p
+        elif j == 1 and BITS == 4:
+            t19 = p
+        elif j % 2 == 0 or BITS == 8:
+            t15 += p
+        else:
+            t19 += p
+    qx = (t15 - X15) * 256.0
+    X = X15
+    if BITS == 4:
+        X = tl.sum(x_step)
+        qx += (t19 - (X - X15)) * 16.0
+    return acc + (qx - z * X) * s
 
 
 @triton.jit
@@ -134,30 +166,31 @@ def _epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, l
                 _store_out(total, offs_m, offs_n, mask, n_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
-def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT,
+@triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
+def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, one,
                        stride_xm, stride_qk, stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                       ACC_ROWS: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, ACC_ROWS: tl.constexpr,
+                       DEFER: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+    # Program (column strip, K split, token).
     PACK: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KP * PACK
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
     n_mask = (offs_n < N) | EVEN_N
-    offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_KP)
-    k_begin = pid_k * K_SPLIT
+    k_begin = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)   # K_SPLIT is a multiple of BLOCK_K: aligned loads
     k_end = k_begin + K_SPLIT
     q_ptrs = qw_ptr + (k_begin // PACK + offs_r)[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
-    x_ptrs = (x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
-              + (k_begin + offs_r[None, :, None] * PACK + tl.arange(0, PACK)[None, None, :]))
-    x_mask = (offs_m < M)[:, None, None]
-    if ACC_ROWS:
-        acc = tl.zeros([BLOCK_M, BLOCK_KP, BLOCK_N], dtype=tl.float32)
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm + k_begin
+    x_ptrs = x_row + offs_r * PACK
+    if DEFER:
+        acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    elif ACC_ROWS:
+        acc = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         # Software prefetch: the next tile's load is issued before this tile's arithmetic.
@@ -165,44 +198,49 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         q_ptrs += BLOCK_KP * stride_qk
         q_next = tl.load(q_ptrs, mask=n_mask[None, :] & (k0 + BLOCK_K < k_end), other=0)
         g_off = (k0 // GROUP) * stride_sg + offs_n   # scales are small: int32 offsets
-        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        zs = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :] * s
-        xt = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        acc = _gemv_step(acc, q, xt, s, zs, BITS, BLOCK_M, BLOCK_KP, ACC_ROWS)
+        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
+        if DEFER:
+            x_step = tl.load(x_row + (k0 - k_begin) + tl.arange(0, BLOCK_K)).to(tl.float32)
+            acc = _gemv_step_deferred(acc, q, x_ptrs[:, None], x_step, s[None, :], z[None, :], one, BITS)
+        else:
+            acc = _gemv_step(acc, q, x_ptrs, s[None, :], (z * s)[None, :], one, BITS, ACC_ROWS)
         x_ptrs += BLOCK_K
-    if ACC_ROWS:
-        res = tl.sum(acc, axis=1)
-    else:
+    if DEFER:
         res = acc
-    _epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, pid_n, pid_k,
-              SPLIT, SERIAL, HAS_BIAS)
+    elif ACC_ROWS:
+        res = tl.sum(acc, axis=0, keep_dims=True)
+    else:
+        res = acc[None, :]
+    _epilogue(res, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+              pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
 @triton.jit
-def _dequant_wt(q, s, zs, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+def _dequant_wt(q, s, zs, one, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """Packed tile q [BN, BKP] -> W^T [BN, BK] in dtype, k = row * PACK + j: the planes joined along K (nested
     joins put plane j at position bitreverse(j), hence the order of the arguments)."""
     if BITS == 4:
-        w0 = _plane(q, 0, BITS, s, zs).to(dtype)
-        w1 = _plane(q, 1, BITS, s, zs).to(dtype)
-        w2 = _plane(q, 2, BITS, s, zs).to(dtype)
-        w3 = _plane(q, 3, BITS, s, zs).to(dtype)
-        w4 = _plane(q, 4, BITS, s, zs).to(dtype)
-        w5 = _plane(q, 5, BITS, s, zs).to(dtype)
-        w6 = _plane(q, 6, BITS, s, zs).to(dtype)
-        w7 = _plane(q, 7, BITS, s, zs).to(dtype)
+        w0 = _plane(q, 0, BITS, s, zs, one).to(dtype)
+        w1 = _plane(q, 1, BITS, s, zs, one).to(dtype)
+        w2 = _plane(q, 2, BITS, s, zs, one).to(dtype)
+        w3 = _plane(q, 3, BITS, s, zs, one).to(dtype)
+        w4 = _plane(q, 4, BITS, s, zs, one).to(dtype)
+        w5 = _plane(q, 5, BITS, s, zs, one).to(dtype)
+        w6 = _plane(q, 6, BITS, s, zs, one).to(dtype)
+        w7 = _plane(q, 7, BITS, s, zs, one).to(dtype)
         w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
     else:
-        w0 = _plane(q, 0, BITS, s, zs).to(dtype)
-        w1 = _plane(q, 1, BITS, s, zs).to(dtype)
-        w2 = _plane(q, 2, BITS, s, zs).to(dtype)
-        w3 = _plane(q, 3, BITS, s, zs).to(dtype)
+        w0 = _plane(q, 0, BITS, s, zs, one).to(dtype)
+        w1 = _plane(q, 1, BITS, s, zs, one).to(dtype)
+        w2 = _plane(q, 2, BITS, s, zs, one).to(dtype)
+        w3 = _plane(q, 3, BITS, s, zs, one).to(dtype)
         w = tl.join(tl.join(w0, w2), tl.join(w1, w3))
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
-def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT,
+@triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
+def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, one,
                        stride_xm, stride_qk, stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -225,7 +263,7 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
     offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
     m_mask = offs_m < M
     n_mask = (offs_n < N) | EVEN_N
-    k_begin = pid_k * K_SPLIT
+    k_begin = tl.multiple_of(pid_k * K_SPLIT, BLOCK_K)   # K_SPLIT is a multiple of BLOCK_K: aligned loads
     q_ptrs = qw_ptr + (k_begin // PACK + tl.arange(0, BLOCK_KP))[None, :].to(tl.int64) * stride_qk + offs_n[:, None]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + tl.arange(0, BLOCK_K))[None, :]
     if SWAP_AB:
@@ -238,7 +276,7 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         zs = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[:, None] * s
         a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        w = _dequant_wt(q, s, zs, BITS, BLOCK_N, BLOCK_K, dtype)
+        w = _dequant_wt(q, s, zs, one, BITS, BLOCK_N, BLOCK_K, dtype)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(a), acc)
         else:
@@ -262,13 +300,14 @@ class FusedConfig:
     num_warps: int = 4
     num_stages: int = 1
     block_m: int = 16       # gemm only (the gemv takes all tokens in one program)
-    acc_rows: bool = True   # gemv: per-row partial sums kept until after the K loop
+    defer: bool = True      # gemv: scales and zero points applied per column and step, not per weight
+    acc_rows: bool = True   # gemv without defer: per-row partial sums kept until after the K loop
     swap_ab: bool = False   # gemm: out^T = W^T x^T (the weight tile on the dot's M side, for few tokens)
     group_m: int = 8        # gemm: row tiles that walk the same weight columns together
     serial: bool = True     # split-K: the tile's last program sums the partials (one launch)
 
 
-GEMV_MAX_M = 8
+GEMV_MAX_M = 8              # the gemv takes up to 8 tokens (one program per token); by default it runs 1
 # Tokens from which dequantize-then-cuBLAS replaces the gemm (prefill); `choose_config` returns None there.
 DEQUANT_MIN_M = 1024
 SMS = 132                   # programs to fill at least twice (H200; more SMs only lengthen the tail a little)
@@ -283,43 +322,67 @@ def m_bucket(M: int) -> int:
     return min(triton.next_power_of_2(M), DEQUANT_MIN_M)
 
 
-def _split_for(programs: int, steps: int, cap: int = 16) -> int:
+def _split_for(programs: int, steps: int, cap: int) -> int:
     split = 1
     while programs * split < 2 * SMS and split < cap and steps % (split * 2) == 0:
         split *= 2
     return split
 
 
-def default_config(M: int, N: int, K: int, bits: int, group_size: int) -> FusedConfig:
+def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig:
+    """Tiles from the instruction counts of the compiled kernels (sm90 SASS; bench/tune_wna16.py measures):
+    - one token: the deferred gemv, 2 warps of 256 columns each (8 int32 per thread per packed row: each
+      activation a thread loads serves 8 columns), 4 packed rows per step, split-K to fill the SMs;
+    - more: the gemm, swap-AB while the tokens fit a 16/32-wide dot; 256-row tiles on Hopper from 129 tokens
+      (one dequantization per weight up to 256 tokens). Ampere/Ada (sm80-89) have less shared memory and keep
+      the mma accumulators in registers: 8 warps and 2 stages for the large tiles (no spills there)."""
     pack = 32 // bits
-    if M <= GEMV_MAX_M:
-        # 128 columns per warp (4 int32 per thread, 16-byte loads), so a packed tile's rows stay in a thread;
-        # 8 packed rows per step (4 from 3 tokens on: each thread holds every token's activations of a step).
-        warps = 4 if N >= 16384 else 2 if N >= 4096 else 1
-        block_k = _fit_block_k((8 if M <= 2 else 4) * pack, group_size, pack)
-        split = _split_for(triton.cdiv(N, 128 * warps), K // block_k)
-        return FusedConfig("gemv", block_n=128 * warps, block_k=block_k, split_k=split, num_warps=warps,
-                           acc_rows=M == 1)
-    block_k = _fit_block_k(128, group_size, pack)
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    block_n = 64 if M <= 64 else 128
-    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    split = _split_for(programs, K // block_k, cap=4) if M <= 64 else 1
-    return FusedConfig("gemm", block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
-                       num_warps=8 if block_m == 128 else 4, num_stages=4 if block_m <= 64 else 3,
-                       swap_ab=M <= 32)
+    if M == 1:
+        block_k = _fit_block_k(4 * pack, group_size, pack)
+        split = _split_for(triton.cdiv(N, 512), K // block_k, cap=32)
+        return FusedConfig("gemv", block_n=512, block_k=block_k, split_k=split, num_warps=2)
+    block_k = _fit_block_k(128 if M <= 64 else 64, group_size, pack)
+    if M <= 32:
+        block_m = 16 if M <= 16 else 32
+        split = _split_for(triton.cdiv(N, 64), K // block_k, cap=8)
+        return FusedConfig("gemm", block_n=64, block_k=block_k, split_k=split, block_m=block_m, num_warps=4,
+                           num_stages=4, swap_ab=True)
+    if not hopper:
+        return FusedConfig("gemm", block_n=128, block_k=_fit_block_k(64, group_size, pack),
+                           block_m=64 if M <= 64 else 128, num_warps=8, num_stages=2)
+    if M <= 64:
+        split = _split_for(triton.cdiv(N, 128), K // block_k, cap=4)
+        return FusedConfig("gemm", block_n=128, block_k=block_k, split_k=split, block_m=64, num_warps=4,
+                           num_stages=3)
+    if M <= 128:
+        return FusedConfig("gemm", block_n=128, block_k=block_k, block_m=128, num_warps=4, num_stages=4)
+    return FusedConfig("gemm", block_n=128, block_k=block_k, block_m=256, num_warps=8, num_stages=3)
 
 
-def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> FusedConfig | None:
+def choose_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig | None:
     """The fused kernel and tiles for M tokens, or None where dequantize-then-cuBLAS (or the older kernels) run:
     prefill-sized M, and groups too small or odd for a 16-deep dot."""
     if M >= DEQUANT_MIN_M:
         return None
-    cfg = (TUNED_W4G128.get((N, K, m_bucket(M))) if bits == 4 and group_size == 128 else None) or \
-        default_config(M, N, K, bits, group_size)
+    tuned = TUNED_W4G128.get((N, K, m_bucket(M))) if bits == 4 and group_size == 128 and hopper else None
+    cfg = tuned or default_config(M, N, K, bits, group_size, hopper)
     if cfg.path == "gemm" and _fit_block_k(cfg.block_k, group_size, 32 // bits) < 16:
-        return None
+        if M > GEMV_MAX_M:
+            return None
+        cfg = default_config(1, N, K, bits, group_size, hopper)      # the gemv, one program per token
     return cfg
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def is_hopper(device: torch.device) -> bool:
+    """sm90+ (wgmma, 228 KB of shared memory per SM); CPU tensors (Triton's interpreter) count as Hopper."""
+    if device.type != "cuda":
+        return True
+    return _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _fit_block_k(block_k: int, group_size: int, pack: int) -> int:
@@ -361,8 +424,8 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if cfg.path == "gemv":
         if M > GEMV_MAX_M:
             raise ValueError(f"the gemv path takes at most {GEMV_MAX_M} tokens, got {M}")
-        tiles = triton.cdiv(N, cfg.block_n)
-        grid = (tiles, split)
+        tiles = triton.cdiv(N, cfg.block_n) * M
+        grid = (triton.cdiv(N, cfg.block_n), split, M)
     else:
         if block_k < 16:
             raise ValueError(f"the gemm path needs a K step of at least 16 (group size {group_size})")
@@ -374,10 +437,10 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
                   EVEN_N=N % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, M, N, K // split,
-            x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
+            ONE_BITS, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if cfg.path == "gemv":
-        _wna16_gemv_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=cfg.block_n,
-                                 BLOCK_KP=block_k // pack, ACC_ROWS=cfg.acc_rows, **common)
+        _wna16_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_KP=block_k // pack, ACC_ROWS=cfg.acc_rows,
+                                 DEFER=cfg.defer, **common)
     else:
         _wna16_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                                  GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common)
