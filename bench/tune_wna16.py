@@ -40,25 +40,35 @@ AB_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def candidates(bucket: int) -> list[tf.FusedConfig]:
-    """The configs tried for an M bucket (4-bit: block_k counts weights, 8 per packed row)."""
+    """The configs tried for an M bucket (4-bit: block_k counts weights, 8 per packed row). The gemv takes one
+    program per token (its ALU work grows with M), so it is tried at 1 and 2 tokens; the gemm from 2."""
     out = []
-    if bucket <= tf.GEMV_MAX_M:
+    if bucket <= 2:
         for warps in (1, 2, 4):
-            for bk in ((64, 128) if bucket == 1 else (32, 64)):
-                for split in (2, 4, 8, 16):
-                    for acc_rows in ((True, False) if bucket == 1 else (False,)):
-                        out.append(tf.FusedConfig("gemv", block_n=128 * warps, block_k=bk, split_k=split,
-                                                  num_warps=warps, acc_rows=acc_rows))
+            for cols in (128, 256):                          # columns per warp: 4 or 8 int32 per thread and row
+                for bk in (32, 64):
+                    for split in (4, 8, 16, 32):
+                        for defer in ((True, False) if bucket == 1 else (True,)):
+                            out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
+                                                      num_warps=warps, defer=defer, acc_rows=False))
+    if bucket == 1:
         return out
-    for bm in sorted({min(bucket, 64), min(bucket, 128)} if bucket >= 128 else {bucket}):
-        for bn in ((64, 128) if bucket <= 64 else (128, 256)):
+    if bucket <= 32:
+        for bm in sorted({16, max(16, bucket)}):
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for split in (1, 2, 4, 8):
+                        out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
+                                                  num_warps=4, num_stages=4, swap_ab=True))
+        return out
+    for bm in ((64,) if bucket == 64 else (64, 128) if bucket == 128 else (128, 256)):
+        for bn in (128, 256):
             for bk in (64, 128):
-                for swap in ((True, False) if bucket <= 64 else (False,)):
-                    for split in ((1, 2, 4) if bucket <= 32 else (1, 2) if bucket == 64 else (1,)):
-                        for warps in ((4,) if bm <= 64 else (4, 8)):
+                for warps in ((4,) if bm == 64 else (4, 8) if bm == 128 else (8,)):
+                    for stages in (3, 4):
+                        for split in ((1, 2) if bucket == 64 else (1,)):
                             out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
-                                                      num_warps=warps, num_stages=4 if bm <= 64 else 3,
-                                                      swap_ab=swap))
+                                                      num_warps=warps, num_stages=stages))
     return out
 
 
@@ -104,8 +114,7 @@ def configs_for(K, N, M):
     """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
     twins."""
     out = list(dict.fromkeys(candidates(M) + [tf.default_config(M, N, K, 4, 128)]))
-    return out + [replace(c, serial=False) for c in out if c.split_k > 1 and c.serial and c.path == "gemv"
-                  and c.split_k == 8]
+    return out + [replace(c, serial=False) for c in out if c.serial and c.path == "gemv" and c.split_k == 8]
 
 
 def sweep(shapes, buckets, jobs):

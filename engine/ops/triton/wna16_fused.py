@@ -89,15 +89,22 @@ def _gemv_step(acc, q, x_ptrs, s, zs, one, BITS: tl.constexpr, ACC_ROWS: tl.cons
 
 @triton.jit
 def _gemv_step_deferred(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
-    """One group step with the scale and zero point applied once per column: sums of v_j x_j with the raw fields
-    v = 1 + q * 2**(P - 23) at P = 15 (4-bit even planes, every 8-bit plane) and P = 19 (4-bit odd planes), then
-    sum_k q_k x_k = (t15 - X15) * 2**8 + (t19 - X19) * 2**4 with X the sums of x, and
-    acc += (sum_k q_k x_k - z * X) * s. Two instructions per weight (LOP3, FFMA) and half a shift; the fields
-    sit in the top mantissa bits, so the subtraction loses only about 5 of float32's 24 bits.
-    Layouts: the products stay in the packed tile's layout (x_ptrs [BKP, 1]; acc, s, z [1, BN]; each sum first
-    assigned from a product); X comes from x_step, the step's activations [BK] spread over the threads, as
-    scalars (a cross-thread sum costs less than every thread adding all BK values)."""
-    X15 = tl.sum(tl.where(tl.arange(0, x_step.shape[0]) % 2 == 0, x_step, 0.0)) if BITS == 4 else tl.sum(x_step)
+    """One group step with the scale and zero point applied once per column. The raw fields
+    v = 1 + q * 2**(P - 23) (P = 15 for 4-bit even planes and every 8-bit plane, P = 19 for 4-bit odd planes)
+    times x' = x * 2**(23 - P) give x' + q * x, so one chain of FMAs over the tile's rows and planes sums to
+    t = X' + sum_k q_k x_k, X' the sum of x'; then acc += (t - X' - z * X) * s. Per weight: one LOP3, one FFMA
+    and half a shift. X' is at most ~20x the q x part here (fields in the top mantissa bits): about 4 of
+    float32's 24 bits cancel.
+    Layouts: the chain stays in the packed tile's layout ([BKP, BN] accumulator, x_ptrs [BKP, 1]; acc, s, z
+    [1, BN]; the chain first assigned from a product, not from zeros); X and X' come from x_step, the step's
+    activations [BK] spread over the threads, as scalars (cheaper than every thread adding all BK values)."""
+    k = tl.arange(0, x_step.shape[0])
+    if BITS == 4:
+        X = tl.sum(x_step)
+        X_scaled = tl.sum(tl.where(k % 2 == 0, x_step * 256.0, x_step * 16.0))
+    else:
+        X = tl.sum(x_step)
+        X_scaled = X * 256.0
     for j in tl.static_range(32 // BITS):
         xj = tl.load(x_ptrs + j).to(tl.float32)
         if BITS == 4:
@@ -107,30 +114,21 @@ def _gemv_step_deferred(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
             else:
                 src = q >> (4 * (j - j % 2) - 15)
             if j % 2 == 0:
-                p = tl.sum(_raw(src, 15, 4, one) * xj, axis=0, keep_dims=True)
+                p = _raw(src, 15, 4, one) * (xj * 256.0)
             else:
-                p = tl.sum(_raw(src, 19, 4, one) * xj, axis=0, keep_dims=True)
+                p = _raw(src, 19, 4, one) * (xj * 16.0)
         else:
             if j < 2:
                 src = q << (15 - 8 * j)
             else:
                 src = q >> (8 * j - 15)
-            p = tl.sum(_raw(src, 15, 8, one) * xj, axis=0, keep_dims=True)
-        # Rows summed per plane (in-thread FMA chains: the tile's rows live in one thread).
+            p = _raw(src, 15, 8, one) * (xj * 256.0)
         if j == 0:
-            t15 = p
-        elif j == 1 and BITS == 4:
-            t19 = p
-        elif j % 2 == 0 or BITS == 8:
-            t15 += p
+            t = p
         else:
-            t19 += p
-    qx = (t15 - X15) * 256.0
-    X = X15
-    if BITS == 4:
-        X = tl.sum(x_step)
-        qx += (t19 - (X - X15)) * 16.0
-    return acc + (qx - z * X) * s
+            t += p
+    t = tl.sum(t, axis=0, keep_dims=True)
+    return acc + (t - X_scaled - z * X) * s
 
 
 @triton.jit
