@@ -48,9 +48,8 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
             for cols in (128, 256):                          # columns per warp: 4 or 8 int32 per thread and row
                 for bk in (32, 64):
                     for split in (4, 8, 16, 32):
-                        for defer in ((True, False) if bucket == 1 else (True,)):
-                            out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
-                                                      num_warps=warps, defer=defer, acc_rows=False))
+                        out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
+                                                  num_warps=warps))
     if bucket == 1:
         return out
     if bucket <= 32:

@@ -62,13 +62,12 @@ def check(device, M, K, N, group, bits, dtype, cfg, bias=True, symmetric=False):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_matches_reference(device, bits, group):
     # N = 96 is not a multiple of the 64-column strip; splits of 1, 2 and 4 cover one and several groups each;
-    # both reductions (last program, second kernel), scales per step (defer) or per weight, and both
-    # accumulator shapes of the latter run.
+    # both reductions (last program, second kernel) run.
     K, N = (256 if device == "cpu" else 512), 96                 # the interpreter runs every program in turn
     for i, M in enumerate((1, 2, 3, 5, 8, 1)):
         for dtype in (F16, BF16):
             cfg = tf.FusedConfig("gemv", block_n=64, block_k=128 if i % 2 else 64, split_k=(1, 2, 4)[i % 3],
-                                 num_warps=2, defer=i % 3 != 1, acc_rows=i % 2 == 0, serial=i != 3)
+                                 num_warps=2, serial=i != 3)
             err = check(device, M, K, N, group, bits, dtype, cfg, bias=i % 2 == 0, symmetric=i == 4)
             assert err < TOL[dtype], (M, dtype, cfg, err)
 
@@ -77,9 +76,8 @@ def test_gemv_matches_reference(device, bits, group):
 def test_gemv_8bit_and_even_columns(device):
     # N a multiple of the strip (no column masks) with one program per strip and K not a power of two.
     for M in (1, 4):
-        for defer in (True, False):
-            cfg = tf.FusedConfig("gemv", block_n=32, block_k=128, split_k=3, num_warps=1, defer=defer)  # 3 steps
-            assert check(device, M, 384, 64, 128, 8, F16, cfg) < TOL[F16]
+        cfg = tf.FusedConfig("gemv", block_n=32, block_k=128, split_k=3, num_warps=1)   # 3 splits of one step
+        assert check(device, M, 384, 64, 128, 8, F16, cfg) < TOL[F16]
 
 
 # ---------------------------------------------------------------- the GEMM (more tokens)

@@ -1,6 +1,9 @@
 """4-/8-bit group-quantized weights x bf16/fp16 activations (Triton version of wna16_linear_ref).
 
-Three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
+wna16_linear runs wna16_fused's kernels (a one-token GEMV and a GEMM that dequantizes in its K loop, up to
+DEQUANT_MIN_M tokens) unless ENGINE_WNA16_KERNELS=old; from there on, and always under that setting, this
+module's kernels run. They are kept for prefill-sized batches and for A/B measurements (bench/tune_wna16.py).
+This module's three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
 - M == 1, GEMV: FMA dot products; each program streams a column strip of the packed weight once.
 - 2 <= M <= 64, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
 - M > 64: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there).

@@ -1,19 +1,18 @@
-"""wna16_linear's fused kernels: a split-K GEMV for 1-8 tokens and a tiled GEMM that dequantizes inside its K loop
+"""wna16_linear's fused kernels: a split-K GEMV for one token and a tiled GEMM that dequantizes inside its K loop
 (QUANT_CONTRACT.md's layout: qweight int32 [K // pack, N] packed along K; scales and zeros [K // G, N]).
 
-Dequantization costs one LOP3 and one FMA per weight, plus two shifts per 8 weights at 4 bits. A BITS-wide field q
-moved to mantissa bits [P, P + BITS) of 1.0f (0x3F800000) reads as v = 1 + q * 2**(P - 23), so
+Fields as floats without conversions: a BITS-wide field q moved to mantissa bits [P, P + BITS) of 1.0f
+(0x3F800000, one LOP3 with the mask) reads as v = 1 + q * 2**(P - 23).
+- GEMM: w = v * s' + c with s' = s * 2**(23 - P), c = -(2**(23 - P) + z) * s is (q - z) * s in one FMA (v * s' is
+  exact inside the FMA; c is exact in float32 for P >= 11 with fp16 scales and integer z), then x.dtype for the
+  dot. 4-bit fields: nibbles 0-2 from q << 11 at P = 11, 15, 19; 3-4 in place at P = 12, 16; 5-7 from q >> 9 at
+  P = 11, 15, 19 (two shifts per 8 weights). 8-bit: each byte shifted to P = 15.
+- GEMV: the scale and zero point wait for the end of each K step (one group at most): see _gemv_step.
+(Instruction counts per weight, from the sm90 SASS of the compiled kernels, are in docs/perf-log.md.)
 
-    w = v * s' + c   with   s' = s * 2**(23 - P),   c = -(2**(23 - P) + z) * s   gives   w = (q - z) * s
-
-in one FMA; s' and c are per column and group, computed once per K step. The product v * s' is exact inside the
-FMA and c is exact in float32 for P >= 11 (fp16 scales: at most 24 - P + 11 significant bits), so w carries a
-single rounding. The 4-bit fields: nibbles 0-2 from q << 11 at P = 11, 15, 19; nibbles 3-4 in place at P = 12, 16;
-nibbles 5-7 from q >> 9 at P = 11, 15, 19. The 8-bit fields: each byte shifted to P = 15.
-
-GEMV (M <= 8): programs (column strip, K split). Each step loads a [BLOCK_KP, BLOCK_N] packed tile (16-byte loads
-along N), one scale/zero row (a step never spans groups: BLOCK_K divides G), the tokens' [BLOCK_M, BLOCK_KP, PACK]
-activations, and accumulates in float32 with FMAs on the CUDA cores.
+GEMV (M == 1 by default; up to 8 tokens, one program each): programs (column strip, K split, token). Each step
+loads a [BLOCK_KP, BLOCK_N] packed tile (16-byte loads along N; a thread's columns hold all the tile's rows), one
+scale/zero row (a step never spans groups: BLOCK_K divides G) and the step's activations.
 GEMM (more tokens): the packed tile is loaded transposed, [BLOCK_N, BLOCK_KP], its PACK planes dequantized and
 joined along K into W^T [BLOCK_N, BLOCK_K] in x.dtype for one tensor-core dot per step (SWAP_AB: out^T = W^T x^T).
 
@@ -69,32 +68,13 @@ def _plane(q, j: tl.constexpr, BITS: tl.constexpr, s, zs, one):
 
 
 @triton.jit
-def _gemv_plane(acc, w, x_ptrs, j: tl.constexpr, ACC_ROWS: tl.constexpr):
-    """acc += x_j w_j for plane j: x_j [BKP] (strided by PACK in x) against w_j [BKP, BN]; acc [BKP, BN] (rows
-    summed after the K loop) or [BN] (summed here: the rows of a thread's columns are in that thread)."""
-    p = w * tl.load(x_ptrs + j).to(tl.float32)[:, None]
-    if ACC_ROWS:
-        acc += p
-    else:
-        acc += tl.sum(p, axis=0)
-    return acc
-
-
-@triton.jit
-def _gemv_step(acc, q, x_ptrs, s, zs, one, BITS: tl.constexpr, ACC_ROWS: tl.constexpr):
-    for j in tl.static_range(32 // BITS):
-        acc = _gemv_plane(acc, _plane(q, j, BITS, s, zs, one), x_ptrs, j, ACC_ROWS)
-    return acc
-
-
-@triton.jit
-def _gemv_step_deferred(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
+def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
     """One group step with the scale and zero point applied once per column. The raw fields
     v = 1 + q * 2**(P - 23) (P = 15 for 4-bit even planes and every 8-bit plane, P = 19 for 4-bit odd planes)
     times x' = x * 2**(23 - P) give x' + q * x, so one chain of FMAs over the tile's rows and planes sums to
     t = X' + sum_k q_k x_k, X' the sum of x'; then acc += (t - X' - z * X) * s. Per weight: one LOP3, one FFMA
-    and half a shift. X' is at most ~20x the q x part here (fields in the top mantissa bits): about 4 of
-    float32's 24 bits cancel.
+    and half a shift. X' is some 20-40x the q x part (fields in the top mantissa bits): about 5 of float32's
+    24 bits cancel.
     Layouts: the chain stays in the packed tile's layout ([BKP, BN] accumulator, x_ptrs [BKP, 1]; acc, s, z
     [1, BN]; the chain first assigned from a product, not from zeros); X and X' come from x_step, the step's
     activations [BK] spread over the threads, as scalars (cheaper than every thread adding all BK values)."""
@@ -167,8 +147,8 @@ def _epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, l
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
 def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, one,
                        stride_xm, stride_qk, stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, ACC_ROWS: tl.constexpr,
-                       DEFER: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
     # Program (column strip, K split, token).
     PACK: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KP * PACK
@@ -182,13 +162,8 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
     k_end = k_begin + K_SPLIT
     q_ptrs = qw_ptr + (k_begin // PACK + offs_r)[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm + k_begin
-    x_ptrs = x_row + offs_r * PACK
-    if DEFER:
-        acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-    elif ACC_ROWS:
-        acc = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    x_ptrs = (x_row + offs_r * PACK)[:, None]
+    acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
     for k0 in range(k_begin, k_end, BLOCK_K):
         # Software prefetch: the next tile's load is issued before this tile's arithmetic.
@@ -196,21 +171,12 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         q_ptrs += BLOCK_KP * stride_qk
         q_next = tl.load(q_ptrs, mask=n_mask[None, :] & (k0 + BLOCK_K < k_end), other=0)
         g_off = (k0 // GROUP) * stride_sg + offs_n   # scales are small: int32 offsets
-        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
-        if DEFER:
-            x_step = tl.load(x_row + (k0 - k_begin) + tl.arange(0, BLOCK_K)).to(tl.float32)
-            acc = _gemv_step_deferred(acc, q, x_ptrs[:, None], x_step, s[None, :], z[None, :], one, BITS)
-        else:
-            acc = _gemv_step(acc, q, x_ptrs, s[None, :], (z * s)[None, :], one, BITS, ACC_ROWS)
+        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        x_step = tl.load(x_row + (k0 - k_begin) + tl.arange(0, BLOCK_K)).to(tl.float32)
+        acc = _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS)
         x_ptrs += BLOCK_K
-    if DEFER:
-        res = acc
-    elif ACC_ROWS:
-        res = tl.sum(acc, axis=0, keep_dims=True)
-    else:
-        res = acc[None, :]
-    _epilogue(res, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    _epilogue(acc, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr,
               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
@@ -298,8 +264,6 @@ class FusedConfig:
     num_warps: int = 4
     num_stages: int = 1
     block_m: int = 16       # gemm only (the gemv takes all tokens in one program)
-    defer: bool = True      # gemv: scales and zero points applied per column and step, not per weight
-    acc_rows: bool = True   # gemv without defer: per-row partial sums kept until after the K loop
     swap_ab: bool = False   # gemm: out^T = W^T x^T (the weight tile on the dot's M side, for few tokens)
     group_m: int = 8        # gemm: row tiles that walk the same weight columns together
     serial: bool = True     # split-K: the tile's last program sums the partials (one launch)
@@ -329,7 +293,7 @@ def _split_for(programs: int, steps: int, cap: int) -> int:
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig:
     """Tiles from the instruction counts of the compiled kernels (sm90 SASS; bench/tune_wna16.py measures):
-    - one token: the deferred gemv, 2 warps of 256 columns each (8 int32 per thread per packed row: each
+    - one token: the gemv, 2 warps of 256 columns each (8 int32 per thread per packed row: each
       activation a thread loads serves 8 columns), 4 packed rows per step, split-K to fill the SMs;
     - more: the gemm, swap-AB while the tokens fit a 16/32-wide dot; 256-row tiles on Hopper from 129 tokens
       (one dequantization per weight up to 256 tokens). Ampere/Ada (sm80-89) have less shared memory and keep
@@ -396,8 +360,10 @@ LOCK_SLOTS = 1 << 16
 
 
 def _locks(device: torch.device) -> torch.Tensor | None:
-    """The per-device split-K counters (zero between launches). Not allocated inside a graph capture (the memory
-    would belong to the graph's pool): a capture before any eager call sums its partials in a second kernel."""
+    """The per-device split-K counters (zero between launches: each tile's last program resets its own). Shared by
+    every launch on the device, which the engine issues on one stream (a second stream running these kernels at
+    the same time would need its own). Not allocated inside a graph capture (the memory would belong to the
+    graph's pool): a capture before any eager call sums its partials in a second kernel."""
     t = _LOCKS.get(device)
     if t is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -437,8 +403,7 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     args = (x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, M, N, K // split,
             ONE_BITS, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if cfg.path == "gemv":
-        _wna16_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_KP=block_k // pack, ACC_ROWS=cfg.acc_rows,
-                                 DEFER=cfg.defer, **common)
+        _wna16_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_KP=block_k // pack, **common)
     else:
         _wna16_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                                  GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common)
