@@ -94,13 +94,14 @@ def precompile(work, jobs: int) -> set:
     return {(K, N, M, cfg) for K, N, M, cfg, _ in failed}
 
 
-def time_op(K, N, M, op, make=make_w4, kind="w4g128"):
-    copies = max(2, min(8, int(ROTATE_BYTES // weight_bytes(kind, K, N)) + 1))
-    weights = [make(K, N) for _ in range(copies)]
+def weight_copies(K, N, make=make_w4, kind="w4g128"):
+    """Enough copies of one weight that a graph cycling through them reads none from L2 (made once per shape)."""
+    return [make(K, N) for _ in range(max(2, min(8, int(ROTATE_BYTES // weight_bytes(kind, K, N)) + 1)))]
+
+
+def time_op(K, M, op, weights):
     x = torch.randn(M, K, device="cuda", dtype=DT)
-    ms = time_graph([lambda w=w: op(x, *w) for w in weights], reps=15) / copies
-    del weights
-    return ms
+    return time_graph([lambda w=w: op(x, *w) for w in weights], reps=15) / len(weights)
 
 
 def row(K, N, M, ms, kind="w4g128"):
@@ -123,13 +124,14 @@ def sweep(shapes, buckets, jobs):
     print(f"compiled {len(work)} configs in {time.time() - t0:.0f} s ({len(bad)} failed)", flush=True)
     best = {}
     for name, K, N in shapes:
+        weights = weight_copies(K, N)
         for M in buckets:
             res = []
             for cfg in configs_for(K, N, M):
                 if (K, N, M, cfg) in bad:
                     continue
                 try:
-                    ms = time_op(K, N, M, lambda x, *w, c=cfg: tw.wna16_linear(x, *w, config=c))
+                    ms = time_op(K, M, lambda x, *w, c=cfg: tw.wna16_linear(x, *w, config=c), weights)
                 except Exception as e:  # noqa: BLE001
                     print(f"  skip {cfg}: {str(e).splitlines()[0][:120]}", flush=True)
                     continue
@@ -148,6 +150,8 @@ def sweep(shapes, buckets, jobs):
             second = res[1][0] if len(res) > 1 else float("nan")
             print(f"sweep {name:8s} M={M:4d} best {res[0][0] * 1e3:7.1f} us  2nd {second * 1e3:7.1f}  "
                   f"default {default * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  {res[0][1]}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
     return best
 
 
@@ -181,17 +185,21 @@ def ab_table(shapes, tokens):
     print("\nper shape: us (TB/s, TFLOP/s); floor = max(bytes / 4.8 TB/s, FLOPs / 785 TFLOP/s)")
     print("| M | layer | floor us | bf16 cuBLAS | 4-bit old | 4-bit fused | fused / old | fused / bf16 |")
     print("|---|---|---|---|---|---|---|---|")
+    weights = {(K, N): (weight_copies(K, N, make_bf16, "bf16"), weight_copies(K, N)) for _, K, N in shapes}
     for M in tokens:
         for name, K, N in shapes:
             r = {"M": M, "layer": name, "K": K, "N": N}
-            r["bf16"] = row(K, N, M, time_op(K, N, M, bf16_op, make_bf16, "bf16"), "bf16")
-            r["old"] = row(K, N, M, time_op(K, N, M, old_op))
-            r["fused"] = row(K, N, M, time_op(K, N, M, fused_op))
+            w16, w4 = weights[(K, N)]
+            r["bf16"] = row(K, N, M, time_op(K, M, bf16_op, w16), "bf16")
+            r["old"] = row(K, N, M, time_op(K, M, old_op, w4))
+            r["fused"] = row(K, N, M, time_op(K, M, fused_op, w4))
             rows.append(r)
             cell = lambda c: f"{c['us']:.1f} ({c['TB/s']:.2f}, {c['TFLOP/s']:.0f})"  # noqa: E731
             print(f"| {M} | {name} | {r['fused']['floor_us']:.1f} | {cell(r['bf16'])} | {cell(r['old'])} | "
                   f"{cell(r['fused'])} | {r['fused']['us'] / r['old']['us']:.2f} | "
                   f"{r['fused']['us'] / r['bf16']['us']:.2f} |", flush=True)
+    del weights
+    torch.cuda.empty_cache()
     return rows
 
 
