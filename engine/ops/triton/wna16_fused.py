@@ -306,8 +306,8 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: b
     block_k = _fit_block_k(128 if M <= 64 else 64, group_size, pack)
     if M <= 32:
         block_m = 16 if M <= 16 else 32
-        split = _split_for(triton.cdiv(N, 64), K // block_k, cap=8)
-        return FusedConfig("gemm", block_n=64, block_k=block_k, split_k=split, block_m=block_m, num_warps=4,
+        split = _split_for(triton.cdiv(N, 128), K // block_k, cap=8)
+        return FusedConfig("gemm", block_n=128, block_k=block_k, split_k=split, block_m=block_m, num_warps=4,
                            num_stages=4, swap_ab=True)
     if not hopper:
         return FusedConfig("gemm", block_n=128, block_k=_fit_block_k(64, group_size, pack),
