@@ -44,9 +44,11 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
     program per token (its ALU work grows with M), so it is tried at 1 and 2 tokens; the gemm from 2."""
     out = []
     if bucket <= 2:
+        # Columns per warp: 4, 8 or 16 int32 per thread and packed row; at most 64 int32 per thread and step
+        # (bench/wna16_sass.py: no spills up to there).
         for warps in (1, 2, 4):
-            for cols in (128, 256):                          # columns per warp: 4 or 8 int32 per thread and row
-                for bk in (32, 64):
+            for cols, bks in ((128, (64,)), (256, (32, 64)), (512, (16, 32))):
+                for bk in bks:
                     for split in (4, 8, 16, 32):
                         out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
                                                   num_warps=warps))

@@ -27,7 +27,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 ALIGNED = ("N", "stride_xm", "stride_qk", "stride_sg", "stride_om")   # multiples of 16 at the 8B shapes
 
 GEMV = [dict(BLOCK_N=512, BLOCK_KP=4, num_warps=2), dict(BLOCK_N=256, BLOCK_KP=8, num_warps=2),
-        dict(BLOCK_N=1024, BLOCK_KP=4, num_warps=4)]
+        dict(BLOCK_N=512, BLOCK_KP=4, num_warps=1), dict(BLOCK_N=1024, BLOCK_KP=2, num_warps=2)]
 GEMM = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, num_warps=4, num_stages=4),
