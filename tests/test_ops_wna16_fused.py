@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.model.quantization.config import WNA16Scheme  # noqa: E402
-from engine.model.quantization.layers import WNA16Linear  # noqa: E402
+from engine.model.linear import ColumnParallelLinear  # noqa: E402
+from engine.model.quantization.config import QuantizationConfig, WNA16Scheme  # noqa: E402
 from engine.model.quantization.weights import WNA16Weights  # noqa: E402
 from engine.ops.quant import pack_int32, wna16_linear_ref  # noqa: E402
 from engine.ops.triton import wna16 as tw  # noqa: E402
@@ -154,8 +154,9 @@ def test_act_order_layer_with_fused_kernels(device, gen):
     w = WNA16Weights(torch.randint(0, 16, (K, N), generator=gen, dtype=torch.uint8),
                      (torch.rand(K // G, N, generator=gen) * 0.02 + 0.002).to(F16),
                      torch.randint(0, 16, (K // G, N), generator=gen).float(), g_idx)
-    layer = WNA16Linear(K, [N], False, WNA16Scheme(bits, G, symmetric=False, act_order=True), ["proj"])
-    layer.load_shard(None, w, "proj")
+    quant = QuantizationConfig("gptq", [(["Linear"], WNA16Scheme(bits, G, symmetric=False, act_order=True))])
+    layer = ColumnParallelLinear(K, N, False, quant, ["proj"])
+    layer.quant_method.load_shard(layer, None, w, "proj")
     layer.to(device=device, dtype=F16)
     for M in (1, 5, 20):
         x = torch.randn(M, K, generator=gen).to(F16)

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
 
@@ -112,25 +114,18 @@ def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_out(acc, offs_m, offs_n, mask, n_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k,
               SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] float32 -> out (one split), or the split's partial (and the sum, by the tile's last split)."""
+    """acc [BM, BN] float32 -> out (one split), or the split's partial (splitk.store_output); SERIAL: the tile's
+    last split also sums the partials in split order into out."""
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
+    out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]    # out is contiguous: stride_om == N
+    MN = M.to(tl.int64) * N
     if SPLIT == 1:
-        _store_out(acc, offs_m, offs_n, mask, n_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+        store_output(out_ptr, bias_ptr, acc, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
     else:
-        ws_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        MN = M.to(tl.int64) * N
-        tl.store(ws_ptr + pid_k * MN + ws_off, acc, mask=mask)
+        store_output(ws_ptr, bias_ptr, acc, out_off, pid_k * MN, offs_n, n_mask, mask, HAS_BIAS, True)
         if SERIAL:
             # Every thread's partial is issued before the counter moves (barrier, then a release at GPU scope);
             # the last split reads the others' partials from L2 (.cg) after its acquire.
@@ -139,9 +134,9 @@ def _epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, l
             if done == SPLIT - 1:
                 total = tl.zeros_like(acc)
                 for s in tl.static_range(SPLIT):
-                    total += tl.load(ws_ptr + s * MN + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(ws_ptr + s * MN + out_off, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(lock_ptr + tile, 0)       # ready for the next launch (and graph replay)
-                _store_out(total, offs_m, offs_n, mask, n_mask, bias_ptr, out_ptr, stride_om, HAS_BIAS)
+                store_output(out_ptr, bias_ptr, total, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
 
 
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
@@ -376,15 +371,11 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                  group_size: int, bits: int, bias: torch.Tensor | None, out: torch.Tensor,
                  cfg: FusedConfig) -> torch.Tensor:
     """out [M, N] = x2 [M, K] @ W (+ bias); x2's last dim and the weights contiguous."""
-    from engine.ops.triton.wna16 import _splitk_reduce_kernel
     M, K = x2.shape
     N = qweight.shape[1]
     pack = 32 // bits
     block_k = _fit_block_k(cfg.block_k, group_size, pack)
-    steps = K // block_k
-    split = cfg.split_k
-    while steps % split:
-        split //= 2
+    split = fit_split(K // block_k, cfg.split_k)
     if cfg.path == "gemv":
         if M > GEMV_MAX_M:
             raise ValueError(f"the gemv path takes at most {GEMV_MAX_M} tokens, got {M}")
@@ -396,7 +387,7 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (tiles, split)
     locks = _locks(out.device) if split > 1 and cfg.serial and tiles <= LOCK_SLOTS else None
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
+    ws = partial_buffer(out, split)
     bias_arg = bias if bias is not None else out
     common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
                   EVEN_N=N % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -407,8 +398,6 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     else:
         _wna16_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                                  GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common)
-    if split > 1 and locks is None:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](ws, bias_arg, out, M * N, N, SPLIT=split, BLOCK=block,
-                                                            HAS_BIAS=bias is not None, num_warps=4)
+    if locks is None:
+        reduce_partials(ws, bias, out)
     return out
