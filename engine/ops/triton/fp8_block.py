@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, store_output,
+                                     tile_offsets)
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -70,20 +71,9 @@ def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, s
                        HAS_BIAS: tl.constexpr):
     # C[M, N] = sum over K blocks of (A_q @ B_q^T)_block * a_scale[m, kb] * b_scale[n // bn, kb]; the K step is
     # one scale block (BLOCK_K = bk), so each partial product is scaled once and added in float32.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row tiles walk the same weight columns together, so B tiles stay in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, m_mask, n_mask = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BK_BLK)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
@@ -149,13 +139,9 @@ def _fp8_wo_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT
     # Weight-only tile [BM, BN]: each [BN, BK] weight tile is dequantized to x.dtype in registers and fed to
     # the tensor cores with x's [BM, BK] tile.
     dtype = x_ptr.dtype.element_ty
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = tile_offsets(tl.program_id(0), pid_n, M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

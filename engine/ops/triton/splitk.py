@@ -13,6 +13,26 @@ import triton.language as tl
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` in grouped order: GROUP_M row tiles walk the same weight columns together,
+    so a weight tile is read from memory once and from L2 by the other row tiles."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row and column offsets of tile (pid_m, pid_n) and their in-bounds masks."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
 def store_output(out_ptr, bias_ptr, acc, out_off, part_off, offs_n, n_mask, mask, HAS_BIAS: tl.constexpr,
                  PARTIAL: tl.constexpr):
     """A program's float32 sums `acc` ([BLOCK_N] or [BLOCK_M, BLOCK_N]) at out_off: PARTIAL, as they are at

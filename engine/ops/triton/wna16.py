@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.triton import wna16_fused
-from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output, tile_offsets
 
 MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
 MAGIC_F = tl.constexpr(8388608.0)
@@ -107,13 +107,8 @@ def _wna16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K_SP
     BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     dtype = x_ptr.dtype.element_ty
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, m_mask, n_mask = tile_offsets(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
     shifts = (tl.arange(0, BLOCK_K) % PACK) * BITS
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     if SWAP_AB:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+from engine.ops.triton.splitk import fit_split, grouped_tile, partial_buffer, reduce_partials, store_output
 
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
@@ -207,17 +207,8 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
     PACK: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    # Grouped order: GROUP_M row tiles walk the same weight columns together, so a packed tile is read from
-    # memory once and from L2 by the other row tiles.
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
     m_mask = offs_m < M
@@ -246,7 +237,8 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         res = tl.trans(acc)
     else:
         res = acc
-    _epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, pid_m * num_n + pid_n,
+    # The tile's lock: program_id(0) numbers the tiles once each (grouped_tile only reorders them).
+    _epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tl.program_id(0),
               pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
