@@ -80,6 +80,10 @@ class EngineArgs:
     max_pixels_in_flight: int = flag(
         160_000_000, help="image pixels being decoded at once over all requests; an image past it gets 429 "
                           "(default %(default)s: four images at --max-image-pixels)")
+    tensor_parallel_size: int = flag(
+        1, aliases=("-tp",),
+        help="number of tensor-parallel ranks: the engine process and N-1 worker processes, each holding 1/N of "
+             "the weights and KV heads (one GPU per rank, cuda:0..N-1; on CPU any N, over gloo)")
     seed: int = flag(0)
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
@@ -103,6 +107,10 @@ class EngineArgs:
                 raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a whole number of ranks, at least 1, not "
+                             f"{self.tensor_parallel_size!r}")
 
     @property
     def batched_tokens_budget(self) -> int:
