@@ -76,7 +76,8 @@ class LLMEngine:
         load_progress.report("building the model", 0.03)
 
         max_len = args.max_model_len or self.model_config.max_position_embeddings
-        worker = Worker(args, self.model_config, self.dtype, self.device, self.input_processor.image_processor)
+        self.worker = worker = Worker(args, self.model_config, self.dtype, self.device,
+                                      self.input_processor.image_processor)
         self.gpu_memory_limit = worker.gpu_memory_limit
         worker.load_model(max_len)
         self.model = worker.model

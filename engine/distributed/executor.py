@@ -107,9 +107,9 @@ class TensorParallelExecutor:
         # NVLink multicast (NVLS) stays off: NCCL reads it when it starts, in every rank (inherited).
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        threads = None
+        threads, self._threads_before = None, torch.get_num_threads()
         if device.type == "cpu":       # N ranks share the cores: oversubscribed threads slow every collective
-            threads = max(1, torch.get_num_threads() // n)
+            threads = max(1, self._threads_before // n)
             torch.set_num_threads(threads)
         log_files = [h.baseFilename for h in logging.getLogger("engine").handlers
                      if isinstance(h, logging.FileHandler)]
@@ -196,6 +196,7 @@ class TensorParallelExecutor:
                 p.join(max(0.0, deadline - time.monotonic()))
         self._terminate_workers()
         destroy_tensor_parallel()
+        torch.set_num_threads(self._threads_before)
         atexit.unregister(self.shutdown)
         self._watcher.join(1.0)
         os.close(self._stop_r)
