@@ -1,17 +1,20 @@
 """The KV cache tensors: one GPU pool for all layers and, with swap space, a (pinned) CPU pool of the same
 block shape. Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]: a layer's K or V
-is a contiguous [num_blocks, block_size, Hk, D] view, and a swap moves a block of every layer in one copy."""
+is a contiguous [num_blocks, block_size, Hk, D] view, and a swap moves a block of every layer in one copy.
+Under tensor parallelism each rank caches its own KV heads (ModelConfig.kv_heads_per_rank), with the same block
+ids on every rank."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import ModelConfig
+from engine.distributed.parallel_state import get_tp_size
 
 
 class CacheEngine:
     def __init__(self, config: ModelConfig, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (config.num_hidden_layers, 2, num_gpu_blocks, block_size, config.num_key_value_heads,
+        shape = (config.num_hidden_layers, 2, num_gpu_blocks, block_size, config.kv_heads_per_rank(get_tp_size()),
                  config.head_dim)
         self.gpu_cache = torch.empty(shape, dtype=dtype, device=device)
         self.cpu_cache = None
@@ -25,7 +28,8 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return config.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one block on this rank."""
+        return config.kv_bytes_per_token(get_tp_size()) * block_size * torch.empty((), dtype=dtype).element_size()
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu_block, cpu_block) pairs: gather the GPU blocks, one device-to-host copy, scatter on the host."""

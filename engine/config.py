@@ -74,10 +74,35 @@ class ModelConfig:
     def is_multimodal(self) -> bool:
         return self.vision is not None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size (multiply by dtype size)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        """The KV heads each tensor-parallel rank holds (and caches)."""
+        return kv_heads_per_rank(self.num_key_value_heads, tp_size)
+
+    def kv_bytes_per_token(self, tp_size: int = 1) -> int:
+        """Bytes of K and V per token over all layers on one rank, per byte of element size (multiply by the
+        dtype's size)."""
+        return 2 * self.num_hidden_layers * self.kv_heads_per_rank(tp_size) * self.head_dim
+
+    def verify_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse a tensor_parallel_size the model's shape cannot split, naming the sizes that can."""
+        problems = self._tensor_parallel_problems(tp_size)
+        if problems:
+            valid = [n for n in range(1, self.num_attention_heads + 1) if not self._tensor_parallel_problems(n)]
+            raise ModelLoadError(f"tensor_parallel_size {tp_size} does not fit this model: {'; '.join(problems)} "
+                                 f"(sizes that fit: {', '.join(map(str, valid))})", code="tensor_parallel")
+
+    def _tensor_parallel_problems(self, n: int) -> list[str]:
+        if n < 1:
+            return ["it must be at least 1"]
+        problems = []
+        if self.num_attention_heads % n:
+            problems.append(f"it does not divide the {self.num_attention_heads} attention heads")
+        kv = self.num_key_value_heads
+        if kv % n and n % kv:
+            problems.append(f"it neither divides the {kv} key-value heads nor is a multiple of them")
+        if self.intermediate_size % n:
+            problems.append(f"it does not divide intermediate_size {self.intermediate_size}")
+        return problems
 
     # ---- readers -------------------------------------------------------------------------------------------
     @classmethod
@@ -147,6 +172,11 @@ class ModelConfig:
             gen_eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))
             mc.eos_token_ids = list(dict.fromkeys(mc.eos_token_ids + gen_eos))
         return mc
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
+    """Each rank's share of the KV heads, or one (replicated) when there are more ranks than KV heads."""
+    return max(1, total_num_kv_heads // tp_size)
 
 
 def read_model_json(model_dir: str | Path, name: str, why: str) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.quantization.layers import Fp8BlockLinear, WNA16Linear
+from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine_helpers import make_llm
 from quant_checkpoints import write_quantized
 from test_gpu_engine import assert_close_logprobs, outputs
@@ -25,7 +25,8 @@ def quantized(request, qwen3_vl_dir, tmp_path_factory):
 def test_gpu_quantized_matches_cpu_references(quantized, eager):
     quant_dir, cpu_reference = quantized
     llm = make_llm(quant_dir, device="cuda", dtype="bfloat16", enforce_eager=eager)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, (WNA16Linear, Fp8BlockLinear))]
+    layers = [m for m in llm.engine.model.modules()
+              if hasattr(m, "quant_method") and not isinstance(m.quant_method, UnquantizedLinearMethod)]
     assert layers and all(p.is_cuda for m in layers for p in m.parameters()), "quantized layers on the GPU"
     for batched in (False, True):
         for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm, batched), cpu_reference):

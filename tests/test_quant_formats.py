@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from engine import SamplingParams
-from engine.model.quantization.layers import Fp8BlockLinear, WNA16Linear
+from engine.model.quantization.layers import Fp8BlockLinearMethod, UnquantizedLinearMethod, WNA16LinearMethod
+from engine.model.vocab_parallel_embedding import ParallelLMHead
 from engine_helpers import assert_pool_idle, make_llm
 from oracle import hf_greedy
 from quant_checkpoints import Spec, build_qwen3_wide, write_quantized
@@ -91,12 +92,12 @@ def test_qwen3_vl_quantized_matches_transformers_on_dequantized_weights(vl, name
 def test_qwen3_vl_quantized_layers_are_the_checkpoints(vl):
     """The decoder projections hold the format's weights; ignored ones, the vision tower and lm_head stay float."""
     model = vl.llm.engine.model
-    expected = Fp8BlockLinear if vl.spec.method == "fp8" else WNA16Linear
+    expected = Fp8BlockLinearMethod if vl.spec.method == "fp8" else WNA16LinearMethod
     layers = model.decoder.layers
-    assert isinstance(layers[0].self_attn.qkv_proj, expected)
-    assert isinstance(layers[0].mlp.down_proj, expected)
-    assert isinstance(layers[1].mlp.gate_up_proj, nn.Linear if vl.spec.skip else expected)
-    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.visual.blocks[0].attn.qkv, nn.Linear)
+    assert isinstance(layers[0].self_attn.qkv_proj.quant_method, expected)
+    assert isinstance(layers[0].mlp.down_proj.quant_method, expected)
+    assert isinstance(layers[1].mlp.gate_up_proj.quant_method, UnquantizedLinearMethod if vl.spec.skip else expected)
+    assert isinstance(model.lm_head, ParallelLMHead) and isinstance(model.visual.blocks[0].attn.qkv, nn.Linear)
     assert model.visual.blocks[0].attn.qkv.weight.dtype == model.lm_head.weight.dtype
     dequantized = [line for line in vl.log if line.startswith("Dequantized")]
     if vl.spec.quantize_vision:   # 4 blocks x (qkv, proj, fc1, fc2)

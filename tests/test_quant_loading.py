@@ -13,7 +13,8 @@ from engine import SamplingParams
 from engine.args import EngineArgs
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import QuantizationConfig, WNA16Scheme
-from engine.model.quantization.layers import Fp8BlockLinear, WNA16Linear, make_linear
+from engine.model.linear import QKVParallelLinear
+from engine.model.quantization.layers import Fp8BlockLinearMethod, WNA16LinearMethod
 from engine.model.quantization.parse import parse_quantization_config
 from engine_helpers import make_llm
 from quant_checkpoints import Spec, build_qwen3_wide, compressed_tensors_tensors, quantization_config, write_quantized
@@ -108,7 +109,7 @@ def test_a_fused_layer_with_some_shards_ignored_is_refused():
     quant = QuantizationConfig("compressed-tensors", [(["Linear"], WNA16Scheme(4, 32, True))],
                                ignore=["model.layers.0.self_attn.k_proj"])
     with pytest.raises(ModelLoadError, match="quantizes .*q_proj.*k_proj.* differently"):
-        make_linear(64, [64, 32, 32], False, quant, [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
+        QKVParallelLinear(64, 16, 4, 2, False, quant, [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
 
 
 def test_ignore_patterns():
@@ -154,7 +155,7 @@ def qwen3_wide_dir(tmp_path_factory):
 def test_dummy_weights_in_each_format(qwen3_wide_dir, method):
     llm = make_llm(qwen3_wide_dir, load_format="dummy", quantization=method)
     proj = llm.engine.model.decoder.layers[0].self_attn.qkv_proj
-    assert isinstance(proj, Fp8BlockLinear if method == "fp8" else WNA16Linear)
+    assert isinstance(proj.quant_method, Fp8BlockLinearMethod if method == "fp8" else WNA16LinearMethod)
     [out] = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
     logits = llm.engine.model.compute_logits(torch.zeros(1, 128))

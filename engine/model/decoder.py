@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from engine.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.ops import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer: (k_cache, v_cache)
@@ -77,7 +78,7 @@ class TextDecoder(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model"):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -106,7 +107,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextDecoder(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -118,4 +119,5 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, md, mm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 [S, vocab] on every rank (a collective under tensor parallelism)."""
+        return self.lm_head.compute_logits(hidden)

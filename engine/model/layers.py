@@ -10,7 +10,7 @@ from torch import nn
 
 from engine import ops
 from engine.config import ModelConfig
-from engine.model.quantization.layers import make_linear
+from engine.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.ops import AttentionMetadata
 
 
@@ -75,18 +75,20 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention with a fused qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary, and K/V
     written to / read from this layer's slice of the paged cache. `prefix` is the layer's checkpoint name (it
-    decides, with the checkpoint's quantization_config, which projections hold quantized weights)."""
+    decides, with the checkpoint's quantization_config, which projections hold quantized weights).
+    Under tensor parallelism the heads split over the ranks: num_heads and num_kv_heads are this rank's."""
 
     def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
+        quant, self.head_dim = config.quantization, config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, config.attention_bias, quant,
+                                          [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        quant = config.quantization
-        self.qkv_proj = make_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                    config.attention_bias, quant, [f"{prefix}.{p}_proj" for p in "qkv"])
-        self.o_proj = make_linear(self.q_size, [config.hidden_size], False, quant, [f"{prefix}.o_proj"])
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, False,
+                                        quant, [f"{prefix}.o_proj"])
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -110,9 +112,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
         hidden, inter, quant = config.hidden_size, config.intermediate_size, config.quantization
-        self.gate_up_proj = make_linear(hidden, [inter, inter], False, quant,
-                                        [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
-        self.down_proj = make_linear(inter, [hidden], False, quant, [f"{prefix}.down_proj"])
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, quant,
+                                                       [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = RowParallelLinear(inter, hidden, False, quant, [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -1,5 +1,10 @@
 """Building a model and filling its weights: Hugging Face safetensors directories, GGUF files, or random
-("dummy") weights for benchmarks. Weights go straight to the target device and dtype."""
+("dummy") weights for benchmarks. Weights go straight to the target device and dtype.
+
+Under tensor parallelism each rank reads only its slice of each checkpoint tensor: the layer a tensor goes to
+says which rows and columns (checkpoint_ranges), and the tensor's layout says where they are (LeafLayout: a
+float weight's, or a quantized format's packed words, groups and blocks). Checkpoint entries are read lazily
+(`CheckpointTensor.read(index)`), so safetensors reads only those bytes and GGUF dequantizes only those rows."""
 from __future__ import annotations
 
 import json
@@ -15,16 +20,23 @@ from engine import load_progress
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.model.quantization.layers import Fp8BlockLinear, WNA16Linear
+from engine.distributed.parallel_state import get_tp_size
+from engine.model.linear import LinearBase
+from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine.model.quantization.loading import QuantizedTensorCollector
 from engine.model.quantization.parse import resolve_quantization
+from engine.model.quantization.weights import FLOAT_BIAS, FLOAT_WEIGHT, LeafLayout
 
 logger = init_logger(__name__)
 
-# checkpoint projection -> (our fused parameter, shard). The loader copies each into its slice.
-_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+# checkpoint projection -> (our fused parameter, output shard). The loader copies each into its slice.
+_STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
-_SHARD_INDEX = {None: None, "q": 0, "k": 1, "v": 2, 0: 0, 1: 1}
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+Index = tuple[slice, ...] | None   # the part of a checkpoint tensor to read; None: all of it
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -50,7 +62,9 @@ def load_model_config(path: str | Path, quantization: str | None = None, load_fo
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The model's modules on `device` in `dtype` (weights not yet meaningful)."""
+    """The model's modules on `device` in `dtype` (weights not yet meaningful); under tensor parallelism this
+    rank's share of them (engine.distributed.parallel_state must be initialized first)."""
+    config.verify_tensor_parallel(get_tp_size())
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -82,7 +96,7 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str) -> None:
                 "random dummy weights" if load_format == "dummy" else path)
 
 
-def _counted(weights: Iterator[tuple[str, torch.Tensor]], model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(weights: Iterator[tuple[str, CheckpointTensor]], model: nn.Module) -> Iterator[tuple[str, CheckpointTensor]]:
     """The weights as they are read, reported to load_progress against the model's own tensor count (a
     checkpoint may hold a few more or fewer: the fraction is capped, it only has to move)."""
     total = sum(1 for _ in model.state_dict())
@@ -91,8 +105,33 @@ def _counted(weights: Iterator[tuple[str, torch.Tensor]], model: nn.Module) -> I
         yield item
 
 
+class CheckpointTensor:
+    """One checkpoint entry, read on demand: all of it, or the part `index` selects."""
+    dtype: torch.dtype | None
+
+    def read(self, index: Index = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class InMemoryTensor(CheckpointTensor):
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.dtype = tensor, tensor.dtype
+
+    def read(self, index: Index = None) -> torch.Tensor:
+        return self.tensor if index is None else self.tensor[index]
+
+
+class _SafetensorsTensor(CheckpointTensor):
+    def __init__(self, f, key: str):
+        self.f, self.key = f, key
+        self.dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+
+    def read(self, index: Index = None) -> torch.Tensor:
+        return self.f.get_tensor(self.key) if index is None else self.f.get_slice(self.key)[index]
+
+
 # ---- safetensors ---------------------------------------------------------------------------------------------
-def _safetensors_weights(path: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: Path, device: torch.device) -> Iterator[tuple[str, CheckpointTensor]]:
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -108,7 +147,7 @@ def _safetensors_weights(path: Path, device: torch.device) -> Iterator[tuple[str
                                  code="missing_weights")
         with safe_open(path / name, framework="pt", device=str(device)) as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, _SafetensorsTensor(f, key)
 
 
 # ---- GGUF (config and tokenizer from metadata, weights dequantized once) -------------------------------------
@@ -129,7 +168,29 @@ def _gguf_config(path: Path) -> ModelConfig:
     return config
 
 
-def _gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+class _GGUFTensor(CheckpointTensor):
+    """A GGUF tensor dequantized when read: a slice of rows dequantizes only those rows (GGUF quantizes each
+    row on its own), any other slice the whole tensor first. Llama's q/k rows come back in the checkpoint's
+    rotate-half layout."""
+    dtype = torch.float32
+
+    def __init__(self, tensor, unpermute_head_dim: int | None):
+        self.tensor, self.unpermute_head_dim = tensor, unpermute_head_dim
+
+    def read(self, index: Index = None) -> torch.Tensor:
+        import gguf
+
+        rows = index[0] if index else slice(None)
+        data = self.tensor.data[rows] if len(self.tensor.data.shape) > 1 else self.tensor.data
+        w = torch.from_numpy(gguf.dequantize(data, self.tensor.tensor_type).copy())
+        if len(self.tensor.data.shape) == 1:
+            w = w[rows]
+        if self.unpermute_head_dim is not None:
+            w = _unpermute_llama_qk(w, self.unpermute_head_dim)
+        return w[(slice(None), *index[1:])] if index and len(index) > 1 else w
+
+
+def _gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, CheckpointTensor]]:
     import gguf
 
     arch = {"LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3}[config.architecture]
@@ -149,33 +210,72 @@ def _gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.
         hf = to_hf.get(tensor.name)
         if hf is None:
             continue
-        w = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy())
-        if arch == gguf.MODEL_ARCH.LLAMA and (".q_proj." in hf or ".k_proj." in hf):
-            heads = config.num_attention_heads if ".q_proj." in hf else config.num_key_value_heads
-            w = _unpermute_llama_qk(w, heads)
-        yield hf, w
+        qk = arch == gguf.MODEL_ARCH.LLAMA and (".q_proj." in hf or ".k_proj." in hf)
+        yield hf, _GGUFTensor(tensor, config.head_dim if qk else None)
 
 
-def _unpermute_llama_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_llama_qk(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """llama.cpp stores Llama's q/k rows with each head's two rotary halves interleaved (GPT-J layout);
-    undo that to get back the checkpoint's rotate-half layout."""
-    out = w.shape[0]
-    return w.reshape(num_heads, out // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    undo that to get back the checkpoint's rotate-half layout (head by head: whole heads of rows suffice)."""
+    return w.reshape(-1, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # ---- mapping names into the model ----------------------------------------------------------------------------
-def _target(name: str, config: ModelConfig) -> tuple[str, object] | None:
-    """Checkpoint name -> (our parameter's name, shard of a fused projection or None); None: not ours to load."""
+def _target(name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Checkpoint name -> (our parameter's name, output shard of a fused projection or None); None: not ours to
+    load."""
     name = name.replace("model.language_model.", "language_model.", 1)
     if name.startswith("lm_head.") and config.tie_word_embeddings:
         return None
-    for part, fused, shard_id in _STACKED:
+    for part, fused, shard in _STACKED:
         if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), shard_id
+            return name.replace(f".{part}.", f".{fused}."), shard
     return name, None
 
 
-def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout) -> Index:
+    """The part of a checkpoint tensor laid out as `layout` that this rank's `module` holds (None: all)."""
+    if get_tp_size() == 1 or not hasattr(module, "checkpoint_ranges"):
+        return None
+    index = [slice(None)] * 2
+    for dim, unit, rng in ((layout.n_dim, layout.n_unit, module.checkpoint_ranges(shard)[0]),
+                           (layout.k_dim, layout.k_unit, module.checkpoint_ranges(shard)[1])):
+        if dim is None or rng is None:
+            continue
+        start, length = rng
+        if start % unit or length % unit:
+            raise module.tp_error(f"this rank's {'output' if dim == layout.n_dim else 'input'} rows "
+                                  f"{start}..{start + length} do not fall on whole units of {unit} of the "
+                                  f"checkpoint's layout")
+        index[dim] = slice(start // unit, (start + length) // unit)
+    return tuple(index)
+
+
+def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, shard: int | None,
+                         collector: QuantizedTensorCollector, layer: str) -> torch.Tensor:
+    scheme = collector.quant.scheme_for(layer)
+    if scheme is None:
+        return entry.read()   # collector.add refuses it by name
+    layout = collector.format.layout(leaf, scheme)
+    tensor = entry.read(_rank_index(module, shard, layout))
+    if get_tp_size() == 1:
+        return tensor
+    n_range, k_range = module.checkpoint_ranges(shard)
+    if layout.group_index and k_range is not None and scheme.group_size != -1:
+        tensor = tensor - k_range[0] // scheme.group_size   # the rank's groups count from 0
+    if layout.shape_of_weight:
+        tensor = tensor.clone()
+        for dim, rng in enumerate((n_range, k_range)):
+            if rng is not None:
+                tensor[dim] = rng[1]
+    return tensor
+
+
+def _is_quantized(module: nn.Module | None) -> bool:
+    return isinstance(module, LinearBase) and not isinstance(module.quant_method, UnquantizedLinearMethod)
+
+
+def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
     config = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -184,28 +284,50 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
     filled: dict[str, set] = defaultdict(set)
     vision: list[tuple[str, torch.Tensor]] = []
     dequantized: list[str] = []
-    for name, tensor in weights:
-        if collector is not None and collector.accepts(name, tensor):
-            done = collector.add(name, tensor)
-            if done is None or _load_quantized(modules, filled, config, *done):
+    for name, entry in weights:
+        target = _target(name, config)
+        if target is None:
+            continue   # tied lm_head
+        module, shard = modules.get(target[0].rpartition(".")[0]), target[1]
+        if collector is not None and collector.accepts(name, entry):
+            layer, _, leaf = name.rpartition(".")
+            quantized_module = _is_quantized(module)
+            done = collector.add(name, _read_quantized_leaf(entry, leaf, module if quantized_module else None,
+                                                            shard, collector, layer))
+            if done is None:
                 continue
-            # A layer the model keeps in its dtype (the vision tower, lm_head): dequantized once, here.
-            layer, quantized = done
-            name, tensor = layer + ".weight", quantized.dequantize(dtype)
+            if quantized_module:
+                module.quant_method.load_shard(module, shard, done[1], layer)
+                prefix = target[0].rpartition(".")[0]
+                for pname, _ in module.named_parameters():
+                    if pname != "bias":   # biases are checkpoint tensors of their own
+                        filled[f"{prefix}.{pname}"].add(shard)
+                continue
+            # A layer the model keeps in its dtype (the vision tower, lm_head): dequantized once, here (read
+            # whole, then this rank's part taken like a float weight's).
+            name, tensor = layer + ".weight", done[1].dequantize(dtype)
+            target = _target(name, config)
+            index = _rank_index(module, shard, FLOAT_WEIGHT)
+            tensor = tensor if index is None else tensor[index]
             dequantized.append(layer)
-        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        elif entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             # Cast to the model dtype without its scales, an fp8 weight would load and answer garbage.
-            raise ModelLoadError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} but the checkpoint's "
+            raise ModelLoadError(f"{name} is {str(entry.dtype).removeprefix('torch.')} but the checkpoint's "
                                  f"config.json has no fp8 quantization_config to say how it is scaled",
                                  code="unsupported_quantization")
+        elif name.startswith("model.visual."):
+            tensor = entry.read()
+        elif target[0] not in params:
+            continue   # rotary inv_freq buffers saved by old checkpoints
+        else:
+            tensor = entry.read(_rank_index(module, shard, FLOAT_BIAS if name.endswith(".bias") else FLOAT_WEIGHT))
         if name.startswith("model.visual."):
             vision.append((name[len("model.visual."):], tensor))
             continue
-        target = _target(name, config)
         if target is None or target[0] not in params:
-            continue   # tied lm_head; rotary inv_freq buffers saved by old checkpoints
-        _copy_shard(params[target[0]], tensor, target[1], config, target[0])
-        filled[target[0]].add(target[1])
+            continue
+        _copy_shard(module, params[target[0]], tensor, shard, target[0])
+        filled[target[0]].add(shard)
     if collector is not None:
         collector.check_complete()
     if dequantized:
@@ -222,41 +344,20 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -
         raise ModelLoadError(f"checkpoint is missing tensors: {shown}", code="missing_weights")
 
 
-def _load_quantized(modules: dict[str, nn.Module], filled: dict[str, set], config: ModelConfig, layer: str,
-                    weights) -> bool:
-    """Put checkpoint layer `layer`'s converted weights into its (shard of a) quantized module, if the model
-    holds one there."""
-    target = _target(layer + ".weight", config)
-    prefix = target[0].rpartition(".")[0] if target else ""
-    module = modules.get(prefix)
-    if not isinstance(module, (WNA16Linear, Fp8BlockLinear)):
-        return False
-    module.load_shard(_SHARD_INDEX[target[1]], weights, layer)
-    for pname, _ in module.named_parameters():
-        if pname != "bias":   # biases are checkpoint tensors of their own
-            filled[f"{prefix}.{pname}"].add(target[1])
-    return True
-
-
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard, config: ModelConfig, name: str) -> None:
-    if shard is None:
-        rows = slice(None)
-    elif shard in ("q", "k", "v"):
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
-    else:
-        half = param.shape[0] // 2
-        rows = slice(shard * half, (shard + 1) * half)
-    dst = param.data[rows]
-    if dst.shape != tensor.shape:
-        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}",
+def _copy_shard(module: nn.Module | None, param: torch.Tensor, tensor: torch.Tensor, shard: int | None,
+                name: str) -> None:
+    if hasattr(module, "weight_loader"):
+        module.weight_loader(param, tensor, shard, name)
+        return
+    if param.shape != tensor.shape:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}",
                              code="shape_mismatch")
-    dst.copy_(tensor)
+    param.data.copy_(tensor)
 
 
 def _complete(name: str, shards: set) -> bool:
     if ".qkv_proj." in name:
-        return shards >= {"q", "k", "v"}
+        return shards >= {0, 1, 2}
     if ".gate_up_proj." in name:
         return shards >= {0, 1}
     return bool(shards)
@@ -267,8 +368,8 @@ def _init_dummy(model: nn.Module) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     quantized = set()
     for prefix, module in model.named_modules():
-        if isinstance(module, (WNA16Linear, Fp8BlockLinear)):
-            module.init_dummy(gen)
+        if _is_quantized(module):
+            module.quant_method.init_dummy(module, gen)
             quantized.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
     for name, p in model.named_parameters():
         if name in quantized:

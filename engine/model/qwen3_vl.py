@@ -8,15 +8,19 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.decoder import MultimodalEmbeds, TextDecoder
 from engine.model.qwen3_vl_vision import Qwen3VLVisionModel
+from engine.model.vocab_parallel_embedding import ParallelLMHead
 
 
 class Qwen3VLForConditionalGeneration(nn.Module):
+    """The vision encoder is replicated: under tensor parallelism every rank holds all of it and encodes the
+    images of its own step (no broadcast of embeddings); the text decoder is split."""
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
         self.visual = Qwen3VLVisionModel(config.vision, dtype=torch.get_default_dtype())  # set by build_model
         self.language_model = TextDecoder(config, max_positions, prefix="model.language_model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
@@ -28,7 +32,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         return self.language_model(input_ids, positions, kv_caches, md, mm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 [S, vocab] on every rank (a collective under tensor parallelism)."""
+        return self.lm_head.compute_logits(hidden)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """Returns (embeds [n_tokens, hidden], deepstack [num_taps, n_tokens, hidden]) for the images in order."""

@@ -7,7 +7,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
+from engine.model.quantization.weights import LeafLayout, WNA16Weights, unpack_int32_cols
 
 LEAVES = ("qweight", "qzeros", "scales")
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -16,6 +16,12 @@ _COLUMN_OF_NIBBLE = torch.tensor(ORDER).argsort()     # nibble index holding out
 
 def required(scheme: WNA16Scheme) -> set[str]:
     return set(LEAVES)
+
+
+def layout(leaf: str, scheme: WNA16Scheme) -> LeafLayout:
+    g = scheme.group_size
+    return {"qweight": LeafLayout(1, 8, 0, 1), "qzeros": LeafLayout(1, 8, 0 if g != -1 else None, g),
+            "scales": LeafLayout(1, 1, 0 if g != -1 else None, g)}[leaf]
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:

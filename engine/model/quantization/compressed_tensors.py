@@ -9,7 +9,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
+from engine.model.quantization.weights import LeafLayout, WNA16Weights, unpack_int32_cols
 from engine.ops.quant import unpack_int32
 
 LEAVES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -22,6 +22,14 @@ def required(scheme: WNA16Scheme) -> set[str]:
     if scheme.act_order:
         leaves.add("weight_g_idx")
     return leaves
+
+
+def layout(leaf: str, scheme: WNA16Scheme) -> LeafLayout:
+    g, pack, k_dim = scheme.group_size, 32 // scheme.bits, 1 if scheme.group_size != -1 else None
+    return {"weight_packed": LeafLayout(0, 1, 1, pack), "weight_scale": LeafLayout(0, 1, k_dim, g),
+            "weight_zero_point": LeafLayout(0, pack, k_dim, g),
+            "weight_shape": LeafLayout(None, 1, None, 1, shape_of_weight=True),
+            "weight_g_idx": LeafLayout(None, 1, 0, 1, group_index=True)}[leaf]
 
 
 def convert(t: dict[str, torch.Tensor], scheme: WNA16Scheme, name: str) -> WNA16Weights:

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.quantization.config import WNA16Scheme
-from engine.model.quantization.weights import WNA16Weights, unpack_int32_cols
+from engine.model.quantization.weights import LeafLayout, WNA16Weights, unpack_int32_cols
 from engine.ops.quant import unpack_int32
 
 LEAVES = ("qweight", "qzeros", "scales", "g_idx")
@@ -16,6 +16,12 @@ LEAVES = ("qweight", "qzeros", "scales", "g_idx")
 
 def required(scheme: WNA16Scheme) -> set[str]:
     return set(LEAVES)
+
+
+def layout(leaf: str, scheme: WNA16Scheme) -> LeafLayout:
+    g, pack, k_dim = scheme.group_size, 32 // scheme.bits, 0 if scheme.group_size != -1 else None
+    return {"qweight": LeafLayout(1, 1, 0, pack), "qzeros": LeafLayout(1, pack, k_dim, g),
+            "scales": LeafLayout(1, 1, k_dim, g), "g_idx": LeafLayout(None, 1, 0, 1, group_index=True)}[leaf]
 
 
 def convert(t: dict[str, torch.Tensor], scheme: WNA16Scheme, name: str) -> WNA16Weights:

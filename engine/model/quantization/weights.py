@@ -9,6 +9,29 @@ import torch
 from engine.ops.quant import dequantize_fp8_block, unpack_int32
 
 
+@dataclass(frozen=True)
+class LeafLayout:
+    """Where a checkpoint tensor of a quantized layer keeps the layer's output (N) and input (K) dimensions, and
+    how many N or K values one of its entries stands for (a packed word, a group, a block), so that a rank
+    reads only its rows of N or columns of K. None: the tensor does not run along that dimension (or is read
+    whole along it)."""
+    n_dim: int | None
+    n_unit: int
+    k_dim: int | None
+    k_unit: int
+    group_index: bool = False      # values are group numbers (g_idx): rebased to the rank's first group
+    shape_of_weight: bool = False  # values are the weight's [N, K] (compressed-tensors' weight_shape)
+
+
+FLOAT_WEIGHT = LeafLayout(0, 1, 1, 1)
+FLOAT_BIAS = LeafLayout(0, 1, None, 1)
+
+
+def grouped(group_size: int) -> int | None:
+    """The K unit of a tensor with one entry per group; None for per-channel (one group: every rank reads it)."""
+    return None if group_size == -1 else group_size
+
+
 @dataclass
 class WNA16Weights:
     """W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], input channels in checkpoint order; `g_idx`

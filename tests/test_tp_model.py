@@ -1,0 +1,187 @@
+"""The tensor-parallel model: on N CPU ranks (gloo) the sharded model computes the logits of the whole model.
+
+Each case builds the model directly (build_model + load_weights + a CacheEngine), runs a batched prefill of two
+sequences and a decode step with hand-made AttentionMetadata, and returns the logits; TP=2 and TP=4 (where the
+heads allow) must equal TP=1 within fp32 rounding on every rank. Spawned ranks cost seconds, so one spawned group
+runs many cases."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cache_engine import CacheEngine
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.model.loader import build_model, load_model_config, load_weights
+from engine.ops import AttentionMetadata
+from quant_checkpoints import Spec, write_quantized
+from tp_helpers import run_tensor_parallel
+
+BLOCK = 16
+CPU = torch.device("cpu")
+GRID = (1, 4, 6)                   # one image of 4 x 6 patches: 6 merged tokens
+
+
+# ---- what every rank runs --------------------------------------------------------------------------------------
+def _metadata(starts: list[int], query_lens: list[int], num_decodes: int) -> AttentionMetadata:
+    """Sequence i owns KV block i and computes query_lens[i] tokens from position starts[i]."""
+    slots = torch.cat([torch.arange(i * BLOCK + s, i * BLOCK + s + q) for i, (s, q) in enumerate(zip(starts, query_lens))])
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    seq_lens = [s + q for s, q in zip(starts, query_lens)]
+    return AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.arange(len(starts), dtype=torch.int32)[:, None], num_decodes=num_decodes,
+        num_decode_tokens=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+
+
+def _prompts(config: ModelConfig, image: bool) -> tuple[list[list[int]], dict | None]:
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randint(0, 300, (11,), generator=gen).tolist(), torch.randint(0, 300, (6,), generator=gen).tolist()
+    if not image:
+        return [a, b], None
+    pads = GRID[0] * GRID[1] * GRID[2] // config.vision.spatial_merge_size ** 2
+    a = a[:3] + [config.vision_start_token_id] + [config.image_token_id] * pads + [config.vision_end_token_id] + a[3:6]
+    v = config.vision
+    pixels = torch.randn(GRID[0] * GRID[1] * GRID[2], v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                         generator=gen)
+    return [a, b], {"pixels": pixels, "grid": torch.tensor([GRID])}
+
+
+def _positions(config: ModelConfig, prompts, image) -> tuple[torch.Tensor, list[int]]:
+    """Prefill positions of the two prompts back to back, and each prompt's offset for generated tokens."""
+    if config.mrope_section is None:
+        return torch.cat([torch.arange(len(p)) for p in prompts]), [0, 0]
+    from engine.inputs.mrope import get_mrope_positions
+
+    parts, deltas = [], []
+    for i, p in enumerate(prompts):
+        grids = [GRID] if image and i == 0 else []
+        pos, delta = get_mrope_positions(p, grids, config.image_token_id, config.vision.spatial_merge_size)
+        parts.append(pos)
+        deltas.append(delta)
+    return torch.cat(parts, dim=1), deltas
+
+
+@torch.inference_mode()
+def model_logits(model_dir: str, image: bool = False, load_format: str = "auto") -> dict[str, torch.Tensor]:
+    """Logits of a prefill of two prompts (one with an image when `image`) and of one decode step after it."""
+    from engine.model.decoder import MultimodalEmbeds
+
+    config = load_model_config(model_dir)
+    model = build_model(config, 256, torch.float32, CPU)
+    load_weights(model, model_dir, load_format)
+    caches = CacheEngine(config, 4, 0, BLOCK, torch.float32, CPU).layer_caches()
+    prompts, img = _prompts(config, image)
+    ids = torch.tensor(prompts[0] + prompts[1])
+    positions, deltas = _positions(config, prompts, image)
+    mm = None
+    if img is not None:
+        embeds, deepstack = model.encode_images(img["pixels"], img["grid"])
+        mm = MultimodalEmbeds((ids == config.image_token_id).nonzero()[:, 0], embeds, deepstack)
+    lens = [len(p) for p in prompts]
+    hidden = model(ids, positions, caches, _metadata([0, 0], lens, 0), mm)
+    prefill = model.compute_logits(hidden)
+    decode_pos = torch.tensor([lens[0] + deltas[0], lens[1] + deltas[1]])
+    if config.mrope_section is not None:
+        decode_pos = decode_pos.expand(3, -1)
+    hidden = model(torch.tensor([5, 9]), decode_pos, caches, _metadata(lens, [1, 1], 2))
+    return {"prefill": prefill, "decode": model.compute_logits(hidden),
+            "kv_heads": caches[0][0].shape[2], "q_heads": model.decoder.layers[0].self_attn.num_heads}
+
+
+def many_logits(cases: list[tuple]) -> list:
+    """model_logits for each case; a ModelLoadError comes back as its message (a refusal is a result)."""
+    out = []
+    for case in cases:
+        try:
+            out.append(model_logits(*case))
+        except ModelLoadError as e:
+            out.append(f"ModelLoadError[{e.code}]: {e.message}")
+    return out
+
+
+# ---- the comparisons ---------------------------------------------------------------------------------------------
+def assert_same_logits(sharded: dict, whole: dict, what: str) -> None:
+    for key in ("prefill", "decode"):
+        assert sharded[key].shape == whole[key].shape, f"{what}: {key} logits shape"
+        torch.testing.assert_close(sharded[key], whole[key], atol=2e-5, rtol=1e-5,
+                                   msg=lambda m: f"{what}, {key} logits: {m}")
+
+
+QUANT_SPECS = {   # layouts that split at TP=2 on the tiny Qwen3 (hidden 64, 4 heads of 16, 2 KV heads, mlp 128)
+    "awq group 32": Spec("awq", group_size=32, symmetric=False),
+    "gptq 8-bit group 16": Spec("gptq", bits=8, group_size=16),
+    "gptq 4-bit per-channel asymmetric": Spec("gptq", group_size=-1, symmetric=False),
+    "compressed-tensors 4-bit group 16 asymmetric": Spec("compressed-tensors", group_size=16, symmetric=False),
+    "compressed-tensors 8-bit per-channel": Spec("compressed-tensors", bits=8, group_size=-1),
+    "fp8 16x32 blocks": Spec("fp8", block_size=(16, 32)),
+    "fp8 128x32 blocks (ranks start inside a block)": Spec("fp8", block_size=(128, 32)),
+}
+REFUSED_SPECS = {   # (spec, what the refusal names)
+    "gptq act-order": (Spec("gptq", group_size=32, act_order=True),
+                       r"o_proj: act-order .* cannot split .* tensor_parallel_size 2"),
+    "awq group 64 > o_proj's 32 inputs per rank": (Spec("awq", group_size=64, symmetric=False),
+                                                   r"o_proj: this rank's input size 32 .* group size 64 .* "
+                                                   r"tensor_parallel_size 2"),
+    "fp8 128x128 blocks": (Spec("fp8", block_size=(128, 128)),
+                           r"o_proj: this rank's input size 32 is not a multiple of the fp8 block width 128"),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(qwen3_dir, qwen3_vl_dir, tmp_path_factory) -> dict[str, Path]:
+    dirs = {name: write_quantized(qwen3_dir, tmp_path_factory.mktemp("tp-quant"), spec)[0]
+            for name, spec in {**QUANT_SPECS, **{n: s for n, (s, _) in REFUSED_SPECS.items()}}.items()}
+    dirs["vl fp8 with vision blocks"] = write_quantized(
+        qwen3_vl_dir, tmp_path_factory.mktemp("tp-quant"), Spec("fp8", block_size=(16, 32), quantize_vision=True))[0]
+    return dirs
+
+
+def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, qwen3_dir, qwen3_vl_dir, quantized_dirs):
+    cases = {"llama": (str(llama_dir),), "qwen3": (str(qwen3_dir),), "qwen3-vl text": (str(qwen3_vl_dir),),
+             "qwen3-vl image": (str(qwen3_vl_dir), True),
+             **{name: (str(d),) for name, d in quantized_dirs.items() if name not in REFUSED_SPECS},
+             "qwen3-vl fp8 image": (str(quantized_dirs["vl fp8 with vision blocks"]), True)}
+    cases.pop("vl fp8 with vision blocks")
+    refused = {name: (str(quantized_dirs[name]),) for name in REFUSED_SPECS}
+    ranks = run_tensor_parallel(many_logits, 2, list(cases.values()) + list(refused.values()), timeout_s=240)
+    whole = many_logits(list(cases.values()))
+    for rank, results in enumerate(ranks):
+        for name, sharded, ref in zip(cases, results, whole):
+            assert not isinstance(sharded, str), f"{name} at TP=2: {sharded}"
+            assert_same_logits(sharded, ref, f"{name}, rank {rank} of 2")
+            assert sharded["q_heads"] * 2 == ref["q_heads"] and sharded["kv_heads"] * 2 == ref["kv_heads"]
+        for name, message in zip(refused, results[len(cases):]):
+            assert isinstance(message, str) and message.startswith("ModelLoadError[tensor_parallel]"), (name, message)
+            assert __import__("re").search(REFUSED_SPECS[name][1], message), (name, message)
+
+
+def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
+    """4 ranks, 2 KV heads: each KV head is held by the two ranks whose q heads read it."""
+    cases = [(str(qwen3_dir),), (str(qwen3_vl_dir), True)]
+    ranks = run_tensor_parallel(many_logits, 4, cases, timeout_s=240)
+    whole = many_logits(cases)
+    for rank, results in enumerate(ranks):
+        for case, sharded, ref in zip(cases, results, whole):
+            assert not isinstance(sharded, str), sharded
+            assert_same_logits(sharded, ref, f"{case}, rank {rank} of 4")
+            assert (sharded["q_heads"], sharded["kv_heads"]) == (1, 1)
+
+
+def test_a_size_the_heads_cannot_split_is_refused_with_the_sizes_that_fit(qwen3_dir, llama_dir):
+    qwen3, llama = load_model_config(qwen3_dir), load_model_config(llama_dir)   # 4 heads / 2 KV; 6 heads / 2 KV
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 3 does not fit this model: it does not divide "
+                                             r"the 4 attention heads; .* 2 key-value heads .* sizes that fit: 1, 2, 4"):
+        qwen3.verify_tensor_parallel(3)
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 4 .* 6 attention heads .* sizes that fit: 1, 2, 6\)"):
+        llama.verify_tensor_parallel(4)
+    with pytest.raises(ModelLoadError) as err:
+        qwen3.verify_tensor_parallel(0)
+    assert err.value.code == "tensor_parallel"
+    assert qwen3.kv_heads_per_rank(1) == 2 and qwen3.kv_heads_per_rank(2) == 1 and qwen3.kv_heads_per_rank(4) == 1
