@@ -60,8 +60,9 @@ CASES = {
 }
 
 
-def run_workload(llm: LLM, with_images: bool) -> list[tuple]:
-    """Every request's tokens (and, for the scored one, its logprobs), one new request per step."""
+def run_workload(llm: LLM, with_images: bool) -> list:
+    """Every request's output, one new request per step; then one prompt twice more, alone (prefix-cache hits
+    whatever the tiny pool evicted meanwhile)."""
     engine = llm.engine
     prompts = [engine.input_processor.process_chat(c) for c in TEXT + (IMAGES if with_images else [])]
     work = [(p, GREEDY) for p in prompts] + [(prompts[1], SEEDED), (prompts[0], PENALIZED), (prompts[2], SCORED)]
@@ -73,8 +74,9 @@ def run_workload(llm: LLM, with_images: bool) -> list[tuple]:
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
+    again = [llm.generate(prompts[1], GREEDY)[0] for _ in range(2)]
     assert_pool_idle(llm)
-    return [final[f"r{i}"] for i in range(len(work))]
+    return again + [final[f"r{i}"] for i in range(len(work))]
 
 
 def assert_same_outputs(got, expected) -> None:
@@ -122,8 +124,8 @@ def test_a_size_below_one_is_refused():
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_without_starting_workers(qwen3_dir):
     before = psutil.Process().children(recursive=True)
-    with pytest.raises(ModelLoadError, match=r"--tensor-parallel-size 3 must divide the model's 4 attention heads "
-                                             r"\(possible sizes: 1, 2, 4\)") as err:
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 3 does not fit this model: it does not divide "
+                                             r"the 4 attention heads.*\(sizes that fit: 1, 2, 4\)") as err:
         LLM(str(qwen3_dir), tensor_parallel_size=3, num_gpu_blocks_override=16, max_model_len=256)
     assert err.value.code == "tensor_parallel"
     assert psutil.Process().children(recursive=True) == before
@@ -194,7 +196,8 @@ def test_a_killed_worker_ends_the_engine_with_one_clear_line(qwen3_dir, tmp_path
         assert f"Tensor parallel size 2: rank 0 pid {server.proc.pid} on cpu, rank 1 pid {rank1['pid']} on cpu" \
             in server.log_text()
         status, body = http("POST", server.url + "/v1/completions",
-                            {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+                            {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                             "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
         os.kill(rank1["pid"], signal.SIGKILL)

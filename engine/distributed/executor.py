@@ -50,7 +50,7 @@ class RankInfo:
 
 def check_tensor_parallel_size(n: int, device: torch.device, config: ModelConfig) -> None:
     """Refuse an N that cannot run, before any process is started: more ranks than visible GPUs, or a model
-    whose heads do not split into N equal shares."""
+    whose shape does not split into N shares (ModelConfig.verify_tensor_parallel)."""
     if n == 1:
         return
     if device.type == "cuda":
@@ -61,19 +61,7 @@ def check_tensor_parallel_size(n: int, device: torch.device, config: ModelConfig
             raise ModelLoadError(f"--tensor-parallel-size {n} needs {n} GPUs, one per rank, but {visible} "
                                  f"{'is' if visible == 1 else 'are'} visible{where}; lower it to at most "
                                  f"{visible}", param="tensor_parallel_size", code="tensor_parallel")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % n:
-        raise ModelLoadError(f"--tensor-parallel-size {n} must divide the model's {heads} attention heads "
-                             f"(possible sizes: {_divisors(heads)})", param="tensor_parallel_size",
-                             code="tensor_parallel")
-    if kv_heads % n and n % kv_heads:
-        raise ModelLoadError(f"--tensor-parallel-size {n} and the model's {kv_heads} KV heads must divide one "
-                             f"another (each rank holds a share of the KV heads, or one of them replicated)",
-                             param="tensor_parallel_size", code="tensor_parallel")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    config.verify_tensor_parallel(n)
 
 
 def worker_view(so: SchedulerOutput) -> SchedulerOutput:
