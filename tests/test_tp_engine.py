@@ -168,6 +168,29 @@ def test_workers_get_each_step_without_what_only_rank_0_uses(qwen3_vl_dir):
     assert worker_view(later) is later                     # no new request: sent as it is
 
 
+# ---- an idle engine ------------------------------------------------------------------------------------------
+def _wait_for_a_late_step(port: int) -> object:
+    """On each rank: a group whose collectives time out after 1 s, whose host group waits as the executor's
+    does; rank 0 sends its "step" only after 2.5 s."""
+    from engine.distributed.executor import STEP_WAIT_TIMEOUT_S
+    from engine.distributed.parallel_state import (broadcast_object, destroy_tensor_parallel, get_tp_rank,
+                                                   init_tensor_parallel)
+    rank = get_tp_rank()
+    destroy_tensor_parallel()          # the harness's group; this one has the short collective timeout
+    init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=1.0,
+                         object_timeout_s=STEP_WAIT_TIMEOUT_S)
+    if rank == 0:
+        time.sleep(2.5)
+    return broadcast_object("step" if rank == 0 else None)
+
+
+def test_workers_wait_for_the_next_step_however_long_the_engine_idles():
+    """The workers wait for each step in a broadcast on the host group: an idle engine must not time it out."""
+    from tp_helpers import free_port, run_tensor_parallel
+
+    assert run_tensor_parallel(_wait_for_a_late_step, 2, free_port(), timeout_s=60) == ["step", "step"]
+
+
 # ---- failures: the server in a subprocess -------------------------------------------------------------------
 SERVER_ARGS = ("--tensor-parallel-size", "2", "--device", "cpu", "--num-gpu-blocks-override", "32",
                "--max-model-len", "256", "--enforce-eager")

@@ -34,6 +34,9 @@ from engine.logger import init_logger
 
 logger = init_logger(__name__)
 
+# The workers wait for the next step inside a broadcast on the host group, however long the engine stays idle;
+# a rank that dies is noticed by the watchers (here and in each worker), not by this timeout.
+STEP_WAIT_TIMEOUT_S = 10 * 365 * 24 * 3600.0
 JOIN_TIMEOUT_S = 5.0           # a worker told to stop has this long before it is terminated
 FAILURE_GRACE_S = 1.0          # after a rank failure: time for the open streams' error events to go out
 
@@ -121,7 +124,7 @@ class TensorParallelExecutor:
             for r, p in enumerate(self.workers, start=1)]
         logger.info("Tensor parallel size %d: %s", n, ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}"
                                                               for r in self.ranks))
-        init_tensor_parallel(0, n, init_method, rank0_device)
+        init_tensor_parallel(0, n, init_method, rank0_device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def mark_ready(self) -> None:

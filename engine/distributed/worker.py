@@ -106,6 +106,7 @@ def run_worker(rank: int, world_size: int, init_method: str, args: EngineArgs, d
     rank 0 sends the end of the loop (None). Exits at once if rank 0 dies (it cannot send anything then)."""
     _watch_parent(parent_pid)
     _setup_logging(rank, log_files)
+    from engine.distributed.executor import STEP_WAIT_TIMEOUT_S
     from engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
     if num_threads:
@@ -113,7 +114,7 @@ def run_worker(rank: int, world_size: int, init_method: str, args: EngineArgs, d
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_tensor_parallel(rank, world_size, init_method, device)
+    init_tensor_parallel(rank, world_size, init_method, device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
     worker = _build_worker(args, device)
     logger.info("tensor-parallel rank %d ready on %s: %d KV blocks", rank, device, worker.num_gpu_blocks)
     _step_loop(worker)
