@@ -28,6 +28,7 @@ from engine.distributed.executor import check_tensor_parallel_size, worker_view
 from engine.errors import ModelLoadError
 from engine.model.loader import load_model_config
 from engine.sampling_params import StructuredOutputsParams
+from engine.server.cli import parse_args
 from engine_helpers import assert_pool_idle, make_llm, noise_image
 from servers import SERVED_NAME, http, start_engine
 from test_engine_parity import image_part
@@ -120,6 +121,13 @@ def test_a_size_below_one_is_refused():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineArgs(model="m", tensor_parallel_size=bad)
+
+
+def test_the_flag_and_its_short_form():
+    assert parse_args(["--model", "m", "--tensor-parallel-size", "2"])[0].tensor_parallel_size == 2
+    assert parse_args(["--model", "m", "-tp", "4"])[0].tensor_parallel_size == 4
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "-tp", "0"])
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_without_starting_workers(qwen3_dir):
@@ -234,6 +242,23 @@ def test_a_killed_worker_ends_the_engine_with_one_clear_line(qwen3_dir, tmp_path
     assert elapsed < 5
     line = f"tensor-parallel worker rank 1 (pid {rank1['pid']}) exited with code -9 (killed by SIGKILL)"
     assert server.log_text().count(line) == 1
+
+
+def test_a_stopped_server_stops_its_workers_cleanly(qwen3_dir, tmp_path):
+    """SIGTERM to the whole process group, as the launcher's stop sends it: the workers leave it to rank 0,
+    which shuts down (exit 0) and ends them between steps; nothing is reported as a failure."""
+    server = start_engine(qwen3_dir, tmp_path, extra_args=SERVER_ARGS)
+    try:
+        _, stats = http("GET", server.url + "/stats")
+        worker_pid = stats["ranks"][1]["pid"]
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(20) == 0
+        assert wait_gone(worker_pid, 5)
+    finally:
+        if server.alive():
+            server.stop()
+    assert "Shutting down" in server.log_text()
+    assert "tensor-parallel worker" not in server.log_text()
 
 
 def test_workers_exit_when_the_engine_process_is_killed(qwen3_dir, tmp_path):

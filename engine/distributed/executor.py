@@ -37,7 +37,7 @@ logger = init_logger(__name__)
 # The workers wait for the next step inside a broadcast on the host group, however long the engine stays idle;
 # a rank that dies is noticed by the watchers (here and in each worker), not by this timeout.
 STEP_WAIT_TIMEOUT_S = 10 * 365 * 24 * 3600.0
-JOIN_TIMEOUT_S = 5.0           # a worker told to stop has this long before it is terminated
+JOIN_TIMEOUT_S = 5.0           # a worker told to stop has this long before it is killed
 FAILURE_GRACE_S = 1.0          # after a rank failure: time for the open streams' error events to go out
 
 
@@ -164,14 +164,14 @@ class TensorParallelExecutor:
                 callback(message)
             except Exception:            # noqa: BLE001 - the exit below must happen whatever a callback does
                 logger.exception("tensor-parallel failure callback raised")
-        self._terminate_workers()
+        self._kill_workers()
         time.sleep(FAILURE_GRACE_S)
         os._exit(1)
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers: with `graceful` (from the thread that runs the steps, between steps) they leave their
-        loop and close their group; otherwise, or if they do not exit in time, they are terminated."""
+        loop and close their group; otherwise, or if they do not exit in time, they are killed."""
         if self._closing.is_set():
             return
         self._closing.set()
@@ -185,7 +185,7 @@ class TensorParallelExecutor:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for p in self.workers:
                 p.join(max(0.0, deadline - time.monotonic()))
-        self._terminate_workers()
+        self._kill_workers()
         destroy_tensor_parallel()
         torch.set_num_threads(self._threads_before)
         atexit.unregister(self.shutdown)
@@ -193,16 +193,14 @@ class TensorParallelExecutor:
         os.close(self._stop_r)
         os.close(self._stop_w)
 
-    def _terminate_workers(self) -> None:
-        alive = [p for p in self.workers if p.is_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + 2.0
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
+    def _kill_workers(self) -> None:
+        """SIGKILL: workers ignore SIGINT and SIGTERM (run_worker), which reach the engine's whole process group
+        on Ctrl-C or a launcher's stop; rank 0 alone decides when they stop."""
+        for p in self.workers:
             if p.is_alive():
                 p.kill()
-                p.join(1.0)
+        for p in self.workers:
+            p.join(2.0)
 
 
 def _describe_exit(code: int | None) -> str:

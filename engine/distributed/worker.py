@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -104,6 +105,10 @@ def run_worker(rank: int, world_size: int, init_method: str, args: EngineArgs, d
                parent_pid: int, log_files: list[str], num_threads: int | None) -> None:
     """Entry of worker process `rank` (1..N-1): build this rank's Worker, then replay rank 0's steps until
     rank 0 sends the end of the loop (None). Exits at once if rank 0 dies (it cannot send anything then)."""
+    # Ctrl-C and a launcher's SIGTERM reach the engine's whole process group: rank 0 shuts down and stops its
+    # workers itself (between steps, with nothing lost), or they exit when it is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(parent_pid)
     _setup_logging(rank, log_files)
     from engine.distributed.executor import STEP_WAIT_TIMEOUT_S
