@@ -69,11 +69,12 @@ def _positions(config: ModelConfig, prompts, image) -> tuple[torch.Tensor, list[
 
 
 @torch.inference_mode()
-def model_logits(model_dir: str, image: bool = False, load_format: str = "auto") -> dict[str, torch.Tensor]:
+def model_logits(model_dir: str, image: bool = False, load_format: str = "auto",
+                 config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Logits of a prefill of two prompts (one with an image when `image`) and of one decode step after it."""
     from engine.model.decoder import MultimodalEmbeds
 
-    config = load_model_config(model_dir)
+    config = config or load_model_config(model_dir)
     model = build_model(config, 256, torch.float32, CPU)
     load_weights(model, model_dir, load_format)
     caches = CacheEngine(config, 4, 0, BLOCK, torch.float32, CPU).layer_caches()
@@ -107,10 +108,10 @@ def many_logits(cases: list[tuple]) -> list:
 
 
 # ---- the comparisons ---------------------------------------------------------------------------------------------
-def assert_same_logits(sharded: dict, whole: dict, what: str) -> None:
+def assert_same_logits(sharded: dict, whole: dict, what: str, atol: float = 2e-5) -> None:
     for key in ("prefill", "decode"):
         assert sharded[key].shape == whole[key].shape, f"{what}: {key} logits shape"
-        torch.testing.assert_close(sharded[key], whole[key], atol=2e-5, rtol=1e-5,
+        torch.testing.assert_close(sharded[key], whole[key], atol=atol, rtol=1e-5,
                                    msg=lambda m: f"{what}, {key} logits: {m}")
 
 
@@ -135,6 +136,14 @@ REFUSED_SPECS = {   # (spec, what the refusal names)
 
 
 @pytest.fixture(scope="module")
+def llama_bias_dir(tmp_path_factory) -> Path:
+    """Llama with attention_bias: q/k/v biases split with their heads, o_proj's added once after the all-reduce."""
+    import tiny_models
+
+    return tiny_models.build_llama(tmp_path_factory.mktemp("models") / "tiny-llama-bias", attention_bias=True)
+
+
+@pytest.fixture(scope="module")
 def quantized_dirs(qwen3_dir, qwen3_vl_dir, tmp_path_factory) -> dict[str, Path]:
     dirs = {name: write_quantized(qwen3_dir, tmp_path_factory.mktemp("tp-quant"), spec)[0]
             for name, spec in {**QUANT_SPECS, **{n: s for n, (s, _) in REFUSED_SPECS.items()}}.items()}
@@ -143,15 +152,34 @@ def quantized_dirs(qwen3_dir, qwen3_vl_dir, tmp_path_factory) -> dict[str, Path]
     return dirs
 
 
-def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, qwen3_dir, qwen3_vl_dir, quantized_dirs):
-    cases = {"llama": (str(llama_dir),), "qwen3": (str(qwen3_dir),), "qwen3-vl text": (str(qwen3_vl_dir),),
+def test_attention_biases_load_and_match_transformers(llama_bias_dir):
+    from oracle import hf_model
+
+    ours = model_logits(str(llama_bias_dir))
+    prompts, _ = _prompts(load_model_config(llama_bias_dir), image=False)
+    with torch.inference_mode():
+        ref = hf_model(str(llama_bias_dir))(torch.tensor([prompts[0]])).logits[0]
+    torch.testing.assert_close(ours["prefill"][:len(prompts[0])], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, llama_bias_dir, qwen3_dir, qwen3_vl_dir,
+                                                                quantized_dirs):
+    cases = {"llama": (str(llama_dir),), "llama with attention biases": (str(llama_bias_dir),),
+             "qwen3": (str(qwen3_dir),), "qwen3-vl text": (str(qwen3_vl_dir),),
              "qwen3-vl image": (str(qwen3_vl_dir), True),
              **{name: (str(d),) for name, d in quantized_dirs.items() if name not in REFUSED_SPECS},
              "qwen3-vl fp8 image": (str(quantized_dirs["vl fp8 with vision blocks"]), True)}
     cases.pop("vl fp8 with vision blocks")
     refused = {name: (str(quantized_dirs[name]),) for name in REFUSED_SPECS}
-    ranks = run_tensor_parallel(many_logits, 2, list(cases.values()) + list(refused.values()), timeout_s=240)
+    dummy = [(str(qwen3_dir), False, "dummy"), (str(quantized_dirs["awq group 32"]), False, "dummy")]
+    ranks = run_tensor_parallel(many_logits, 2, list(cases.values()) + list(refused.values()) + dummy,
+                                timeout_s=240)
     whole = many_logits(list(cases.values()))
+    for a, b in zip(*ranks):   # compute_logits hands every rank the same full logits
+        if not isinstance(a, str):
+            assert torch.equal(a["prefill"], b["prefill"]) and torch.equal(a["decode"], b["decode"])
+    for name, result in zip(["float", "awq"], ranks[0][-len(dummy):]):
+        assert torch.isfinite(result["prefill"]).all() and torch.isfinite(result["decode"]).all(), f"dummy {name}"
     for rank, results in enumerate(ranks):
         for name, sharded, ref in zip(cases, results, whole):
             assert not isinstance(sharded, str), f"{name} at TP=2: {sharded}"
@@ -174,12 +202,28 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
             assert (sharded["q_heads"], sharded["kv_heads"]) == (1, 1)
 
 
+def test_tp3_gguf_equals_tp1_and_a_model_whose_heads_do_not_split_is_refused_on_every_rank(smollm2_gguf, qwen3_dir):
+    """SmolLM2-135M (9 heads, 3 KV heads, Q4_1/Q8_0 GGUF, 30 layers): each rank dequantizes only its part."""
+    config = load_model_config(smollm2_gguf)   # read once: transformers' GGUF metadata reader takes seconds
+    cases = [(str(smollm2_gguf), False, "auto", config), (str(qwen3_dir),)]
+    ranks = run_tensor_parallel(many_logits, 3, cases, timeout_s=300)
+    [whole] = many_logits(cases[:1])
+    for rank, (sharded, refused) in enumerate(ranks):
+        assert not isinstance(sharded, str), sharded
+        # Logits of about 20 after 30 layers: fp32 sums in another order differ by up to ~1e-4.
+        assert_same_logits(sharded, whole, f"SmolLM2 GGUF, rank {rank} of 3", atol=3e-4)
+        assert (sharded["q_heads"], sharded["kv_heads"]) == (3, 1)
+        assert refused == ("ModelLoadError[tensor_parallel]: tensor_parallel_size 3 does not fit this model: it does "
+                           "not divide the 4 attention heads; it neither divides the 2 key-value heads nor is a "
+                           "multiple of them; it does not divide intermediate_size 128 (sizes that fit: 1, 2, 4)")
+
+
 def test_a_size_the_heads_cannot_split_is_refused_with_the_sizes_that_fit(qwen3_dir, llama_dir):
     qwen3, llama = load_model_config(qwen3_dir), load_model_config(llama_dir)   # 4 heads / 2 KV; 6 heads / 2 KV
     with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 3 does not fit this model: it does not divide "
-                                             r"the 4 attention heads; .* 2 key-value heads .* sizes that fit: 1, 2, 4"):
+                                             r"the 4 attention heads; .* 2 key-value heads .*sizes that fit: 1, 2, 4"):
         qwen3.verify_tensor_parallel(3)
-    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 4 .* 6 attention heads .* sizes that fit: 1, 2, 6\)"):
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 4 .* 6 attention heads .*sizes that fit: 1, 2, 6\)"):
         llama.verify_tensor_parallel(4)
     with pytest.raises(ModelLoadError) as err:
         qwen3.verify_tensor_parallel(0)

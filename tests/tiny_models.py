@@ -184,20 +184,21 @@ def build_qwen3(out_dir: Path, seed: int = 1, **overrides) -> Path:
     return out_dir
 
 
-def build_llama(out_dir: Path, seed: int = 2) -> Path:
-    """A tiny LlamaForCausalLM (no q/k-norm, untied lm_head, head_dim = hidden / heads)."""
+def build_llama(out_dir: Path, seed: int = 2, **overrides) -> Path:
+    """A tiny LlamaForCausalLM (no q/k-norm, untied lm_head, head_dim = hidden / heads); `overrides` replace
+    config fields (attention_bias)."""
     from transformers import LlamaConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out_dir, CHATML_TEMPLATE)
     im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    config = LlamaConfig(
+    config = LlamaConfig(**{**dict(
         vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=im_end,
-    )
+    ), **overrides})
     config.architectures = ["LlamaForCausalLM"]
     _build_text_model(out_dir, config, seed)
     _write_generation_config(out_dir, [im_end], eot)

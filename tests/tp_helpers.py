@@ -9,6 +9,7 @@ is ended and the call returns or raises within `timeout_s`: a bug fails the test
 from __future__ import annotations
 
 import contextlib
+import pickle
 import queue
 import socket
 import time
@@ -35,7 +36,8 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn, args
     torch.set_num_threads(1)   # N ranks share the machine's cores
     try:
         init_tensor_parallel(rank, world_size, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=timeout_s)
-        results.put((rank, True, fn(*args)))
+        # Plain pickle bytes: torch's queue would share tensors through file descriptors that die with the rank.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,7 +71,7 @@ def run_tensor_parallel(fn, world_size: int, *args, timeout_s: float = 120.0) ->
                 continue
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
         return [got[r] for r in range(world_size)]
     finally:
         for p in procs:

@@ -87,8 +87,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, False,
-                                        quant, [f"{prefix}.o_proj"])
+        # attention_bias gives o_proj a bias too (transformers' Llama and Qwen3).
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        config.attention_bias, quant, [f"{prefix}.o_proj"])
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

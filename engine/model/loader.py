@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -169,8 +170,9 @@ def _gguf_config(path: Path) -> ModelConfig:
 
 
 class _GGUFTensor(CheckpointTensor):
-    """A GGUF tensor dequantized when read: a slice of rows dequantizes only those rows (GGUF quantizes each
-    row on its own), any other slice the whole tensor first. Llama's q/k rows come back in the checkpoint's
+    """A GGUF tensor dequantized when read, only the part asked for: GGUF stores a 2-D weight row by row, each
+    row in blocks of consecutive columns (32 for the Q4/Q8 types), so a slice of rows, or of columns on block
+    bounds, is cut from the raw bytes before dequantizing. Llama's q/k rows come back in the checkpoint's
     rotate-half layout."""
     dtype = torch.float32
 
@@ -180,14 +182,19 @@ class _GGUFTensor(CheckpointTensor):
     def read(self, index: Index = None) -> torch.Tensor:
         import gguf
 
-        rows = index[0] if index else slice(None)
-        data = self.tensor.data[rows] if len(self.tensor.data.shape) > 1 else self.tensor.data
-        w = torch.from_numpy(gguf.dequantize(data, self.tensor.tensor_type).copy())
-        if len(self.tensor.data.shape) == 1:
-            w = w[rows]
+        data, kind = self.tensor.data, self.tensor.tensor_type
+        rows, cols = (tuple(index) + (slice(None),) * 2)[:2] if index else (slice(None), slice(None))
+        if data.ndim == 2:
+            data, rows = data[rows], slice(None)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            if data.dtype != np.uint8:            # float types: one array element per value
+                block, block_bytes = 1, 1
+            if cols != slice(None) and cols.start % block == 0 and cols.stop % block == 0:
+                data, cols = data[:, cols.start // block * block_bytes: cols.stop // block * block_bytes], slice(None)
+        w = torch.from_numpy(gguf.dequantize(data, kind).copy())[rows]
         if self.unpermute_head_dim is not None:
             w = _unpermute_llama_qk(w, self.unpermute_head_dim)
-        return w[(slice(None), *index[1:])] if index and len(index) > 1 else w
+        return w if cols == slice(None) else w[:, cols]
 
 
 def _gguf_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, CheckpointTensor]]:
@@ -238,8 +245,8 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
     if get_tp_size() == 1 or not hasattr(module, "checkpoint_ranges"):
         return None
     index = [slice(None)] * 2
-    for dim, unit, rng in ((layout.n_dim, layout.n_unit, module.checkpoint_ranges(shard)[0]),
-                           (layout.k_dim, layout.k_unit, module.checkpoint_ranges(shard)[1])):
+    n_range, k_range = module.checkpoint_ranges(shard)
+    for dim, unit, rng in ((layout.n_dim, layout.n_unit, n_range), (layout.k_dim, layout.k_unit, k_range)):
         if dim is None or rng is None:
             continue
         start, length = rng
@@ -248,7 +255,9 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
                                   f"{start}..{start + length} do not fall on whole units of {unit} of the "
                                   f"checkpoint's layout")
         index[dim] = slice(start // unit, (start + length) // unit)
-    return tuple(index)
+    while index and index[-1] == slice(None):
+        index.pop()   # a 1-D tensor takes one index (g_idx); an untouched tensor is read whole
+    return tuple(index) or None
 
 
 def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, shard: int | None,
@@ -258,7 +267,7 @@ def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, 
         return entry.read()   # collector.add refuses it by name
     layout = collector.format.layout(leaf, scheme)
     tensor = entry.read(_rank_index(module, shard, layout))
-    if get_tp_size() == 1:
+    if module is None or get_tp_size() == 1:
         return tensor
     n_range, k_range = module.checkpoint_ranges(shard)
     if layout.group_index and k_range is not None and scheme.group_size != -1:
