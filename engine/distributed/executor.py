@@ -124,7 +124,11 @@ class TensorParallelExecutor:
             for r, p in enumerate(self.workers, start=1)]
         logger.info("Tensor parallel size %d: %s", n, ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}"
                                                               for r in self.ranks))
-        init_tensor_parallel(0, n, init_method, rank0_device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
+        try:
+            init_tensor_parallel(0, n, init_method, rank0_device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def mark_ready(self) -> None:
