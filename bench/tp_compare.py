@@ -32,7 +32,8 @@ def measure(model: str, tp: int, quick: bool) -> dict:
     res = {"tp": tp, "startup_s": time.perf_counter() - t0, "num_gpu_blocks": llm.engine.num_gpu_blocks,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    res["ttft_8192_ms"] = ttft(llm, 256 if quick else 8192, vocab, repeats=3) * 1e3
+    res["ttft_tokens"] = 256 if quick else 8192
+    res["ttft_ms"] = ttft(llm, res["ttft_tokens"], vocab, repeats=3) * 1e3
     res["decode_batch1"] = decode_rate(llm, 1, 64 if quick else 512, 16 if quick else 128, vocab)
     res["throughput"] = throughput(llm, 8 if quick else 256, 64 if quick else 512, 16 if quick else 256, vocab)
     llm.shutdown()
@@ -58,7 +59,7 @@ def main() -> None:
     print(json.dumps(results, indent=1))
     one, many = results
     print(f"\n| metric | TP=1 | TP={args.tp} |\n|---|---|---|")
-    print(f"| TTFT 8192 | {one['ttft_8192_ms']:.1f} ms | {many['ttft_8192_ms']:.1f} ms |")
+    print(f"| TTFT {one['ttft_tokens']} | {one['ttft_ms']:.1f} ms | {many['ttft_ms']:.1f} ms |")
     print(f"| decode batch 1 | {one['decode_batch1']['ms_per_step']:.2f} ms/step | "
           f"{many['decode_batch1']['ms_per_step']:.2f} ms/step |")
     t1, tn = one["throughput"], many["throughput"]
