@@ -62,11 +62,15 @@ CASES = {
 
 
 def run_workload(llm: LLM, with_images: bool) -> list:
-    """Every request's output, one new request per step; then one prompt twice more, alone (prefix-cache hits
-    whatever the tiny pool evicted meanwhile)."""
+    """Every request's output, one new request per step (greedy, seeded, penalized, constrained to a choice, with
+    logprobs); then one prompt twice more, alone (prefix-cache hits whatever the tiny pool evicted meanwhile)."""
     engine = llm.engine
     prompts = [engine.input_processor.process_chat(c) for c in TEXT + (IMAGES if with_images else [])]
-    work = [(p, GREEDY) for p in prompts] + [(prompts[1], SEEDED), (prompts[0], PENALIZED), (prompts[2], SCORED)]
+    # The grammar lives on rank 0 only (the workers receive the tokens it allowed); compiled per engine.
+    choice = SamplingParams(temperature=1.0, seed=5, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        choice=["red", "green", "blue and yellow"]))
+    work = [(p, GREEDY) for p in prompts] + [(prompts[1], SEEDED), (prompts[0], PENALIZED), (prompts[0], choice),
+                                             (prompts[2], SCORED)]
     pending = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(work)]
     final = {}
     while pending or engine.has_unfinished_requests():
@@ -105,6 +109,7 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     finally:
         llm.shutdown()
     assert_same_outputs(got, expected)
+    assert got[-2].outputs[0].text in ("red", "green", "blue and yellow")
     # The workload exercised what it is meant to.
     assert stats["tensor_parallel_size"] == tp
     assert [r["rank"] for r in stats["ranks"]] == list(range(tp))
