@@ -234,13 +234,11 @@ class LLMEngine:
     def _launch_on_all_ranks(self, so: SchedulerOutput) -> InflightStep:
         """Send step `so` to the workers, then launch it here. From the send on, every rank must run the step's
         collectives: rank 0 failing inside the step leaves the others waiting in one, so it ends the engine."""
-        self.executor.execute(so)
         try:
+            self.executor.execute(so)
             return self.runner.launch(so, self._inflight)
         except Exception as e:
-            logger.exception("tensor-parallel rank 0 failed inside a step")
-            self.executor.fail(f"tensor-parallel rank 0 failed inside a step ({type(e).__name__}: {e}); the "
-                               f"ranks are out of step, the engine stops")
+            self.executor.step_failed(e)       # ends the process, unless it is already shutting down
             raise
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import time
 
 import psutil
@@ -205,8 +206,8 @@ def test_workers_wait_for_the_next_step_however_long_the_engine_idles():
 
 
 # ---- failures: the server in a subprocess -------------------------------------------------------------------
-SERVER_ARGS = ("--tensor-parallel-size", "2", "--device", "cpu", "--num-gpu-blocks-override", "32",
-               "--max-model-len", "256", "--enforce-eager")
+SERVER_ARGS = ("--tensor-parallel-size", "2", "--device", "cpu", "--num-gpu-blocks-override", "80",
+               "--max-model-len", "1024", "--enforce-eager")
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -236,17 +237,29 @@ def test_a_killed_worker_ends_the_engine_with_one_clear_line(qwen3_dir, tmp_path
                              "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
 
+        # Killed mid-generation: rank 0's own collectives fail too, but the dead worker is what is reported.
+        long = threading.Thread(target=http, daemon=True, args=("POST", server.url + "/v1/completions", {
+            "model": SERVED_NAME, "prompt": "Count", "max_tokens": 1000, "ignore_eos": True}))
+        long.start()
+        deadline = time.monotonic() + 30
+        while http("GET", server.url + "/stats")[1]["num_generation_tokens"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http("GET", server.url + "/stats")[1]["num_running"] == 1
         os.kill(rank1["pid"], signal.SIGKILL)
         start = time.monotonic()
         code = server.proc.wait(timeout=15)
         elapsed = time.monotonic() - start
+        long.join(5)
     finally:
         if server.alive():
             server.stop()
     assert code == 1
     assert elapsed < 5
+    assert not long.is_alive(), "the client's request outlived the engine"
+    log = server.log_text()
     line = f"tensor-parallel worker rank 1 (pid {rank1['pid']}) exited with code -9 (killed by SIGKILL)"
-    assert server.log_text().count(line) == 1
+    assert log.count(line) == 1
+    assert "rank 0 failed" not in log
 
 
 def test_a_stopped_server_stops_its_workers_cleanly(qwen3_dir, tmp_path):

@@ -39,6 +39,7 @@ logger = init_logger(__name__)
 STEP_WAIT_TIMEOUT_S = 10 * 365 * 24 * 3600.0
 JOIN_TIMEOUT_S = 5.0           # a worker told to stop has this long before it is killed
 FAILURE_GRACE_S = 1.0          # after a rank failure: time for the open streams' error events to go out
+WORKER_EXIT_WAIT_S = 2.0       # rank 0's step failed: how long to look for a dead worker behind it
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class TensorParallelExecutor:
                                     args=(rank, n, init_method, args, device.type, os.getpid(), log_files, threads))
                         for rank in range(1, n)]
         self._failure_callbacks: list[Callable[[str], None]] = []
-        self._closing = threading.Event()
+        self._closing = threading.Event()     # shutting down or failed: a worker's exit is expected
+        self._fail_lock = threading.Lock()
         self._ready = False           # the workers are (or are about to be) in their step loop
         self.failure: str | None = None
         self._stop_r, self._stop_w = os.pipe()
@@ -155,12 +157,30 @@ class TensorParallelExecutor:
         self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
                   f"{_describe_exit(proc.exitcode)}; the engine stops")
 
+    def step_failed(self, error: BaseException) -> None:
+        """Rank 0 raised inside a step the workers had received: they may wait in one of its collectives forever.
+        A worker that died is the likelier cause (rank 0's collectives fail with it): then the watcher reports
+        that worker and ends the process; otherwise rank 0's own error is the reason."""
+        deadline = time.monotonic() + WORKER_EXIT_WAIT_S
+        while time.monotonic() < deadline and not self._closing.is_set() and self._all_alive():
+            time.sleep(0.05)
+        if self._closing.is_set() or not self._all_alive():
+            self._watcher.join()      # it reports the worker and ends the process (or returns: shutting down)
+            return
+        logger.error("tensor-parallel rank 0 failed inside a step", exc_info=error)
+        self.fail(f"tensor-parallel rank 0 failed inside a step ({type(error).__name__}: {error}); the ranks are "
+                  f"out of step, the engine stops")
+
+    def _all_alive(self) -> bool:
+        return all(p.exitcode is None for p in self.workers)
+
     def fail(self, message: str) -> None:
         """A rank is gone or out of step: the others may be blocked in a collective forever. Log once, fail the
         open requests, stop the workers and end this process (exit code 1) so that a supervisor restarts it."""
-        if self._closing.is_set():
-            return
-        self._closing.set()
+        with self._fail_lock:                 # the watcher and the engine thread may both get here
+            if self._closing.is_set():
+                return
+            self._closing.set()
         self.failure = message
         logger.error(message)
         for callback in self._failure_callbacks:
@@ -176,9 +196,10 @@ class TensorParallelExecutor:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers: with `graceful` (from the thread that runs the steps, between steps) they leave their
         loop and close their group; otherwise, or if they do not exit in time, they are killed."""
-        if self._closing.is_set():
-            return
-        self._closing.set()
+        with self._fail_lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
         os.write(self._stop_w, b"x")
         from engine.distributed.parallel_state import broadcast_object, destroy_tensor_parallel
         if graceful and self._ready:
