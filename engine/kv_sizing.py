@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from engine.cache_engine import CacheEngine
-from engine.distributed.parallel_state import all_gather_object
+from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
 from engine.memory import (GiB, MemoryProfile, check_weights_fit, cpu_kv_budget, encoder_cache_bytes,
@@ -29,7 +29,8 @@ class KVCachePlan:
         gpu_bytes, cpu_bytes = self.num_gpu_blocks * self.bytes_per_block, self.num_cpu_blocks * self.bytes_per_block
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
-        logger.info("Total blocks allocated: %d (%.1f MB)", self.num_gpu_blocks, gpu_bytes / 2**20)
+        per_rank = " on each of %d ranks" % get_tp_size() if get_tp_size() > 1 else ""
+        logger.info("Total blocks allocated: %d (%.1f MB%s)", self.num_gpu_blocks, gpu_bytes / 2**20, per_rank)
         if self.profile is not None and self.profile.limit_bytes is not None:
             logger.info("GPU memory utilization: not used (--gpu-memory-limit %.2f GiB)",
                         self.profile.limit_bytes / GiB)

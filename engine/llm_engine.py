@@ -63,7 +63,7 @@ class LLMEngine:
                 self.executor.shutdown(graceful=False)
             raise
         self.ranks = (self.executor.ranks if self.executor is not None
-                      else [RankInfo(0, os.getpid(), str(self.device))])
+                      else [RankInfo(0, os.getpid(), _device_name(self.device))])
         if self.executor is not None:
             self.executor.mark_ready()
         logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
@@ -287,3 +287,10 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device=cuda was asked for but no CUDA GPU is available (use device=cpu)")
     return torch.device(name)
+
+
+def _device_name(device: torch.device) -> str:
+    """cuda:0 rather than cuda: the GPU this process runs on, as /stats reports it."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)

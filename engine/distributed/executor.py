@@ -154,8 +154,11 @@ class TensorParallelExecutor:
             return
         rank, proc = next(sentinels[s] for s in ready if s in sentinels)
         proc.join(1.0)                   # its exit code, once the process is reaped
+        hint = "" if self._ready else (
+            " while starting (its error is above; a script that starts a tensor-parallel LLM must guard its entry "
+            "point with `if __name__ == \"__main__\":`, as the workers are spawned processes that import it)")
         self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                  f"{_describe_exit(proc.exitcode)}; the engine stops")
+                  f"{_describe_exit(proc.exitcode)}{hint}; the engine stops")
 
     def step_failed(self, error: BaseException) -> None:
         """Rank 0 raised inside a step the workers had received: they may wait in one of its collectives forever.
