@@ -162,6 +162,7 @@ def test_attention_biases_load_and_match_transformers(llama_bias_dir):
     torch.testing.assert_close(ours["prefill"][:len(prompts[0])], ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, llama_bias_dir, qwen3_dir, qwen3_vl_dir,
                                                                 quantized_dirs):
     cases = {"llama": (str(llama_dir),), "llama with attention biases": (str(llama_bias_dir),),
@@ -190,9 +191,12 @@ def test_tp2_logits_equal_tp1_for_every_model_and_weight_format(llama_dir, llama
             assert __import__("re").search(REFUSED_SPECS[name][1], message), (name, message)
 
 
-def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
-    """4 ranks, 2 KV heads: each KV head is held by the two ranks whose q heads read it."""
-    cases = [(str(qwen3_dir),), (str(qwen3_vl_dir), True)]
+@pytest.mark.slow
+def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir, quantized_dirs):
+    """4 ranks, 2 KV heads: each KV head is held by the two ranks whose q heads read it (its quantized zero
+    points too)."""
+    cases = [(str(qwen3_dir),), (str(qwen3_vl_dir), True),
+             (str(quantized_dirs["compressed-tensors 4-bit group 16 asymmetric"]),)]
     ranks = run_tensor_parallel(many_logits, 4, cases, timeout_s=240)
     whole = many_logits(cases)
     for rank, results in enumerate(ranks):
@@ -202,6 +206,7 @@ def test_tp4_replicates_kv_heads_and_equals_tp1(qwen3_dir, qwen3_vl_dir):
             assert (sharded["q_heads"], sharded["kv_heads"]) == (1, 1)
 
 
+@pytest.mark.slow
 def test_tp3_gguf_equals_tp1_and_a_model_whose_heads_do_not_split_is_refused_on_every_rank(smollm2_gguf, qwen3_dir):
     """SmolLM2-135M (9 heads, 3 KV heads, Q4_1/Q8_0 GGUF, 30 layers): each rank dequantizes only its part."""
     config = load_model_config(smollm2_gguf)   # read once: transformers' GGUF metadata reader takes seconds
@@ -229,3 +234,26 @@ def test_a_size_the_heads_cannot_split_is_refused_with_the_sizes_that_fit(qwen3_
         qwen3.verify_tensor_parallel(0)
     assert err.value.code == "tensor_parallel"
     assert qwen3.kv_heads_per_rank(1) == 2 and qwen3.kv_heads_per_rank(2) == 1 and qwen3.kv_heads_per_rank(4) == 1
+
+
+def fail_on_rank_1() -> None:
+    """Rank 1 fails while rank 0 waits in a collective for it (what a model bug on one rank looks like)."""
+    from engine.distributed.parallel_state import get_tp_rank, tensor_model_parallel_all_reduce
+
+    if get_tp_rank() == 1:
+        raise ValueError("boom on rank 1")
+    tensor_model_parallel_all_reduce(torch.ones(1))
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_run_at_once_and_no_rank_is_left_behind():
+    import multiprocessing
+    import time
+
+    from tp_helpers import RankError
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 failed:.*ValueError: boom on rank 1"):
+        run_tensor_parallel(fail_on_rank_1, 2, timeout_s=120)
+    assert time.monotonic() - start < 60, "the failure ends the run, not the timeout"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank-")]

@@ -251,9 +251,9 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
             continue
         start, length = rng
         if start % unit or length % unit:
-            raise module.tp_error(f"this rank's {'output' if dim == layout.n_dim else 'input'} rows "
-                                  f"{start}..{start + length} do not fall on whole units of {unit} of the "
-                                  f"checkpoint's layout")
+            raise module.tp_error(f"this rank's {'output' if dim == layout.n_dim else 'input'} channels "
+                                  f"{start}..{start + length} do not fall on whole units of {unit} (packed words, "
+                                  f"groups or blocks) of the checkpoint's layout")
         index[dim] = slice(start // unit, (start + length) // unit)
     while index and index[-1] == slice(None):
         index.pop()   # a 1-D tensor takes one index (g_idx); an untouched tensor is read whole
@@ -262,6 +262,8 @@ def _rank_index(module: nn.Module | None, shard: int | None, layout: LeafLayout)
 
 def _read_quantized_leaf(entry: CheckpointTensor, leaf: str, module: nn.Module, shard: int | None,
                          collector: QuantizedTensorCollector, layer: str) -> torch.Tensor:
+    """This rank's part of one tensor of a quantized layer (all of it when `module` is None), with group
+    numbers and compressed-tensors' weight_shape made the rank's own."""
     scheme = collector.quant.scheme_for(layer)
     if scheme is None:
         return entry.read()   # collector.add refuses it by name
