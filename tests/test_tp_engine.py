@@ -95,6 +95,7 @@ def assert_same_outputs(got, expected) -> None:
         assert all(abs(entry[t] - ref[t]) < 1e-3 for t in ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     fixture, tp, preemption = CASES[case]
@@ -198,6 +199,7 @@ def _wait_for_a_late_step(port: int) -> object:
     return broadcast_object("step" if rank == 0 else None)
 
 
+@pytest.mark.slow
 def test_workers_wait_for_the_next_step_however_long_the_engine_idles():
     """The workers wait for each step in a broadcast on the host group: an idle engine must not time it out."""
     from tp_helpers import free_port, run_tensor_parallel
@@ -222,6 +224,7 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_engine_with_one_clear_line(qwen3_dir, tmp_path):
     server = start_engine(qwen3_dir, tmp_path, extra_args=SERVER_ARGS)
     try:
@@ -262,6 +265,7 @@ def test_a_killed_worker_ends_the_engine_with_one_clear_line(qwen3_dir, tmp_path
     assert "rank 0 failed" not in log
 
 
+@pytest.mark.slow
 def test_a_stopped_server_stops_its_workers_cleanly(qwen3_dir, tmp_path):
     """SIGTERM to the whole process group, as the launcher's stop sends it: the workers leave it to rank 0,
     which shuts down (exit 0) and ends them between steps; nothing is reported as a failure."""
@@ -279,6 +283,7 @@ def test_a_stopped_server_stops_its_workers_cleanly(qwen3_dir, tmp_path):
     assert "tensor-parallel worker" not in server.log_text()
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_engine_process_is_killed(qwen3_dir, tmp_path):
     server = start_engine(qwen3_dir, tmp_path, extra_args=SERVER_ARGS)
     try:
