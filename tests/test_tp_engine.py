@@ -123,6 +123,19 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     assert not multiprocessing.active_children()
 
 
+def test_one_rank_is_the_engine_process_alone(qwen3_dir):
+    """TP=1 (the default) starts no process and sends nothing: no executor, no group."""
+    from engine.distributed.parallel_state import get_tp_size
+
+    before = psutil.Process().children(recursive=True)
+    llm = make_llm(qwen3_dir)
+    assert llm.engine.executor is None and get_tp_size() == 1 and llm.engine.runner.tp_size == 1
+    assert psutil.Process().children(recursive=True) == before
+    stats = llm.engine.get_stats()
+    assert stats["tensor_parallel_size"] == 1
+    assert stats["ranks"] == [{"rank": 0, "pid": os.getpid(), "device": "cpu"}]
+
+
 # ---- bad sizes: refused before any process starts ------------------------------------------------------------
 def test_a_size_below_one_is_refused():
     for bad in (0, -2, 1.5, True):
