@@ -60,12 +60,10 @@ def stop(settings: Settings, timeout: float = 30.0) -> int:
         return 0
     supervisor = alive.pop("supervisor", None)
     if supervisor is not None:
-        # The supervisor stops proxy then engine and removes the pid files; give it the time to do it in order.
+        # The supervisor stops the engine, then the proxy, and removes the pid files; give it the time to do it.
         print(f"[app] stopping (launcher pid {supervisor.pid})…")
         supervisor.terminate()
-        try:
-            supervisor.wait(timeout)
-        except psutil.TimeoutExpired:
+        if not procs.wait_exited(supervisor, timeout):
             print("[app] the launcher did not stop in time; killing it and its children.")
             procs.stop_tree(supervisor.pid, timeout=5)
     # Whatever is still alive had no supervisor (it was killed) or survived it: stop it directly.

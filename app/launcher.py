@@ -80,6 +80,29 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
     return cmd + extra
 
 
+# The engine's defaults for --max-num-seqs and --max-waiting-requests (engine/args.py, engine/server/defaults.py:
+# not imported, the launcher never loads the engine), and room for streams that are ending.
+ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING, UPSTREAM_ROOM = 256, 1024, 64
+
+
+def flag_value(args: list[str], flag: str, default: int) -> int:
+    """The last value given for `flag` (as `--flag N` or `--flag=N`) in args, else default."""
+    value = default
+    for i, arg in enumerate(args):
+        text = args[i + 1] if arg == flag and i + 1 < len(args) else arg.split("=", 1)[1] \
+            if arg.startswith(flag + "=") else None
+        if text is not None and text.strip().isdigit():      # a bad value is the engine's to refuse
+            value = int(text)
+    return value
+
+
+def upstream_connections(engine_args: list[str]) -> int:
+    """The proxy's pool for generations: everything the engine runs and queues, so that a request beyond that is
+    answered by the engine (503 + Retry-After) instead of waiting in the proxy for a connection."""
+    return (flag_value(engine_args, "--max-num-seqs", ENGINE_MAX_NUM_SEQS)
+            + flag_value(engine_args, "--max-waiting-requests", ENGINE_MAX_WAITING) + UPSTREAM_ROOM)
+
+
 def demo_notice(model: ResolvedModel) -> None:
     say("-" * 78)
     say(f"NOTE: running the built-in demo model {model.served_name}: small and TEXT-ONLY, so answers are")
@@ -157,7 +180,8 @@ class Supervisor:
         cmd = [self.s.python, "-m", "proxy", "--host", self.s.proxy_host, "--port", str(self.s.proxy_port),
                "--engine-url", self.s.engine_url, "--static-dir", str(self.s.static_dir),
                "--engine-status-file", str(load_status_file(self.s)),
-               "--supervisor-status-file", str(control.engine_status_file(self.s))]
+               "--supervisor-status-file", str(control.engine_status_file(self.s)),
+               "--max-upstream-connections", str(upstream_connections(self.engine_args))]
         env = {"ENGINE_API_KEY": self.api_key} if self.api_key else {}
         self.proxy = procs.spawn(cmd, self.s.proxy_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "proxy"), self.proxy.pid, "proxy")

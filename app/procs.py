@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -71,6 +72,21 @@ def remove(path: Path) -> None:
 
 
 # ---- stopping ----------------------------------------------------------------------------------------------
+def wait_exited(proc: psutil.Process, timeout: float) -> bool:
+    """Whether `proc` exits within `timeout`. An exited process that is not our child stays a zombie until its
+    own parent reaps it, and psutil's wait() would wait for that; for us it has stopped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def stop_tree(pid: int, timeout: float = 15.0) -> list[int]:
     """SIGTERM a process, its process group and every descendant; SIGKILL whatever is left after `timeout`.
     Returns the pids that had to be killed."""

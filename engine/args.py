@@ -1,7 +1,8 @@
 """Engine settings with vLLM's names and meanings, as a dataclass (offline `LLM(...)`) and as CLI flags.
 
 Each field is declared once, with its default and its help: add_cli_args() turns the fields into the flags of
-`python -m engine` (--max-num-seqs for max_num_seqs), taking the flag's type from the annotation.
+`python -m engine` (--max-num-seqs for max_num_seqs), taking the flag's type from the annotation. The server's
+own settings (engine/server/cli.py) are declared the same way.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def gib(text: str) -> float:
 
 
 def flag(default: Any = MISSING, *, default_factory: Any = MISSING, help: str | None = None, **cli: Any) -> Any:
-    """A field that is also a CLI flag: its help, any short aliases (`-q`) and argparse keywords (choices, action,
-    type) travel in the field's metadata."""
+    """A field that is also a CLI flag: its help, any short aliases (`-q`), a flag name other than the field's
+    (`option`) and argparse keywords (choices, action, type) travel in the field's metadata."""
     return field(default=default, default_factory=default_factory, metadata={"help": help, "cli": cli})
 
 
@@ -77,9 +78,18 @@ class EngineArgs:
     allow_special_tokens_in_messages: bool = flag(
         False, help="tokenize special-token strings typed in chat messages (<|im_start|>...) as control tokens; "
                     "by default they are text, and only the chat template writes control tokens")
+    max_pixels_per_request: int = flag(
+        80_000_000, help="image pixels one request's images may decode to; past it 413 (default %(default)s: two "
+                         "images at --max-image-pixels; at most --max-pixels-in-flight)")
     max_pixels_in_flight: int = flag(
         160_000_000, help="image pixels being decoded at once over all requests; an image past it gets 429 "
                           "(default %(default)s: four images at --max-image-pixels)")
+    max_prompt_text_mb: float = flag(
+        8.0, help="MB (UTF-8) of prompt text in one request, counted before it is rendered or tokenized; past it "
+                  "413 (default %(default)s; at most --max-prompt-text-mb-in-flight)")
+    max_prompt_text_mb_in_flight: float = flag(
+        32.0, help="MB of prompt text being rendered and tokenized at once over all requests; a prompt past it "
+                   "gets 429 (default %(default)s)")
     tensor_parallel_size: int = flag(
         1, aliases=("-tp",),
         help="number of tensor-parallel ranks: the engine process and N-1 worker processes, each holding 1/N of "
@@ -107,6 +117,13 @@ class EngineArgs:
                 raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        # A request alone on the server must fit in the in-flight budgets, or it would get 429 for ever.
+        if not 0 < self.max_pixels_per_request <= self.max_pixels_in_flight:
+            raise ValueError(f"max_pixels_per_request must be in (0, max_pixels_in_flight = "
+                             f"{self.max_pixels_in_flight}], not {self.max_pixels_per_request}")
+        if not 0 < self.max_prompt_text_mb <= self.max_prompt_text_mb_in_flight:
+            raise ValueError(f"max_prompt_text_mb must be in (0, max_prompt_text_mb_in_flight = "
+                             f"{self.max_prompt_text_mb_in_flight:g}], not {self.max_prompt_text_mb:g}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a whole number of ranks, at least 1, not "
@@ -119,17 +136,24 @@ class EngineArgs:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> "EngineArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return from_cli(cls, ns)
 
 
-def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per EngineArgs field; a bool is a switch, a dict is JSON, int and float parse as such."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in fields(EngineArgs):
+def from_cli(cls: type, ns: argparse.Namespace) -> Any:
+    """The dataclass `cls` from the parsed flags (its own fields only: one parser holds several dataclasses')."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def add_cli_args(p: Any, cls: type = EngineArgs) -> Any:
+    """One flag per field of the dataclass `cls`, added to `p` (a parser or an argument group, returned); a bool
+    is a switch, a dict is JSON, int and float parse as such."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
         cli = dict(f.metadata.get("cli", {}))
         aliases = cli.pop("aliases", ())
-        kwargs = {"help": f.metadata.get("help"), **cli}
+        option = cli.pop("option", "--" + f.name.replace("_", "-"))
+        kwargs = {"help": f.metadata.get("help"), "dest": f.name, **cli}
         if f.default is not MISSING:
             kwargs["default"] = f.default
         elif f.default_factory is not MISSING:
@@ -143,7 +167,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs.setdefault("type", json.loads)
         elif kind in (int, float):
             kwargs.setdefault("type", kind)
-        p.add_argument("--" + f.name.replace("_", "-"), *aliases, **kwargs)
+        p.add_argument(option, *aliases, **kwargs)
     return p
 
 

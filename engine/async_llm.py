@@ -189,9 +189,17 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
-                self._send(AbortRequest(request_id))
+                self.release(request_id)
+            else:
+                self._streams.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's stream and abort it in the engine, at once and without awaiting anything: a
+        handler being cancelled (its client left) must not depend on an await to free the request. Idempotent;
+        a request that already finished is not in the engine any more, and its abort costs nothing."""
+        if self._streams.pop(request_id, None) is not None:
+            self._send(AbortRequest(request_id))
 
     async def wait_admitted(self, request_id: str) -> None:
         """Return once the engine has queued the request (its checks on the engine thread passed), or at once if
@@ -226,12 +234,8 @@ class AsyncLLM:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             if start is not None:    # the caller left: a request that starts anyway is dropped, not run for no one
-                job.add_done_callback(lambda _: self._drop(start.request_id))
+                job.add_done_callback(lambda _: self.release(start.request_id))
             raise
-
-    def _drop(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self._send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -271,12 +275,18 @@ class AsyncLLM:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_commands(self) -> None:
+        """Every command queued since the last step: adds in order, then all aborts as one batch (a burst of
+        disconnects is one pass over the scheduler's queues). An abort of a request added in the same drain
+        comes after its add; one whose add is still to come finds no stream there, and the add is skipped."""
+        aborts: list[str] = []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if isinstance(command, AddRequest):
+                break
+            if isinstance(command, AbortRequest):
+                aborts.append(command.request_id)
+            else:
                 rid = command.request_id
                 if rid not in self._streams:       # the client left before the request reached the engine
                     continue
@@ -292,10 +302,9 @@ class AsyncLLM:
                     logger.exception("could not add request %s", rid)
                     self._deliver(rid, EngineError(f"could not start the request: {type(e).__name__}: {e}",
                                                    code="add_failed"))
-            else:
-                out = self.engine.abort_request(command.request_id)
-                if out is not None:
-                    self._deliver(command.request_id, out)
+        if aborts:
+            for out in self.engine.abort_requests(aborts):
+                self._deliver(out.request_id, out)
 
     def _run(self) -> None:
         try:
@@ -318,8 +327,8 @@ class AsyncLLM:
         except Exception as e:   # noqa: BLE001 - fail the requests of this step, keep serving the others
             logger.exception("engine step failed; aborting the running requests")
             failed = [r.request_id for r in list(self.engine.scheduler.running)]
+            self.engine.abort_requests(failed)
             for rid in failed:
-                self.engine.abort_request(rid)
                 self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
             return []
 

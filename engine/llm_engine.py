@@ -195,11 +195,15 @@ class LLMEngine:
         return params.max_tokens if params.max_tokens is not None else room
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return None
-        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        return self.outputs.finish(req)
+        outs = self.abort_requests([request_id])
+        return outs[0] if outs else None
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort every named request still in the engine (others are skipped) in one batch; returns their final
+        outputs. A thousand aborts cost one pass over the scheduler's queues."""
+        reqs = {rid: req for rid in request_ids if (req := self.scheduler.requests.get(rid)) is not None}
+        self.scheduler.finish_requests(list(reqs.values()), RequestStatus.FINISHED_ABORTED)
+        return [self.outputs.finish(req) for req in reqs.values()]
 
     def has_unfinished_requests(self) -> bool:
         """Work left: queued requests, a step to read, or finished requests the runner has yet to forget."""
@@ -253,12 +257,13 @@ class LLMEngine:
         self._store_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         updated = self.scheduler.update_from_output(step.so, result.sampled)
-        outputs = []
+        outputs, stopped = [], []
         for req in updated:
             out = self.outputs.on_token(req, logprobs.get(req.request_id))
             if out.finished and not req.is_finished:       # a stop string ended it
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                stopped.append(req)
             outputs.append(out)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.stats.on_tokens(len(updated))
         return outputs
 

@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "browser that stopped reading before the request is dropped (default %(default)s)")
     p.add_argument("--max-upstream-connections", type=int, default=DEFAULT_MAX_UPSTREAM_CONNECTIONS,
                    help="connections to the engine for generations: its --max-num-seqs plus its "
-                        "--max-waiting-requests and some room (default %(default)s)")
+                        "--max-waiting-requests and some room (default %(default)s; the launcher computes it "
+                        "from the engine flags it passes)")
     p.add_argument("--supervisor-status-file", type=Path, help="JSON file where the launcher says the engine is "
                    "restarting or failed; read when the engine does not answer")
     return p.parse_args(argv)

@@ -1,6 +1,7 @@
 """The proxy's settings and the keys under which the app keeps them."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,3 +34,13 @@ class ProxyConfig:
 CONFIG = web.AppKey("config", ProxyConfig)
 SESSION = web.AppKey("session", aiohttp.ClientSession)                   # generations: a large pool
 CONTROL_SESSION = web.AppKey("control_session", aiohttp.ClientSession)   # /health, /stats...: never behind them
+
+
+@dataclass
+class OpenForwards:
+    """The requests being forwarded now, so that a stop can end each one with a word (proxy/forward.py)."""
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    stopping: bool = False
+
+
+OPEN_FORWARDS = web.AppKey("open_forwards", OpenForwards)

@@ -5,8 +5,8 @@ browsers (curl, SDKs). A page on another site must not, even though the user's b
   rebinding, a foreign page reaches 127.0.0.1 under its own host name, so its requests carry that name.
 - Origin, which browsers send with every cross-origin request and every POST, must be the page's own (the same
   host and port as Host) or one given with --allowed-origins; those also get CORS headers.
-- A body must be declared as JSON: a cross-site form or text/plain post (a "simple" request, sent without a
-  CORS preflight) is refused before it reaches the engine.
+- A POST must declare a JSON body (the engine's rule): a cross-site form, text/plain or typeless post (a
+  "simple" request, sent without a CORS preflight) is refused before it reaches the engine.
 """
 from __future__ import annotations
 
@@ -87,13 +87,20 @@ def check_request(request: web.Request, policy: OriginPolicy) -> web.Response | 
         return cross_origin_refused(origin)
     if origin == "null" and not origin_listed(origin, policy):    # sandboxed frames, file:// pages
         return cross_origin_refused(origin)
-    if request.method in ("POST", "PUT", "PATCH") and request.can_read_body:
-        media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-        if media != "application/json":
-            return error_response(415, f"Content-Type must be application/json, not {media or 'missing'!r} "
-                                       "(curl: -H 'Content-Type: application/json').", "invalid_request_error",
-                                  code="unsupported_media_type")
+    if request.method in ("POST", "PUT", "PATCH") and not json_declared(request.headers.get("Content-Type")):
+        declared = request.headers.get("Content-Type")
+        shown = repr(declared[:60]) if declared else "missing"
+        return error_response(415, f"Content-Type must be application/json, not {shown} (curl: -H "
+                                   "'Content-Type: application/json')", "invalid_request_error",
+                              code="unsupported_media_type")
     return None
+
+
+def json_declared(content_type: str | None) -> bool:
+    """The engine's rule (engine/server/request_body.py), so that both answer alike: application/json or an
+    application/...+json type, with any parameters; a missing type is refused."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def cross_origin_refused(origin: str) -> web.Response:

@@ -25,10 +25,10 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
-from proxy.config import CONFIG, CONTROL_SESSION, SESSION, ProxyConfig
+from proxy.config import CONFIG, CONTROL_SESSION, OPEN_FORWARDS, SESSION, OpenForwards, ProxyConfig
 from proxy.engine_status import engine_down_response, read_engine_status
 from proxy.errors import error_response
-from proxy.forward import forward
+from proxy.forward import end_open_forwards, forward
 from proxy.page import add_page_routes, engine_loading, loading_response
 from proxy.guard import cors_signal, guard_middleware
 
@@ -115,7 +115,9 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app = web.Application(client_max_size=cfg.max_upload_bytes + 1,
                           middlewares=[json_errors, guard_middleware(cfg.origin_policy)])
     app[CONFIG] = cfg
+    app[OPEN_FORWARDS] = OpenForwards()
     app.cleanup_ctx.append(_client_session)
+    app.on_shutdown.append(end_open_forwards)
     app.on_response_prepare.append(cors_signal(cfg.origin_policy))
     app.router.add_get("/", page)
     app.router.add_get("/chat.html", page)

@@ -13,6 +13,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny_models  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    # Triton 3.6's interpreter holds a scalar (a loaded one, a program id times an int) as a 1-element array, and
+    # numpy >= 2.4 refuses int() on that, so `range(start, ...)` over such a scalar fails in the interpreter only.
+    # Make __index__ take the single element (kernel tests: test_ops_triton.py, test_ops_quant.py).
+    from triton.runtime import interpreter as _interp
+
+    _orig_patch = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
 
 @pytest.fixture(scope="session")
 def qwen3_vl_dir(tmp_path_factory) -> Path:

@@ -2,17 +2,20 @@
 (start, supervise, stop) with the real engine, leaving no process behind."""
 from __future__ import annotations
 
+import http.client as httpclient
 import json
 import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlparse
 
 import psutil
 import pytest
 
-from app.launcher import engine_command
+from app.launcher import ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING, engine_command, upstream_connections
 from app.models import ModelNotFound, demo_gguf, resolve_model
 from app.settings import Settings
 from servers import ENGINE_START_TIMEOUT, PYTHON, REPO, free_port, http
@@ -112,6 +115,18 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     assert "--enable-prefix-caching" not in off
 
 
+def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
+    """The proxy's connections to the engine cover --max-num-seqs plus --max-waiting-requests (and room for
+    streams that are ending): a request past those is answered by the engine, not held in the proxy."""
+    from engine.args import EngineArgs
+    from engine.server.cli import DEFAULT_MAX_WAITING_REQUESTS
+    from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS
+    assert (ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING) == (EngineArgs.max_num_seqs, DEFAULT_MAX_WAITING_REQUESTS)
+    assert upstream_connections([]) == DEFAULT_MAX_UPSTREAM_CONNECTIONS == 256 + 1024 + 64
+    assert upstream_connections(["--max-num-seqs", "8", "--max-waiting-requests=100"]) == 8 + 100 + 64
+    assert upstream_connections(["--max-num-seqs", "lots"]) == 256 + 1024 + 64
+
+
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():
     """The launcher and proxy start instantly: no torch, no engine, and the demo package is found, not imported."""
     code = ("import sys; import app.launcher, app.models, proxy.server; app.models.demo_gguf(); "
@@ -147,6 +162,20 @@ def start_app(cmd, env, tmp_path) -> tuple[subprocess.Popen, Path]:
     pytest.fail(f"app not ready after {ENGINE_START_TIMEOUT}s:\n{out.read_text()}")
 
 
+def stream_events(base_url: str, max_tokens: int) -> list[str]:
+    """Every `data:` payload of one streamed chat through the proxy at base_url, until the stream ends."""
+    url = urlparse(base_url)
+    conn = httpclient.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    events = [line[5:].strip().decode() for line in resp if line.startswith(b"data:")]
+    conn.close()
+    return events
+
+
 def tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root] + root.children(recursive=True)
@@ -174,9 +203,18 @@ def test_start_all_then_stop_leaves_nothing_running(qwen3_vl_dir, app_env, tmp_p
     status_run = subprocess.run(["./start_all.sh", "status"], cwd=REPO, env=app_env, capture_output=True, text=True)
     assert status_run.returncode == 0 and "running (pid" in status_run.stdout
 
-    stop = subprocess.run(["./start_all.sh", "stop"], cwd=REPO, env=app_env, capture_output=True, text=True,
-                          timeout=90)
+    # A chat still streaming when the app stops ends with an error event and [DONE], not a cut connection.
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(stream_events, proxy_url, 3000)
+        deadline = time.monotonic() + 60
+        while http("GET", proxy_url + "/stats")[1]["num_running"] == 0:
+            assert time.monotonic() < deadline and not stream.done()
+            time.sleep(0.1)
+        stop = subprocess.run(["./start_all.sh", "stop"], cwd=REPO, env=app_env, capture_output=True, text=True,
+                              timeout=90)
+        events = stream.result(timeout=30)
     assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown", events[-3:]
     assert launcher.wait(30) == 0
     assert_all_gone(procs)
     assert not list(Path(app_env["LOCALCHAT_RUN_DIR"]).glob("*.pid"))

@@ -1,18 +1,20 @@
-"""The flags of `python -m engine` are generated from EngineArgs: one flag per field, with its default."""
+"""The flags of `python -m engine` are generated from EngineArgs and the server's ServerArgs: one flag per field,
+with its default."""
 from dataclasses import MISSING, fields
 
 import pytest
 
 from engine.args import EngineArgs
-from engine.server.cli import make_parser, parse_args
+from engine.server.cli import ServerArgs, make_parser, parse_args
 
 
 def test_every_field_is_a_flag_with_the_fields_default():
     parser = make_parser()
     by_dest = {a.dest: a for a in parser._actions}
-    for f in fields(EngineArgs):
+    for f in fields(EngineArgs) + fields(ServerArgs):
         action = by_dest[f.name]
-        assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+        option = f.metadata["cli"].get("option", "--" + f.name.replace("_", "-"))
+        assert action.option_strings[0] == option
         if f.default is MISSING and f.default_factory is MISSING:
             assert action.required
         else:
@@ -30,8 +32,21 @@ def test_flags_parse_to_typed_engine_args():
     assert parse_args(["--model", "m"])[0] == EngineArgs(model="m")
 
 
+def test_server_flags_parse_to_server_args(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    _, server = parse_args(["--model", "m", "--port", "8000", "--disable-uvicorn-access-log",
+                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--request-body-timeout", "5"])
+    assert server == ServerArgs(port=8000, disable_access_log=True, enable_auto_tool_choice=True,
+                                tool_call_parser="hermes", request_body_timeout=5.0)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert parse_args(["--model", "m"])[1].api_key == "secret"
+
+
 @pytest.mark.parametrize("argv", [["--model", "m", "--dtype", "int3"], ["--model", "m", "--block-size", "12"],
-                                  ["--model", "m", "--max-num-seqs", "many"], []])
+                                  ["--model", "m", "--max-num-seqs", "many"], [],
+                                  ["--model", "m", "--port", "70000"], ["--model", "m", "--enable-auto-tool-choice"],
+                                  ["--model", "m", "--stream-write-timeout", "0"],
+                                  ["--model", "m", "--max-waiting-requests", "-1"]])
 def test_a_bad_flag_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)

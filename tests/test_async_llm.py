@@ -63,3 +63,32 @@ def test_a_client_gone_while_its_prompt_was_processed_leaves_nothing_running(llm
     assert "gone-1" not in llm._streams
     wait_idle(llm)
     assert_pool_idle(llm)
+
+
+def test_thousands_of_queued_and_running_requests_are_aborted_at_once(llm):
+    """A burst of disconnects (every client of a full server leaving) frees everything within the step in flight
+    and the next: the aborts reach the engine as one batch (test_core_scheduler times the batch itself), and no
+    stream, block or runner state is left behind. The bound allows two steps of 64 sequences on a busy 2-core
+    machine."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompt = llm.engine.process_prompt({"prompt_token_ids": [5, 6, 7]})
+    ids = [f"burst-{i}" for i in range(llm.max_pending)]
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        for rid in ids:
+            llm.start_request(rid, prompt, params, 0, loop)
+        deadline = time.monotonic() + 60
+        while len(llm.engine.scheduler.requests) < len(ids) or llm.engine.stats.snapshot()["num_running"] == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert len(llm.engine.scheduler.waiting) > 3000         # most wait; the pool holds the running ones
+        start = time.monotonic()
+        for rid in reversed(ids):                               # the newest first: each is at the far end
+            llm.release(rid)
+        while llm.engine.has_unfinished_requests():
+            await asyncio.sleep(0.005)
+        return time.monotonic() - start
+    assert asyncio.run(run()) < 5.0
+    assert not llm._streams
+    assert_pool_idle(llm)

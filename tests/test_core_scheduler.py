@@ -2,6 +2,8 @@
 SchedulerOutput that says everything about the step (each request's chunk, its token ids and block table, where
 pending inputs come from, which rows it samples into). Block size 4; StepLoop plays the engine: step N+1 is
 scheduled before step N's sampled tokens reach the host, and the "device" samples 1000, 1001, ..."""
+import time
+
 from core_helpers import EOS, StepLoop, make_request
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -203,3 +205,34 @@ def test_finishing_a_request_frees_its_blocks_at_once():
     sched.schedule()
     sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
     assert sched.kv.num_free_blocks == 4 and not sched.has_unfinished_requests()
+
+
+def test_a_burst_of_aborts_is_one_pass_over_the_queues():
+    """Sixteen thousand requests (256 running, the rest waiting) aborted newest first, as every client of a full
+    server leaving at once: one batch, each queue rebuilt once. Finishing them one by one, each a scan of the
+    waiting list, takes seconds."""
+    sched = Scheduler(KVCacheManager(20_000, 0, BS, False), 8192, 256)
+    loop = StepLoop(sched)
+    reqs = [make_request(f"r{i}", 5) for i in range(16_384)]
+    for req in reqs:
+        sched.add_request(req)
+    loop.step()
+    assert len(sched.running) == 256
+    start = time.perf_counter()
+    sched.finish_requests(reqs[::-1], RequestStatus.FINISHED_ABORTED)
+    assert time.perf_counter() - start < 1.0
+    assert not sched.has_unfinished_requests() and not sched.requests
+    loop.land()
+    assert sched.kv.num_free_blocks == 20_000 and all(r.status == RequestStatus.FINISHED_ABORTED for r in reqs)
+
+
+def test_a_request_named_twice_in_a_batch_is_finished_once():
+    sched = scheduler(num_gpu_blocks=8)
+    a, b = make_request("a", 6), make_request("b", 6)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.schedule()
+    sched.finish_requests([a, a, b], RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests([a], RequestStatus.FINISHED_STOPPED)        # already finished: nothing happens
+    assert a.status == RequestStatus.FINISHED_ABORTED and sched.kv.num_free_blocks == 8
+    assert sched.finished_req_ids == {"a", "b"}

@@ -1,5 +1,6 @@
-"""Image decoding has a memory budget over all requests: pixels being decoded at once are capped, and an image
-that does not fit beside those in flight is refused with 429 (retry) before any of its pixels is decoded."""
+"""Request processing has a memory budget: the pixels a request's images decode to and the bytes of its prompt
+text are capped per request (413, before any pixel is decoded or any text rendered), and the pixels being decoded
+and the text being tokenized at once over all requests are capped too (429, retry)."""
 from __future__ import annotations
 
 import threading
@@ -8,16 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from PIL import Image
 
-from engine.errors import ServerBusyError
-from engine.inputs.budget import PixelBudget
+from engine.errors import PayloadTooLargeError, ServerBusyError
+from engine.inputs.budget import PixelBudget, text_bytes
 from engine.inputs.processor import InputLimits
 
 from test_inputs_processor import data_url, make_processor
 
 
-def chat_with(image: Image.Image) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
-                                         {"type": "text", "text": "What is it?"}]}]
+def chat_with(*images: Image.Image) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
 
 
 def test_one_image_always_fits_and_the_rest_must_share():
@@ -90,3 +91,60 @@ def test_an_over_long_prompt_is_refused_before_it_is_tokenized_in_full(qwen3_vl_
         assert proc.process(fits).prompt_token_ids == encode(fits)
     finally:
         del proc.tokenizer.encode
+
+
+def test_a_request_whose_images_decode_past_its_pixel_cap_is_refused_before_decoding(qwen3_vl_dir):
+    """Each image is within --max-image-pixels; together they are not within --max-pixels-per-request."""
+    proc = make_processor(qwen3_vl_dir, InputLimits(max_pixels_per_request=1_000_000))
+    images = [Image.new("RGB", (800, 800), (i * 60, 0, 0)) for i in range(2)]      # 1.28 Mpx in all
+    messages = chat_with(*images)
+    reserved, reserve = [], proc.pixel_budget._reserve
+    proc.pixel_budget._reserve = lambda pixels, param: reserved.append(pixels) or reserve(pixels, param)
+    with pytest.raises(PayloadTooLargeError) as err:
+        proc.process_chat(messages)
+    assert err.value.status == 413 and err.value.param == "messages"
+    assert "--max-pixels-per-request" in err.value.message and "1.0 Mpx" in err.value.message
+    assert reserved == [640_000]       # a decode starts only once reserved: the second header was refused
+    assert proc.pixel_budget.in_flight == 0
+    for image in images:                           # each alone fits (and is kept in the image cache)
+        assert proc.process_chat(chat_with(image)).images
+    with pytest.raises(PayloadTooLargeError):      # the cache, which decodes nothing, does not change the answer
+        proc.process_chat(messages)
+
+
+def test_prompt_text_over_the_per_request_cap_is_refused_before_it_is_read(qwen3_vl_dir):
+    proc = make_processor(qwen3_vl_dir, InputLimits(max_prompt_text_bytes=10_000))
+    calls = []
+    proc.tokenizer.encode = lambda *args, **kwargs: calls.append(args)
+    try:
+        for call, param in ((lambda text: proc.process(text), "prompt"),
+                            (lambda text: proc.process({"prompt": text}), "prompt"),
+                            (lambda text: proc.process_chat([{"role": "user", "content": text}]), "messages"),
+                            (lambda text: proc.process_chat([{"role": "user", "content": [
+                                {"type": "text", "text": text[:6000]}, {"type": "text", "text": text[6000:]}]}]),
+                             "messages")):
+            with pytest.raises(PayloadTooLargeError) as err:
+                call("x" * 10_001)
+            assert err.value.status == 413 and err.value.param == param
+            assert "--max-prompt-text-mb" in err.value.message
+    finally:
+        del proc.tokenizer.encode
+    assert calls == [] and proc.text_budget.in_flight == 0
+    assert proc.process("x" * 9000).prompt_token_ids
+
+
+def test_text_is_counted_in_utf8_bytes_with_tools_and_template_kwargs():
+    assert text_bytes("héllo") == 6 and text_bytes("日本") == 6
+    messages, tools, kwargs = [{"role": "user", "content": "abc"}], [{"name": "f"}], {"k": "v"}
+    assert text_bytes((messages, tools, kwargs)) == len("role" "user" "content" "abc") + len("name" "f") + len("kv")
+
+
+def test_prompt_text_past_the_in_flight_budget_gets_429_and_fits_once_the_other_is_done(qwen3_vl_dir):
+    proc = make_processor(qwen3_vl_dir, InputLimits(max_prompt_text_bytes_in_flight=50_000))
+    messages = [{"role": "user", "content": "hello " * 2000}]                 # 12 kB
+    with proc.text_budget.hold(45_000):            # another request's long prompt is being tokenized
+        with pytest.raises(ServerBusyError) as err:
+            proc.process_chat(messages)
+        assert err.value.status == 429 and "--max-prompt-text-mb-in-flight" in err.value.message
+    assert proc.process_chat(messages).prompt_token_ids
+    assert proc.text_budget.in_flight == 0

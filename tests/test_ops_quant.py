@@ -7,10 +7,13 @@ Tolerances are relative Frobenius errors ||out - ref|| / ||ref|| against a float
 - FP8 W8A8 against a reference that quantizes the activations the same way: 1e-2 (bf16 output rounding); against
   the contract's weight-only reference: 6e-2 (e4m3 keeps 3 mantissa bits, so each activation moves by up to
   2**-4 of its binade: about 3% rms, which the tests measure and bound).
+The weight-only kernel paths also run at small shapes in Triton's interpreter (CPU, fp16/fp32, no FP8 tensor
+cores): TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_quant.py.
 The seed of each test is printed; OPS_TEST_SEED=N reproduces a failure.
 """
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -21,10 +24,16 @@ from engine.ops.quant import (dequantize_fp8_block, dequantize_wna16, fp8_block_
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def gpu_test(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(fn))
+    skip = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA and TRITON_INTERPRET unset")
+    return pytest.mark.gpu(skip(fn))
+
+
+def interpreter_test(fn):
+    return pytest.mark.triton_interpret(pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1")(fn))
 
 
 TOL = {BF16: 1e-2, F16: 3e-3, F32: 1e-5}
@@ -166,12 +175,12 @@ def test_bad_layouts_are_refused(gen):
 
 # ---------------------------------------------------------------- GPU: every kernel path against its reference
 
-def _wna16_case(gen, M, K, N, group, bits, dtype, bias=True, config=None):
+def _wna16_case(gen, M, K, N, group, bits, dtype, bias=True, config=None, device="cuda"):
     from engine.ops.triton import wna16 as tw
     G = K if group == -1 else group
-    qweight, scales, zeros, _ = random_wna16(K, N, group, bits, dtype, device="cuda")
-    x = torch.randn(M, K, device="cuda").to(dtype)
-    b = torch.randn(N, device="cuda").to(dtype) if bias else None
+    qweight, scales, zeros, _ = random_wna16(K, N, group, bits, dtype, device=device)
+    x = torch.randn(M, K, device=device).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
     out = tw.wna16_linear(x, qweight, scales, zeros, G, bits, b, config=config) if config else \
         wna16_linear(x, qweight, scales, zeros, G, bits, b)
     ref = wna16_linear_ref(x.float(), qweight, scales.float(), zeros.float(), G, bits,
@@ -212,11 +221,11 @@ def test_wna16_each_path_and_split(gen, path):
                     assert err < TOL[BF16], (split, M, swap, bits)
 
 
-def _fp8_case(gen, M, K, N, dtype, block=(128, 128), bias=True, config=None):
+def _fp8_case(gen, M, K, N, dtype, block=(128, 128), bias=True, config=None, device="cuda"):
     from engine.ops.triton import fp8_block as tf
-    w, s = random_fp8(N, K, block, device="cuda")
-    x = torch.randn(M, K, device="cuda").to(dtype)
-    b = torch.randn(N, device="cuda").to(dtype) if bias else None
+    w, s = random_fp8(N, K, block, device=device)
+    x = torch.randn(M, K, device=device).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
     out = tf.fp8_block_linear(x, w, s, block, b, config=config) if config else fp8_block_linear(x, w, s, block, b)
     assert out.dtype == dtype
     wo = rel_err(out, fp8_block_linear_ref(x.float(), w, s, block, b.float() if bias else None))
@@ -326,3 +335,33 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(y, ref_fn(x)) < (6e-2 if op == "fp8" else TOL[BF16])
+
+
+# ---------------------------------------------------------------- CPU: the kernels in Triton's interpreter
+
+@pytest.mark.parametrize("path", ["gemv", "dot", "dequant"])
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+@interpreter_test
+def test_wna16_paths_in_the_interpreter(gen, path, dtype):
+    # Small shapes with N not a multiple of the tile; split 2 goes through the partial buffer and the reduction.
+    from engine.ops.triton.wna16 import Wna16Config
+    M = 1 if path == "gemv" else 5
+    for split, bias in ((1, True), (2, True), (2, False)):
+        for bits, group in ((4, 32), (8, 64)):
+            cfg = Wna16Config(path, block_m=16, block_n=32, block_kp=64 // (32 // bits), split_k=split)
+            err = _wna16_case(gen, M, 256, 40, group, bits, dtype, bias=bias, config=cfg, device="cpu")
+            assert err < TOL[dtype], (split, bias, bits)
+
+
+@pytest.mark.parametrize("path", ["gemv", "dot", "dequant"])
+@interpreter_test
+def test_fp8_weight_only_paths_in_the_interpreter(gen, path, monkeypatch):
+    # e4m3 bytes decoded with integer ops (no FP8 tensor cores); one scale per tile, then scales smaller than a tile.
+    from engine.ops.triton import fp8_block as tf
+    monkeypatch.setattr(tf, "has_fp8_tensor_cores", lambda device: False)
+    M = 1 if path == "gemv" else 5
+    for split, bias in ((1, True), (2, True), (2, False)):
+        for K, N, block in ((256, 40, (32, 64)), (200, 24, (8, 16))):
+            cfg = tf.Fp8Config(path, block_m=16, block_n=16, block_k=32, split_k=split)
+            wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, config=cfg, device="cpu")
+            assert wo < TOL[F16], (split, bias, K, N, block)

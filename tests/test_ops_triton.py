@@ -38,22 +38,6 @@ def elementwise_tol(dtype, device):
     return INTERP_BF16_TOL if device == "cpu" and dtype == BF16 else TOL[dtype]
 
 
-if INTERPRET:
-    # Triton 3.6's interpreter loads a scalar as a 1-element array, and numpy >= 2.4 refuses int() on that, so
-    # `range(0, loaded_scalar)` fails in the interpreter only. Make __index__ take the single element.
-    from triton.runtime import interpreter as _interp
-
-    if not getattr(_interp, "_ops_test_patched", False):
-        _orig_patch = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        _interp._patch_lang_tensor = _patch_lang_tensor
-        _interp._ops_test_patched = True
-
-
 def device_cases(cpu_dtypes, gpu_dtypes):
     """(device, dtype) params: CUDA ones marked gpu, interpreter ones marked triton_interpret."""
     gpu_skip = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA and TRITON_INTERPRET unset")

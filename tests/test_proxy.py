@@ -196,3 +196,74 @@ def test_api_key_added_by_proxy(qwen3_vl_dir, tmp_path):
     finally:
         for server in (with_key, without_key, guarded):
             server.stop()
+
+
+def test_stopping_the_proxy_ends_open_requests_with_a_word(engine, tmp_path):
+    """SIGTERM to the proxy alone: an open stream gets an error event and [DONE] (not a cut connection), a plain
+    request still waiting for its answer gets a 503, and the engine aborts both generations."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = start_proxy(engine.url, tmp_path)
+    n = long_generation_tokens(engine, seconds=30)
+    try:
+        conn, resp = open_stream(other.url, chat_body(stream=True, max_tokens=n, ignore_eos=True))
+        assert resp.status == 200 and next_event(resp)
+        with ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(http, "POST", other.url + "/v1/chat/completions",
+                                chat_body(max_tokens=n, ignore_eos=True), None, 60)
+            deadline = time.monotonic() + 30
+            while engine_stats(engine)["num_running"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            other.proc.send_signal(signal.SIGTERM)
+            events = []
+            while (event := next_event(resp)) is not None:
+                events.append(event)
+            status, body = plain.result(timeout=30)
+        conn.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
+        assert all("error" in json.loads(e) or json.loads(e)["choices"] for e in events[:-2])   # whole events
+        assert status == 503 and body["error"]["code"] == "server_shutdown"
+        assert other.proc.wait(10) == 0
+    finally:
+        other.stop()
+    wait_idle(engine, timeout=5)
+
+
+def test_a_browser_that_stops_reading_loses_its_request(engine, tmp_path):
+    """A client that stops reading a stream fills the socket buffers; one write then waits past the proxy's
+    --write-timeout, and the proxy drops the stream and its upstream request, which frees the engine (the
+    engine's own --stream-write-timeout, a minute by default, would come much later)."""
+    import socket
+
+    other = start_proxy(engine.url, tmp_path, extra_args=("--write-timeout", "1"))
+    port = int(other.url.rsplit(":", 1)[1])
+    # Top logprobs make each event kilobytes long, so the buffers fill within seconds.
+    body = json.dumps(chat_body(stream=True, max_tokens=3000, ignore_eos=True, logprobs=True,
+                                top_logprobs=20)).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    aborted_before = engine.log_text().count("Aborted request")
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")      # and then nothing more is read
+        deadline = time.monotonic() + 60
+        while engine_stats(engine)["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        while engine_stats(engine)["num_running"] > 0:
+            assert time.monotonic() - start < 30, "the stalled stream still holds the engine"
+            time.sleep(0.1)
+        print(f"freed {time.monotonic() - start:.1f}s after the stream started")
+        assert "client stopped reading" in other.log_text()
+        assert engine.log_text().count("Aborted request") == aborted_before + 1     # aborted, not finished
+    finally:
+        sock.close()
+        other.stop()
+    wait_idle(engine, timeout=5)

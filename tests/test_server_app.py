@@ -32,6 +32,7 @@ class ScriptedLLM:
 
     def __init__(self, script: list, healthy: bool = True):
         self.script = script
+        self.released: list[str] = []
         self.is_healthy = healthy
         self.dead_error = None if healthy else RuntimeError("CUDA error: an illegal memory access")
         self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x"), max_model_len=64,
@@ -50,6 +51,9 @@ class ScriptedLLM:
     def admission_stats(self) -> dict:
         return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}
 
+    def release(self, request_id) -> None:
+        self.released.append(request_id)
+
     async def wait_admitted(self, request_id) -> None:
         await asyncio.Event().wait()     # never says "queued": each stream's first output (or error) comes first
 
@@ -60,14 +64,18 @@ class ScriptedLLM:
             yield item
 
 
+def app_around(llm: ScriptedLLM) -> tuple[ServerState, TestServer]:
+    server_args = ServerArgs(host="127.0.0.1", port=0, api_key=None, log_file=None, max_request_body_mb=1.0,
+                             generation_config="vllm", disable_access_log=False, disable_log_requests=False)
+    state = ServerState(engine=llm, served_model_name=MODEL, model_path=MODEL, sampling_defaults=SamplingDefaults())
+    return state, TestServer(build_app(state, server_args))
+
+
 def call(llm: ScriptedLLM, method: str, path: str, body: dict | None = None) -> tuple[int, str, str]:
     """(status, content type, body text) of one request to a fresh app around `llm`."""
     async def run():
-        server_args = ServerArgs(host="127.0.0.1", port=0, api_key=None, log_file=None, max_request_body_mb=1.0,
-                                 generation_config="vllm", disable_access_log=False, disable_log_requests=False)
-        state = ServerState(engine=llm, served_model_name=MODEL, model_path=MODEL,
-                            sampling_defaults=SamplingDefaults())
-        async with TestClient(TestServer(build_app(state, server_args))) as client:
+        _, server = app_around(llm)
+        async with TestClient(server) as client:
             resp = await client.request(method, path, json=body)
             return resp.status, resp.headers["Content-Type"], await resp.text()
     return asyncio.run(run())
@@ -111,6 +119,45 @@ def test_a_finished_stream_ends_with_done():
     assert [c["choices"][0]["finish_reason"] for c in chunks[:2]] == [None, "stop"]
     assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 1
     assert events[-1] == "[DONE]"
+
+
+class EndlessLLM(ScriptedLLM):
+    """Sends one chunk, then nothing more: a long generation whose client leaves mid-stream."""
+
+    def __init__(self):
+        super().__init__([])
+        self.left: list[str] = []        # requests whose output iterator was left
+
+    async def generate(self, request_id, prompt, params, priority=0):
+        try:
+            yield output("Hel")
+            await asyncio.Event().wait()
+        finally:
+            self.left.append(request_id)
+
+
+def test_a_handler_cancelled_twice_still_releases_its_request():
+    """aiohttp may cancel a streaming handler again while it cleans up (a write fails as the client goes, then
+    the lost connection cancels it): the request is still released (aborted in the engine), the cleanup is no
+    500, and no task is left reading its outputs."""
+    llm = EndlessLLM()
+
+    async def run() -> str:
+        state, server = app_around(llm)
+        async with TestClient(server) as client:
+            resp = await client.post("/v1/chat/completions", json={**CHAT_BODY, "stream": True})
+            await resp.content.readline()                # the first event: the stream is on
+            [(handler, request_id)] = state.generations.items()
+            handler.cancel()
+            await asyncio.sleep(0)                       # the handler is now inside its cleanup
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+            for _ in range(5):
+                await asyncio.sleep(0)                   # cancelled readers unwind
+            resp.close()
+            return request_id
+    request_id = asyncio.run(run())
+    assert llm.released == [request_id] and llm.left == [request_id]
 
 
 def test_sampling_defaults_follow_generation_config(tmp_path):

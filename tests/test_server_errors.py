@@ -1,16 +1,19 @@
 """Bad requests against a real engine process: each gets the right status and an OpenAI-shaped error whose message
 says what to fix, never a 500 or a hang; afterwards the engine still serves normally.
 
-The server runs with an API key, a 1 MB body limit, at most 2 images per prompt and a 1 Mpx image limit, so
-every limit can be hit with small requests.
+The server runs with an API key, a 1 MB body limit, at most 2 images per prompt, a 1 Mpx image limit, 1.5 Mpx of
+images and 0.5 MB of prompt text per request, so every limit can be hit with small requests.
 """
 from __future__ import annotations
 
 import base64
+import http.client as http_client
 import io
+import json
 import os
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import pytest
 from PIL import Image
@@ -31,6 +34,7 @@ FAST_S = float(os.environ.get("TEST_FAST_S", "0.1"))
 def server(qwen3_vl_dir, tmp_path_factory):
     srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-errors"), "--max-request-body-mb", "1",
                               "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
+                              "--max-pixels-per-request", "1500000", "--max-prompt-text-mb", "0.5",
                               api_key=API_KEY, served_name=SERVED)
     # A good image and bytes that are no image first: the first decode starts what later ones reuse, and the first
     # unknown format makes Pillow import all its plugins (once per process); the table times each request.
@@ -112,6 +116,13 @@ CASES = [
          IMAGE_PARAM, "over the limit of 1000000"),
     Case("too many images", CHAT, image_chat(SMALL_IMAGE, SMALL_IMAGE, SMALL_IMAGE), 400, "messages",
          "over the limit of 2"),
+    Case("images past --max-pixels-per-request", CHAT, image_chat(data_url(Image.new("RGB", (1000, 1000), "red")),
+                                                                   data_url(Image.new("RGB", (1000, 1000), "blue"))),
+         413, "messages", "--max-pixels-per-request"),
+    Case("prompt text past --max-prompt-text-mb (chat)", CHAT,
+         chat(messages=[{"role": "user", "content": "a" * 600_000}]), 413, "messages", "--max-prompt-text-mb"),
+    Case("prompt text past --max-prompt-text-mb (completion)", COMPLETIONS, completion(prompt="a" * 600_000), 413,
+         "prompt", "--max-prompt-text-mb"),
     # model and sampling parameters
     Case("unknown model", CHAT, chat(model="gpt-4o"), 404, "model", "GET /v1/models"),
     Case("max_tokens 0", CHAT, chat(max_tokens=0), 400, "max_tokens", "at least 1"),
@@ -239,6 +250,32 @@ def test_bad_request_through_the_proxy(proxy, case: Case):
     assert error["param"] == case.param, error
     assert case.says in error["message"], error["message"]
     assert elapsed < 2 * FAST_S, f"{elapsed * 1000:.0f} ms"
+
+
+def raw_post(base_url: str, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    """A POST with exactly these headers (urllib would add a form Content-Type to a body sent without one)."""
+    url = urlparse(base_url)
+    conn = http_client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", path, body, headers)
+    resp = conn.getresponse()
+    status, text = resp.status, resp.read()
+    conn.close()
+    return status, json.loads(text)
+
+
+def test_engine_and_proxy_apply_one_content_type_rule(server, proxy):
+    """A JSON body must be declared as JSON (application/json, or application/...+json, with any parameters): a
+    missing Content-Type gets the same 415 from both servers (a typeless browser Blob needs no CORS preflight)."""
+    body = json.dumps(chat()).encode()
+    refusals = [raw_post(base, CHAT, body, headers) for base, headers in ((server.url, server.auth), (proxy.url, {}))]
+    assert refusals[0] == refusals[1], refusals
+    status, reply = refusals[0]
+    assert status == 415 and reply["error"]["code"] == "unsupported_media_type"
+    assert reply["error"]["message"].startswith("Content-Type must be application/json, not missing")
+    for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        for base, headers in ((server.url, server.auth), (proxy.url, {})):
+            status, reply = raw_post(base, CHAT, body, {**headers, "Content-Type": ctype})
+            assert status == 200, (base, ctype, reply)
 
 
 def test_table_is_large_enough():

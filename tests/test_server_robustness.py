@@ -14,6 +14,7 @@ import socket
 import time
 
 import aiohttp
+import psutil
 import pytest
 
 from engine.server.sse import SSEWriter, StalledClientError
@@ -22,6 +23,9 @@ from engine_server import http, start_engine_server, stats, wait_blocks_free
 KEEP_ALIVE_S = 5.0       # the default; a busy server must not close a burst of clients whose headers it has not read yet
 BODY_TIMEOUT_S = 2.0
 MAX_WAITING = 256
+# What 1000 requests at once may add to the engine's memory: each in flight holds a connection, its parsed body
+# and, for the 256 queued and 16 running, a request's state (kilobytes each on the tiny model).
+RSS_GROWTH_BOUND = 200 * 2**20
 CHAT = "/v1/chat/completions"
 
 
@@ -120,11 +124,27 @@ async def post_raw(port: int, body: dict) -> tuple[int, dict[str, str]]:
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
-    """1000 requests at once against a queue of 256: each is answered 200 or 503 + Retry-After, none hangs."""
+    """1000 requests at once against a queue of 256: each is answered 200 or 503 + Retry-After, none hangs, and
+    the server's memory stays bounded (refused requests hold nothing)."""
+    engine = psutil.Process(server.proc.pid)
+    baseline = engine.memory_info().rss
+    peak = [baseline]
+
+    async def sample_rss() -> None:
+        while True:
+            peak[0] = max(peak[0], engine.memory_info().rss)
+            await asyncio.sleep(0.05)
+
     async def run() -> list[tuple[int, dict[str, str]]]:
-        return await asyncio.wait_for(asyncio.gather(
-            *(post_raw(server.port, chat(max_tokens=4, seed=i)) for i in range(1000))), timeout=240)
+        sampler = asyncio.create_task(sample_rss())
+        try:
+            return await asyncio.wait_for(asyncio.gather(
+                *(post_raw(server.port, chat(max_tokens=4, seed=i)) for i in range(1000))), timeout=240)
+        finally:
+            sampler.cancel()
     results = asyncio.run(run())
+    print(f"engine RSS {baseline / 2**20:.0f} MB before, {peak[0] / 2**20:.0f} MB at the peak")
+    assert peak[0] - baseline < RSS_GROWTH_BOUND, f"{(peak[0] - baseline) / 2**20:.0f} MB more"
     statuses = {status for status, _ in results}
     assert statuses <= {200, 503}, statuses
     refused = [headers for status, headers in results if status == 503]

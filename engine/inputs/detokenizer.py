@@ -38,12 +38,13 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context:]
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append generated tokens; return the text they complete ("" while a character is still partial)."""
+    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Append generated tokens; return the text they complete ("" while a character is still partial).
+        final: the stream ends here, so the held-back text comes out too (see flush)."""
         self._ids.extend(token_ids)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
@@ -53,12 +54,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the stream: the held-back text, i.e. the U+FFFD of bytes that never became a character
         (the full decode shows them too)."""
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self._ids))
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
-        self.output_text += delta
-        return delta
+        return self.add((), final=True)
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:

@@ -99,7 +99,7 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
                 on_size(image.width, image.height)
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
-    except (ImageError, ServerBusyError):
+    except (ImageError, PayloadTooLargeError, ServerBusyError):
         raise
     except Image.DecompressionBombError as e:  # Pillow's own hard stop (2 x 89 Mpx) fires while reading the header
         raise ImageError(f"image has more than the limit of {max_pixels} pixels: {e}", param=param) from e

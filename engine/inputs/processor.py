@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
 from engine.errors import EngineError, ImageError, InvalidInputError, PromptTooLongError
-from engine.inputs.budget import PixelBudget
+from engine.inputs.budget import PixelBudget, RequestPixels, TextBudget, check_text_size, text_bytes
 from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
@@ -47,7 +47,10 @@ class InputLimits:
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
     image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
     allow_special_tokens_in_messages: bool = False      # typed <|im_start|> etc. in message text become tokens
+    max_pixels_per_request: int | None = 80_000_000     # pixels one request's images decode to (413 past it)
     max_pixels_in_flight: int | None = 160_000_000      # pixels decoded at once over all requests (429 past it)
+    max_prompt_text_bytes: int | None = 8 << 20         # UTF-8 bytes of one request's prompt text (413 past it)
+    max_prompt_text_bytes_in_flight: int | None = 32 << 20   # prompt text rendered and tokenized at once (429)
 
 
 class InputProcessor:
@@ -64,6 +67,7 @@ class InputProcessor:
         self.image_cache = ImageCache(self.limits.image_cache_bytes)
         self.typed_specials = TypedSpecialTokens(tokenizer)
         self.pixel_budget = PixelBudget(self.limits.max_pixels_in_flight)
+        self.text_budget = TextBudget(self.limits.max_prompt_text_bytes_in_flight)
         # The engine's max_model_len, once known: a text that surely tokenizes past it is refused before it is
         # tokenized in full (a 30 MB prompt would otherwise take seconds and gigabytes to be refused).
         self.max_prompt_tokens: int | None = None
@@ -81,7 +85,8 @@ class InputProcessor:
         """A completion prompt: a string (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM does),
         {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}."""
         if isinstance(prompt, str):
-            return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
+            with self._text_held(prompt, "prompt"):
+                return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
         if not isinstance(prompt, dict):
             raise InvalidInputError(f"prompt must be a string or a dict, got {type(prompt).__name__}",
                                     param="prompt")
@@ -96,7 +101,8 @@ class InputProcessor:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise InvalidInputError("prompt must be a string", param="prompt")
-            return self._build(self._encode(text, add_special_tokens=True), images, text)
+            with self._text_held(text, "prompt"):
+                return self._build(self._encode(text, add_special_tokens=True), images, text)
         return self._build(self._check_token_ids(prompt["prompt_token_ids"]), images, None)
 
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -123,17 +129,26 @@ class InputProcessor:
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
-        # The images load on the executor, all at once, while this thread renders and tokenizes; a template error
-        # still wins over an image error, and images not started by then are not started.
-        pending = [self.executor.submit(self._load_image, ref) for ref in chat.images]
-        try:
-            text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
-                                                continue_final_message)
-            images = [self._finish_loading(p, ref) for p, ref in zip(pending, chat.images)]
-        finally:
-            for p in pending:
-                p.cancel()
-        return self._build(token_ids, images, text, param="messages")
+        with self._text_held((chat.messages, tools, kwargs), "messages"):
+            # The images load on the executor, all at once, while this thread renders and tokenizes; a template
+            # error still wins over an image error, and images not started by then are not started.
+            pixels = RequestPixels(self.limits.max_pixels_per_request, "messages")
+            pending = [self.executor.submit(self._load_image, ref, pixels) for ref in chat.images]
+            try:
+                text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
+                                                    continue_final_message)
+                images = [self._finish_loading(p, ref, pixels) for p, ref in zip(pending, chat.images)]
+            finally:
+                for p in pending:
+                    p.cancel()
+            return self._build(token_ids, images, text, param="messages")
+
+    def _text_held(self, text: Any, param: str) -> contextlib.AbstractContextManager:
+        """The prompt text's share of the in-flight text budget while it is rendered and tokenized, once it is
+        checked against the per-request cap (413): both before anything reads the text."""
+        size = text_bytes(text)
+        check_text_size(size, self.limits.max_prompt_text_bytes, param)
+        return self.text_budget.hold(size, param)
 
     def _render_chat(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
@@ -246,23 +261,35 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def _finish_loading(self, loading: Future, ref: ImageRef) -> ProcessedImage:
+    def _finish_loading(self, loading: Future, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
         """The loaded image. A load still queued runs on this thread instead: process_chat itself runs on the
         executor in the server, and a worker that waited for work queued behind it could wait forever once every
         worker did."""
-        return self._load_image(ref) if loading.cancel() else loading.result()
+        return self._load_image(ref, pixels) if loading.cancel() else loading.result()
 
-    def _load_image(self, ref: ImageRef) -> ProcessedImage:
-        """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes."""
+    def _load_image(self, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
+        """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes.
+        From its header on, a decode counts against the request's pixels (413) and the in-flight budget (429).
+        An upload found in the cache counts against the request's pixels too, so that the answer to a request
+        does not depend on what the cache holds."""
         if ref.image is not None:
             return self._process_image(ref.image, ref.param)
         lim = self.limits
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
+        decoded = False
+
+        def on_size(width: int, height: int) -> None:
+            nonlocal decoded
+            decoded = True
+            pixels.add(width * height)
+            held.enter_context(self.pixel_budget.hold(width * height, ref.param))
         with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
-            return self.image_cache.get_or_process(data, lambda: self._process_image(load_image(
-                data, lim.max_image_bytes, lim.max_image_pixels, ref.param,
-                on_size=lambda w, h: held.enter_context(self.pixel_budget.hold(w * h, ref.param))), ref.param))
+            image = self.image_cache.get_or_process(data, lambda: self._process_image(load_image(
+                data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param))
+        if not decoded:
+            pixels.add(image.source_pixels)
+        return image
 
     def _process_image(self, image: Image.Image, param: str) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the
@@ -272,7 +299,8 @@ class InputProcessor:
             raw, grid = self.image_processor.resize(image)
         except ImageError as e:
             raise ImageError(e.message, param=param) from e
-        return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw))
+        return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw),
+                              source_pixels=image.width * image.height)
 
     def _check_image_count(self, n: int, param: str) -> None:
         if n > self.limits.limit_images_per_prompt:

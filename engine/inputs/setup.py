@@ -22,5 +22,8 @@ def build_input_processor(args: EngineArgs, config: ModelConfig) -> InputProcess
                          allow_remote_media=args.allow_remote_media,
                          allowed_local_media_path=args.allowed_local_media_path,
                          allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
-                         max_pixels_in_flight=args.max_pixels_in_flight)
+                         max_pixels_per_request=args.max_pixels_per_request,
+                         max_pixels_in_flight=args.max_pixels_in_flight,
+                         max_prompt_text_bytes=int(args.max_prompt_text_mb * (1 << 20)),
+                         max_prompt_text_bytes_in_flight=int(args.max_prompt_text_mb_in_flight * (1 << 20)))
     return InputProcessor(config, tokenizer, template, image_processor, limits)

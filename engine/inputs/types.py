@@ -13,6 +13,7 @@ class ProcessedImage:
     raw: torch.Tensor                   # [H, W, 3] uint8, resized to the patch grid; shared: never modified
     grid_thw: tuple[int, int, int]      # (t, h, w) in patches (before the 2x2 merge)
     content_hash: str                   # identifies the image's content + processing; prefix/encoder cache key
+    source_pixels: int = 0              # width x height as uploaded: what decoding it again would take
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 | file            | holds                                                                       |
 |-----------------|-----------------------------------------------------------------------------|
-| cli.py          | the flags: EngineArgs' vLLM flags plus --host/--port/--api-key/...         |
+| cli.py          | the flags: EngineArgs' vLLM flags plus ServerArgs' (--host, --port, ...)   |
 | serve.py        | start-up: logging, the engine, the listening socket, signals, shutdown      |
 | app.py          | the aiohttp app: routes, middlewares, shared state; the small GET routes    |
 | middleware.py   | access log and errors -> OpenAI-shaped JSON                                 |

@@ -11,8 +11,9 @@ from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import chat_logprobs, prompt_logprobs_json
-from engine.server.protocol import Fields, check_token_ids_in_vocab, choice_counts, renamed_params, sampling_params
-from engine.server.serving import Generation, read_request, running_usage, serve_generation, usage
+from engine.server.protocol import (Fields, chat_template_options, check_token_ids_in_vocab, choice_counts,
+                                    engine_logprobs, renamed_params, sampling_params)
+from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
 from engine.server.state import ServerState
 from engine.server.structured import parse_structured_outputs
 from engine.server.tool_parser import StreamingToolParser, parse_tool_calls
@@ -31,15 +32,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         constraint, constraint_param = forced, "tools"
     n, best_of = choice_counts(f, options)
     top_logprobs = _top_logprobs(f)
-    # best_of ranks candidates by their cumulative log-probability: the engine returns the chosen tokens' then.
-    engine_logprobs = top_logprobs if (best_of or n) == n else (top_logprobs or 0)
     # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one. The newer one wins.
     max_field = "max_completion_tokens" if f.given("max_completion_tokens") else "max_tokens"
     user_max = f.integer(max_field, None)
-    template = _template_options(f)
+    template = chat_template_options(f)
     with renamed_params({"max_tokens": max_field, "logprobs": "top_logprobs", "prompt": "messages"}):
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
-        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs, constraint)
+        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs(top_logprobs, n, best_of),
+                                 constraint)
         check_token_ids_in_vocab(params, state.vocab_size)
         if constraint is not None:
             await state.engine.compile_structured_output(params, constraint_param)
@@ -51,19 +51,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, state, gen, ChatFormat(gen, state, tools, top_logprobs))
 
 
-def _template_options(f: Fields) -> dict:
-    """How the messages are rendered: vLLM's add_generation_prompt, continue_final_message (the prompt ends
-    inside the last, assistant, message, for the model to continue it), chat_template (this request's own
-    template, rendered in the same sandbox) and chat_template_kwargs."""
-    options = dict(add_generation_prompt=f.boolean("add_generation_prompt", True),
-                   continue_final_message=f.boolean("continue_final_message", False),
-                   chat_template=f.string("chat_template", None), chat_template_kwargs=f.obj("chat_template_kwargs"))
-    if options["continue_final_message"] and options["add_generation_prompt"]:
-        raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true (set "
-                                "add_generation_prompt: false)", param="continue_final_message")
-    return options
-
-
 def _top_logprobs(f: Fields) -> int | None:
     """Chat asks with logprobs: true and top_logprobs: k; the engine wants k (0: only the chosen token)."""
     logprobs = f.boolean("logprobs", False)
@@ -73,22 +60,18 @@ def _top_logprobs(f: Fields) -> int | None:
     return (top or 0) if logprobs else None
 
 
-class ChatFormat:
+class ChatFormat(ResponseFormat):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, logprobs: int | None):
-        self.gen = gen
-        self.state = state
+        super().__init__(gen, state, logprobs)
         self.tools = tools
-        self.logprobs = logprobs                 # what the client asked (best_of may ask the engine for more)
         self.tool_parsers: dict[int, StreamingToolParser] = {}
         self.role_sent: set[int] = set()
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends with "stop".
         return "tool_calls" if reason == "stop" and called and self.tools.choice != "named" else reason
-
-    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.gen.request_id, "object": obj, "created": self.gen.created,
-                "model": self.state.served_model_name, "choices": choices, **extra}
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
         if self.logprobs is None or not token_ids or not entries:
@@ -115,20 +98,14 @@ class ChatFormat:
                   "finish_reason": self._finish_reason(c.finish_reason, parser is not None and parser.called)}
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason        # vLLM's extension: the stop string or token id
-        extra = {}
-        if self.gen.options.include_usage:
-            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
-        return self._envelope("chat.completion.chunk", [choice], **extra)
-
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
-        return self._envelope("chat.completion.chunk", [], usage=usage(finals))
+        return self.chunk_of(out, choice)
 
     def response(self, finals: list[RequestOutput]) -> dict:
         extra = {}
         if self.gen.params.prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, self.state.token_text)
-        return self._envelope("chat.completion", [self._choice(i, f) for i, f in enumerate(finals)],
-                              usage=usage(finals), **extra)
+        return self.envelope("chat.completion", [self._choice(i, f) for i, f in enumerate(finals)],
+                             usage=usage(finals), **extra)
 
     def _choice(self, index: int, final: RequestOutput) -> dict:
         c = final.outputs[0]

@@ -13,8 +13,9 @@ from engine.async_llm import StartRequest
 from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import completion_logprobs, prompt_logprobs_json
-from engine.server.protocol import check_token_ids_in_vocab, choice_counts, renamed_params, sampling_params
-from engine.server.serving import Generation, read_request, running_usage, serve_generation, usage
+from engine.server.protocol import (check_token_ids_in_vocab, choice_counts, engine_logprobs, renamed_params,
+                                    sampling_params)
+from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
 from engine.server.state import ServerState
 from engine.server.structured import parse_structured_outputs
 
@@ -30,11 +31,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     constraint, constraint_param = parse_structured_outputs(f)
     user_max = f.integer("max_tokens", None)
     logprobs = f.integer("logprobs", None)
-    # best_of ranks candidates by their cumulative log-probability: the engine returns the chosen tokens' then.
-    engine_logprobs = logprobs if (best_of or n) == n else (logprobs or 0)
     with renamed_params({"messages": "prompt", "multi_modal_data": "prompt"}):
         max_tokens = user_max if user_max is not None else DEFAULT_MAX_TOKENS
-        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs, constraint)
+        params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs(logprobs, n, best_of),
+                                 constraint)
         if echo and logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = logprobs          # echoed prompt tokens carry logprobs too, as vLLM's
         check_token_ids_in_vocab(params, state.vocab_size)
@@ -83,17 +83,13 @@ def parse_prompts(value: Any) -> list[str | dict[str, Any]]:
     raise InvalidInputError("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
 
 
-class CompletionFormat:
+class CompletionFormat(ResponseFormat):
+    chunk_object = "text_completion"
+
     def __init__(self, gen: Generation, state: ServerState, logprobs: int | None, echo: bool):
-        self.gen = gen
-        self.state = state
-        self.logprobs = logprobs                 # what the client asked (best_of may ask the engine for more)
+        super().__init__(gen, state, logprobs)
         self.echo = echo
         self.text_offset: dict[int, int] = {}    # per choice: characters already covered by streamed logprobs
-
-    def _envelope(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.gen.request_id, "object": "text_completion", "created": self.gen.created,
-                "model": self.state.served_model_name, "choices": choices, **extra}
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]] | None,
                   prompt: RequestOutput | None = None) -> dict | None:
@@ -130,13 +126,7 @@ class CompletionFormat:
         if not text and c.finish_reason is None and logprobs is None:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
         self.text_offset.setdefault(index, 0)
-        extra = {}
-        if self.gen.options.include_usage:
-            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
-        return self._envelope([self._choice(index, text, logprobs, c.finish_reason, c.stop_reason)], **extra)
-
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
-        return self._envelope([], usage=usage(finals, len(self.gen.prompts)))
+        return self.chunk_of(out, self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
@@ -147,4 +137,4 @@ class CompletionFormat:
             choices.append(self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
             if self.gen.params.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, self.state.token_text)
-        return self._envelope(choices, usage=usage(finals, len(self.gen.prompts)))
+        return self.envelope("text_completion", choices, usage=usage(finals, len(self.gen.prompts)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,15 @@ def renamed_params(aliases: dict[str, str]) -> Iterator[None]:
         raise
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)     # bool is an int subclass; JSON's true is not 1
+
+
+def _past_64_bits(v: Any) -> bool:
+    """orjson reads an integer literal past 64 bits as a float: that is an integer out of range, not a number."""
+    return isinstance(v, float) and v.is_integer() and not _INT64_MIN <= v <= _INT64_MAX
+
+
 class Fields:
     """Typed reads of a JSON object's fields. null means "not given", as in OpenAI's API."""
 
@@ -78,62 +87,44 @@ class Fields:
     def given(self, name: str) -> bool:
         return self.body.get(name) is not None
 
-    def _get(self, name: str, ok: bool, what: str) -> Any:
-        if not ok:
-            value = self.body[name]
-            raise InvalidInputError(f"{name} must be {what}, got {_describe(value)}", param=name)
-        return self.body[name]
-
-    def boolean(self, name: str, default: bool) -> bool:
-        if not self.given(name):
-            return default
-        return self._get(name, isinstance(self.body[name], bool), "true or false")
-
-    def integer(self, name: str, default: int | None) -> int | None:
+    def _get(self, name: str, default: Any, ok: Callable[[Any], bool], what: str) -> Any:
+        """The field's value if given and ok(value), `default` if not given; else a 400 that says `what`."""
         if not self.given(name):
             return default
         value = self.body[name]
-        # orjson reads an integer literal past 64 bits as a float: say what is wrong with it, not its type.
-        past_64_bits = isinstance(value, float) and value.is_integer() and not _INT64_MIN <= value <= _INT64_MAX
-        if not past_64_bits:
-            self._get(name, isinstance(value, int) and not isinstance(value, bool), "an integer")
-        if not _INT64_MIN <= value <= _INT64_MAX:     # torch tensors and generators hold 64-bit integers
+        if not ok(value):
+            raise InvalidInputError(f"{name} must be {what}, got {_describe(value)}", param=name)
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        return self._get(name, default, lambda v: isinstance(v, bool), "true or false")
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        value = self._get(name, default, lambda v: _is_int(v) or _past_64_bits(v), "an integer")
+        if value is not None and not _INT64_MIN <= value <= _INT64_MAX:   # torch holds 64-bit integers
             raise InvalidInputError(f"{name} is out of range (it must fit in a 64-bit integer)", param=name)
         return value
 
     def number(self, name: str, default: float) -> float:
-        if not self.given(name):
-            return default
-        value = self.body[name]
-        self._get(name, isinstance(value, (int, float)) and not isinstance(value, bool), "a number")
+        value = self._get(name, default, lambda v: _is_int(v) or isinstance(v, float), "a number")
         try:
             return float(value)
         except OverflowError:                          # an integer literal with hundreds of digits
             raise InvalidInputError(f"{name} is out of range", param=name) from None
 
     def string(self, name: str, default: str | None) -> str | None:
-        if not self.given(name):
-            return default
-        return self._get(name, isinstance(self.body[name], str), "a string")
+        return self._get(name, default, lambda v: isinstance(v, str), "a string")
 
     def obj(self, name: str) -> dict[str, Any] | None:
-        if not self.given(name):
-            return None
-        return self._get(name, isinstance(self.body[name], dict), "an object")
+        return self._get(name, None, lambda v: isinstance(v, dict), "an object")
 
     def strings(self, name: str) -> str | list[str] | None:
-        if not self.given(name):
-            return None
-        value = self.body[name]
-        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-        return self._get(name, ok, "a string or a list of strings")
+        return self._get(name, None, lambda v: isinstance(v, str) or (isinstance(v, list) and all(
+            isinstance(x, str) for x in v)), "a string or a list of strings")
 
     def integers(self, name: str) -> list[int] | None:
-        if not self.given(name):
-            return None
-        value = self.body[name]
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        return self._get(name, ok, "a list of integers")
+        return self._get(name, None, lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+                         "a list of integers")
 
 
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
@@ -168,6 +159,19 @@ def parse_options(f: Fields) -> RequestOptions:
                           priority=f.integer("priority", 0), continuous_usage_stats=continuous)
 
 
+def chat_template_options(f: Fields) -> dict[str, Any]:
+    """How chat messages are rendered: vLLM's add_generation_prompt, continue_final_message (the prompt ends
+    inside the last, assistant, message, for the model to continue it), chat_template (this request's own
+    template, rendered in the same sandbox) and chat_template_kwargs."""
+    options = dict(add_generation_prompt=f.boolean("add_generation_prompt", True),
+                   continue_final_message=f.boolean("continue_final_message", False),
+                   chat_template=f.string("chat_template", None), chat_template_kwargs=f.obj("chat_template_kwargs"))
+    if options["continue_final_message"] and options["add_generation_prompt"]:
+        raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true (set "
+                                "add_generation_prompt: false)", param="continue_final_message")
+    return options
+
+
 def choice_counts(f: Fields, options: RequestOptions) -> tuple[int, int | None]:
     """(n, best_of). best_of candidates are generated and the n most likely returned: not while streaming,
     where choices are sent before they can be compared (OpenAI refuses the same)."""
@@ -181,6 +185,12 @@ def choice_counts(f: Fields, options: RequestOptions) -> tuple[int, int | None]:
         if best_of > n and options.stream:
             raise InvalidInputError("best_of > n cannot be streamed", param="best_of")
     return n, best_of
+
+
+def engine_logprobs(asked: int | None, n: int, best_of: int | None) -> int | None:
+    """The logprobs the engine returns: what the client asked, and at least the chosen tokens' when best_of
+    ranks candidates (by their cumulative log-probability)."""
+    return asked if (best_of or n) == n else (asked or 0)
 
 
 def logit_bias(f: Fields) -> dict[int, float] | None:
@@ -236,10 +246,3 @@ def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
     if bad is not None:
         raise InvalidInputError(f"stop_token_ids: token id {bad} is out of the vocabulary [0, {vocab_size})",
                                 param="stop_token_ids")
-
-
-def fit_default_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
-    """A max_tokens the server chose (completions' 16, generation_config's max_new_tokens) is cut to the room
-    left after the prompt; only a max_tokens the client asked for is an error when it does not fit."""
-    if params.max_tokens is not None:
-        params.max_tokens = max(1, min(params.max_tokens, max_model_len - prompt_len))

@@ -16,7 +16,6 @@ from engine.errors import EngineError, InvalidInputError
 
 # The deepest real bodies: a tool's JSON-schema parameters (tools[0].function.parameters.properties.x.items...).
 MAX_JSON_DEPTH = 64
-JSON_CONTENT_TYPES = ("application/json",)
 
 
 class UnsupportedMediaTypeError(EngineError):
@@ -25,16 +24,16 @@ class UnsupportedMediaTypeError(EngineError):
 
 
 def check_json_content_type(request: web.Request) -> None:
-    """A body must be declared as JSON. A missing Content-Type is accepted (curl --data-binary, old clients);
-    any other type is refused, so a browser's cross-site "simple" request (text/plain, form data) never reaches
-    a handler."""
+    """A body must be declared as JSON: application/json or an application/...+json type, with any parameters
+    (charset). A missing or other Content-Type is refused, so a browser's cross-site "simple" request (text/plain,
+    form data, or a typeless Blob, none of which needs a CORS preflight) never reaches a handler. The proxy
+    (proxy/guard.py) applies the same rule with the same answer; docs/API.md states it."""
     declared = request.headers.get("Content-Type")
-    if declared is None:
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
-    media = declared.split(";", 1)[0].strip().lower()
-    if media in JSON_CONTENT_TYPES or (media.startswith("application/") and media.endswith("+json")):
-        return
-    raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {declared[:60]!r} (curl: -H "
+    shown = repr(declared[:60]) if declared else "missing"
+    raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {shown} (curl: -H "
                                     f"'Content-Type: application/json')", code="unsupported_media_type")
 
 

@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 import sys
-from dataclasses import MISSING, Field, asdict, fields
+from dataclasses import MISSING, Field, fields
 
 from aiohttp import web
 
@@ -90,12 +90,13 @@ async def _serve(app: web.Application, args: ServerArgs) -> int:
 
 
 def _describe_args(engine_args: EngineArgs, server_args: ServerArgs) -> dict:
-    """Flags that differ from their defaults, for the start-up log; the API key itself is never logged."""
-    changed = {f.name: getattr(engine_args, f.name) for f in fields(EngineArgs)
-               if f.name == "model" or getattr(engine_args, f.name) != _default(f)}
-    server = asdict(server_args)
-    server["api_key"] = "(set)" if server_args.api_key else None
-    return {**changed, **server}
+    """The model and the flags that differ from their defaults, for the start-up log; the API key itself is
+    never logged."""
+    changed = {f.name: getattr(args, f.name) for args in (engine_args, server_args) for f in fields(args)
+               if f.name == "model" or getattr(args, f.name) != _default(f)}
+    if "api_key" in changed:
+        changed["api_key"] = "(set)"
+    return changed
 
 
 def _default(f: Field):

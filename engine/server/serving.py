@@ -4,19 +4,20 @@ A plain response waits for the whole generation. A stream sends its headers as s
 the request (or its first output is there, if that comes first): errors at admission (overloaded, prompt too
 long, engine dead) still get their own HTTP status, and a client whose request waits in the queue knows at once
 that it was taken. A later failure (a failed step) is an error event inside the 200 stream.
-The engine's output iterator is always closed (contextlib.aclosing), whether the response ends normally, the
-write fails because the client went away, or aiohttp cancels the handler: closing it aborts the request in
-the engine, which frees its KV blocks at the next step boundary.
+Every request it started is released (AsyncLLM.release) whether the response ends normally, the write fails
+because the client went away, or aiohttp cancels the handler, even more than once: the release is a plain call,
+not an await that a second cancellation could cut short, and it aborts the request in the engine, which frees
+its KV blocks at the next step boundary. The tasks reading outputs are cancelled before anything is awaited.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from aiohttp import web
 
@@ -66,15 +67,38 @@ class Generation:
         return out
 
 
-class ResponseFormat(Protocol):
-    """The endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet). `index` is
-    the choice's index: prompt * n + sample."""
+class ResponseFormat(abc.ABC):
+    """An endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet), in OpenAI's
+    envelope. `index` is the choice's index: prompt * n + sample."""
+    chunk_object: str                   # the `object` of a streamed chunk
 
-    def chunk(self, out: RequestOutput, index: int) -> dict | None: ...   # None: nothing worth sending now
+    def __init__(self, gen: Generation, state: ServerState, logprobs: int | None):
+        self.gen = gen
+        self.state = state
+        self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
 
-    def usage_chunk(self, finals: list[RequestOutput]) -> dict: ...
+    @abc.abstractmethod
+    def chunk(self, out: RequestOutput, index: int) -> dict | None:
+        """The chunk to stream for this output of choice `index`; None: nothing worth sending now."""
 
-    def response(self, finals: list[RequestOutput]) -> dict: ...
+    @abc.abstractmethod
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The whole (not streamed) response."""
+
+    def envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.gen.request_id, "object": obj, "created": self.gen.created,
+                "model": self.state.served_model_name, "choices": choices, **extra}
+
+    def chunk_of(self, out: RequestOutput, choice: dict) -> dict:
+        """A streamed chunk of one choice. stream_options.include_usage: usage null in each (the last chunk holds
+        it), or each choice's running counts with continuous_usage_stats."""
+        extra = {}
+        if self.gen.options.include_usage:
+            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
+        return self.envelope(self.chunk_object, [choice], **extra)
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict:
+        return self.envelope(self.chunk_object, [], usage=usage(finals, len(self.gen.prompts)))
 
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
@@ -112,11 +136,11 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
     task = asyncio.current_task()
     state.generations[task] = gen.request_id     # so that shutdown can wait for it, then end it
     try:
-        async with contextlib.AsyncExitStack() as stack:
+        with contextlib.ExitStack() as stack:
             def start(child) -> AsyncIterator[RequestOutput]:
                 rid, prompt, params = child
                 it = state.engine.generate(rid, prompt, params, gen.options.priority)
-                stack.push_async_callback(it.aclose)     # closing aborts the request in the engine
+                stack.callback(state.engine.release, rid)     # aborts the request if it has not finished
                 return it
             streams = [start(children[0])]
             # The other candidates start once the first has computed the prompt: with prefix caching they then
@@ -133,7 +157,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
             return web.json_response(fmt.response(_pick_best(gen, finals)), dumps=dumps)
     except (asyncio.CancelledError, ConnectionResetError):
         # The client went away (aiohttp cancelled the handler, or a write failed); leaving the `async with`
-        # has already aborted the requests in the engine.
+        # has already released the requests.
         state.metrics.request_success["abort"] += 1
         if state.log_requests:
             logger.info("Aborted request %s: the client disconnected or the server is stopping", gen.request_id)
@@ -156,15 +180,12 @@ async def _final(out: RequestOutput | None, outputs: AsyncIterator[RequestOutput
 
 
 async def _collect(first: RequestOutput, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Every candidate's final output. On an error or a cancellation the other readers are cancelled and
-    awaited, so that no output iterator is still being read when serve_generation closes it."""
+    """Every candidate's final output. On an error or a cancellation the other readers are cancelled."""
     tasks = [asyncio.ensure_future(_final(first if i == 0 else None, s)) for i, s in enumerate(streams)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(*tasks)
 
 
 def _pick_best(gen: Generation, finals: list[RequestOutput]) -> list[RequestOutput]:
@@ -193,20 +214,20 @@ async def _first_output_or_admission(state: ServerState, gen: Generation,
     try:
         await asyncio.wait({first, admitted}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        await _cancel(first)
+        await _cancel(first, admitted)
         raise
-    finally:
-        admitted.cancel()
+    admitted.cancel()
     if first.done():
         first.result()
     return first
 
 
-async def _cancel(task: asyncio.Task) -> None:
-    """Cancel the task reading the engine's outputs and let it unwind, so that the output iterator can then be
-    closed (closing it while the task is still inside it would fail)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+async def _cancel(*tasks: asyncio.Task) -> None:
+    """Cancel tasks reading the engine's outputs, all of them before the first await (a handler cancelled again
+    while it waits here must not leave one running), then let them unwind."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
@@ -250,11 +271,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         await sse.send_error(f"internal server error ({type(exc).__name__}: {exc}); see the server log",
                              "internal_error", code="internal_error")
     finally:
-        await _cancel(first_task)
-        for reader in readers:
-            reader.cancel()
-        # Each reader leaves its output iterator before serve_generation closes it.
-        await asyncio.gather(*readers, return_exceptions=True)
+        await _cancel(first_task, *readers)
     await sse.finish()
     return sse.response
 

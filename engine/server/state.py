@@ -16,7 +16,6 @@ from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
 from engine.server.logprobs import TokenText
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import fit_default_max_tokens
 
 logger = init_logger(__name__)
 
@@ -44,8 +43,10 @@ class ServerState:
         return self.engine.engine.max_model_len
 
     def fit_default_max_tokens(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        """A max_tokens the server chose (no max_tokens in the request) cut to the room the prompt leaves."""
-        fit_default_max_tokens(params, len(prompt.prompt_token_ids), self.max_model_len)
+        """A max_tokens the server chose (completions' 16, generation_config's max_new_tokens) is cut to the room
+        the prompt leaves; only a max_tokens the client asked for is an error when it does not fit."""
+        if params.max_tokens is not None:
+            params.max_tokens = max(1, min(params.max_tokens, self.max_model_len - len(prompt.prompt_token_ids)))
 
     @property
     def vocab_size(self) -> int:

@@ -60,22 +60,11 @@ def _structured_outputs(name: str, value: Any) -> StructuredOutputsParams:
 
 
 def _guided(name: str, value: Any) -> StructuredOutputsParams:
-    with _param_named(name):
+    """vLLM's older guided_* fields: one structured_outputs key each; errors name the field as it was sent."""
+    try:
         return _structured_outputs(name, {_GUIDED[name]: value})
-
-
-class _param_named:
-    """Errors about the one constraint of a guided_* field name that field."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, err, tb):
-        if isinstance(err, InvalidInputError):
-            err.param = self.name
-            err.message = err.message.replace(f"{self.name}.{_GUIDED[self.name]}", self.name)
-            err.args = (err.message,)
-        return False
+    except InvalidInputError as err:
+        err.param = name
+        err.message = err.message.replace(f"{name}.{_GUIDED[name]}", name)
+        err.args = (err.message,)
+        raise

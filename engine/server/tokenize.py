@@ -6,7 +6,7 @@ from aiohttp import web
 
 from engine.errors import InvalidInputError
 from engine.server.errors import dumps
-from engine.server.protocol import Fields, read_json_body
+from engine.server.protocol import Fields, chat_template_options, read_json_body
 from engine.server.state import STATE
 
 
@@ -15,10 +15,8 @@ async def tokenize(request: web.Request) -> web.Response:
     f = Fields(await read_json_body(request))
     state.check_model(f.string("model", None))
     if f.given("messages"):
-        prompt = await state.engine.process_chat(
-            f.body["messages"], f.boolean("add_generation_prompt", True), f.obj("chat_template_kwargs"),
-            continue_final_message=f.boolean("continue_final_message", False),
-            chat_template=f.string("chat_template", None), tools=f.body.get("tools"))
+        prompt = await state.engine.process_chat(f.body["messages"], tools=f.body.get("tools"),
+                                                 **chat_template_options(f))
         ids = list(prompt.prompt_token_ids)
     else:
         text = f.string("prompt", None)

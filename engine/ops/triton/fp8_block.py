@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+
 FP8_MAX = tl.constexpr(448.0)
 
 
@@ -103,15 +105,19 @@ def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, s
 
 
 @triton.jit
-def _block_scale(ws_ptr, n0, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK: tl.constexpr,
-                 BK_BLK: tl.constexpr, UNIFORM: tl.constexpr):
-    """Weight scales for the [BLOCK_N, BLOCK_K] tile at (n0, k0): one scalar when the tile lies inside one
-    scale block (the caller's tile sizes divide the block sizes), else one per element."""
+def _weight_tile(w_rows, ws_ptr, n0, k0, offs_n, n_mask, K, stride_sn, stride_sk, BN_BLK: tl.constexpr,
+                 BK_BLK: tl.constexpr, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr, NATIVE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at rows offs_n (starting at n0; w_rows: where they start in memory) and
+    column k0, dequantized to float32, with its columns and their mask. The scale is one scalar when the tile lies
+    inside one scale block (the caller's tile sizes divide the block sizes), else one per element."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     if UNIFORM:
         s = tl.load(ws_ptr + (n0 // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
     else:
         s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk)
-    return s
+    return _e4m3_to_f32(w, NATIVE) * s, offs_k, k_mask
 
 
 @triton.jit(do_not_specialize=["K_SPLIT"])
@@ -128,20 +134,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, K_SPLIT, str
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        s = _block_scale(ws_ptr, pid_n * BLOCK_N, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK, BK_BLK,
-                         UNIFORM)
-        acc += _e4m3_to_f32(w, NATIVE) * x[None, :] * s
-    y = tl.sum(acc, axis=1)
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * N + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+        w, offs_k, k_mask = _weight_tile(w_rows, ws_ptr, pid_n * BLOCK_N, k0, offs_n, n_mask, K, stride_sn,
+                                         stride_sk, BN_BLK, BK_BLK, BLOCK_K, UNIFORM, NATIVE)
+        acc += w * tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    store_output(out_ptr, bias_ptr, tl.sum(acc, axis=1), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
+                 PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M", "K_SPLIT"])
@@ -164,36 +161,27 @@ def _fp8_wo_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        w, offs_k, k_mask = _weight_tile(w_rows, ws_ptr, pid_n * BLOCK_N, k0, offs_n, n_mask, K, stride_sn,
+                                         stride_sk, BN_BLK, BK_BLK, BLOCK_K, UNIFORM, NATIVE)
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        s = _block_scale(ws_ptr, pid_n * BLOCK_N, k0, offs_n, offs_k, stride_sn, stride_sk, BN_BLK, BK_BLK,
-                         UNIFORM)
-        wd = (_e4m3_to_f32(w, NATIVE) * s).to(dtype)
-        acc = tl.dot(a, tl.trans(wd), acc)
+        acc = tl.dot(a, tl.trans(w.to(dtype)), acc)
     out_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * M * N + out_off, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_output(out_ptr, bias_ptr, acc, out_off, pid_k * M * N, offs_n, n_mask, m_mask[:, None] & n_mask[None, :],
+                 HAS_BIAS, PARTIAL)
 
 
 @triton.jit
 def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr,
                         BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         UNIFORM: tl.constexpr, NATIVE: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-    s = _block_scale(ws_ptr, tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_K, offs_n, offs_k, stride_sn,
-                     stride_sk, BN_BLK, BK_BLK, UNIFORM)
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
-             (_e4m3_to_f32(w, NATIVE) * s).to(out_ptr.dtype.element_ty), mask=mask)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w, offs_k, k_mask = _weight_tile(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn, ws_ptr, n0,
+                                     tl.program_id(1) * BLOCK_K, offs_n, n_mask, K, stride_sn, stride_sk, BN_BLK,
+                                     BK_BLK, BLOCK_K, UNIFORM, NATIVE)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & k_mask[None, :])
 
 
 @dataclass(frozen=True)
@@ -286,7 +274,6 @@ def _uniform(cfg_n: int, cfg_k: int, block_size: tuple[int, int]) -> bool:
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      block_size: tuple[int, int], bias: torch.Tensor | None = None,
                      config: Fp8Config | None = None) -> torch.Tensor:
-    from engine.ops.triton.wna16 import _splitk_reduce_kernel
     lead = x.shape[:-1]
     N, K = weight.shape
     x2 = x.reshape(-1, K)
@@ -324,12 +311,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                                   BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native, num_warps=cfg.num_warps)
         return torch.nn.functional.linear(x2, wd, bias).reshape(*lead, N)
     steps = triton.cdiv(K, cfg.block_k)
-    split = cfg.split_k
-    while steps % split:
-        split //= 2
+    split = fit_split(steps, cfg.split_k)
     k_split = (steps // split) * cfg.block_k
     partial = split > 1
-    dst = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
+    dst = partial_buffer(out, split)
     common = dict(BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native,
                   HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.path == "gemv":
@@ -341,10 +326,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_wo_dot_kernel[grid](x2, w, weight_scale_inv, bias_arg, dst, M, N, K, k_split, x2.stride(0),
                                  weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
                                  BLOCK_M=cfg.block_m, **common)
-    if partial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, bias_arg, out, M * N, N, SPLIT=split,
-                                                            BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    reduce_partials(dst, bias, out)
     return out.reshape(*lead, N)
 
 

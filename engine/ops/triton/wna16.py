@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+
 MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
 MAGIC_F = tl.constexpr(8388608.0)
 
@@ -82,13 +84,8 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
             t += _dequant_plane(q, j, BITS) * xj[:, None]
             xs += xj
         acc += (t - xs[:, None] * z) * s
-    y = tl.sum(acc, axis=0)
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * N + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    store_output(out_ptr, bias_ptr, tl.sum(acc, axis=0), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
+                 PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M", "K_SPLIT"])
@@ -146,26 +143,8 @@ def _wna16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K_SP
     else:
         res = acc
     out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k * M * N + out_off, res, mask=mask)
-    else:
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_off, res.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_BIAS: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_output(out_ptr, bias_ptr, res, out_off, pid_k * M * N, offs_n, n_mask, m_mask[:, None] & n_mask[None, :],
+                 HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -263,13 +242,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             return torch.addmm(bias.to(x.dtype), x2, w, out=out).reshape(*lead, N)
         return torch.mm(x2, w, out=out).reshape(*lead, N)
     pack = 32 // bits
-    steps = K // (block_kp * pack)
-    split = cfg.split_k
-    while steps % split:
-        split //= 2
+    split = fit_split(K // (block_kp * pack), cfg.split_k)
     k_split = K // split
     partial = split > 1
-    dst = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
+    dst = partial_buffer(out, split)
     if cfg.path == "gemv":
         grid = (triton.cdiv(N, cfg.block_n), split)
         _wna16_gemv_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, N, k_split, qweight.stride(0),
@@ -283,8 +259,5 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_kp * pack,
                                 SWAP_AB=cfg.swap_ab, HAS_BIAS=bias is not None, PARTIAL=partial,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if partial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, bias_arg, out, M * N, N, SPLIT=split,
-                                                            BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+    reduce_partials(dst, bias, out)
     return out.reshape(*lead, N)
