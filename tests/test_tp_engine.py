@@ -108,6 +108,9 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     try:
         got = run_workload(llm, with_images)
         stats = llm.engine.get_stats()
+        with pytest.raises(ModelLoadError, match="this process already runs a tensor-parallel engine"):
+            make_llm(model_dir, tensor_parallel_size=2)       # one group per process: refused before spawning
+        assert set(multiprocessing.active_children()) == set(workers)
     finally:
         llm.shutdown()
     assert_same_outputs(got, expected)

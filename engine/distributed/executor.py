@@ -53,10 +53,14 @@ class RankInfo:
 
 
 def check_tensor_parallel_size(n: int, device: torch.device, config: ModelConfig) -> None:
-    """Refuse an N that cannot run, before any process is started: more ranks than visible GPUs, or a model
-    whose shape does not split into N shares (ModelConfig.verify_tensor_parallel)."""
+    """Refuse an N that cannot run, before any process is started: a second group in this process, more ranks
+    than visible GPUs, or a model whose shape does not split into N shares (ModelConfig.verify_tensor_parallel)."""
     if n == 1:
         return
+    from engine.distributed.parallel_state import get_tp_size
+    if get_tp_size() > 1:
+        raise ModelLoadError("this process already runs a tensor-parallel engine (one group per process); shut it "
+                             "down first (LLM.shutdown())", param="tensor_parallel_size", code="tensor_parallel")
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if n > visible:
