@@ -53,9 +53,7 @@ class LLMEngine:
         self.executor: TensorParallelExecutor | None = None
         if tp > 1:
             self.executor = TensorParallelExecutor(args, self.device)
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", 0)
-                torch.cuda.set_device(self.device)
+            self.device = self.executor.device          # rank 0's: cuda:0 on GPUs
         try:
             self._init_rank0(args)
         except BaseException:

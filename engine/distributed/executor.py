@@ -124,13 +124,15 @@ class TensorParallelExecutor:
         atexit.register(self.shutdown, graceful=False)   # before multiprocessing's own exit handler runs
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
-        rank0_device = device if device.type == "cpu" else torch.device("cuda", 0)
+        self.device = rank0_device = device if device.type == "cpu" else torch.device("cuda", 0)
         self.ranks = [RankInfo(0, os.getpid(), str(rank0_device))] + [
             RankInfo(r, p.pid, "cpu" if device.type == "cpu" else f"cuda:{r}")
             for r, p in enumerate(self.workers, start=1)]
         logger.info("Tensor parallel size %d: %s", n, ", ".join(f"rank {r.rank} pid {r.pid} on {r.device}"
                                                               for r in self.ranks))
         try:
+            if rank0_device.type == "cuda":
+                torch.cuda.set_device(rank0_device)
             init_tensor_parallel(0, n, init_method, rank0_device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
         except BaseException:
             self.shutdown(graceful=False)
