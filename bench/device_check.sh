@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16
 #                                          hf serve imageab tp); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -32,7 +32,7 @@ for s in $STAGES; do
   case $s in
     ops)
       stage "kernel tests"
-      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_quant.py} -q -n 8 -p no:cacheprovider \
+      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_quant.py tests/test_ops_wna16_fused.py} -q -n 8 -p no:cacheprovider \
         > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
     engine)
       stage "GPU engine tests"
@@ -67,6 +67,19 @@ for s in $STAGES; do
       timeout "${PARTS_T:-200}" python3 bench/image_gpu_parts.py --json "$OUT/image_gpu_parts.json" \
         ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
+    wna16)
+      # wna16_fused (issue 14's 4-bit kernels) in one call: GPU kernel tests, the config sweep (it prints the
+      # TUNED_W4G128 table to paste), then older vs fused kernels vs bf16 per shape and token count, and per step.
+      stage "wna16 kernel tests (fused and older kernels)"
+      timeout "${WNA16_TEST_T:-180}" python3 -m pytest -m gpu tests/test_ops_wna16_fused.py tests/test_ops_quant.py \
+        -q -n 8 -p no:cacheprovider > "$OUT/wna16_tests.txt" 2>&1; echo "rc=$?"; tail -15 "$OUT/wna16_tests.txt"
+      stage "wna16 sweep and old vs fused (bench/tune_wna16.py ${WNA16_ARGS:-})"
+      timeout "${WNA16_TUNE_T:-380}" python3 bench/tune_wna16.py --jobs 12 ${WNA16_ARGS:-} \
+        --json "$OUT/tune_wna16.json" > "$OUT/tune_wna16.txt" 2>&1; echo "rc=$?"
+      # (the per-config sweep lines stay in the log: logs.tgz)
+      grep -E '^(compiled|Traceback|[A-Za-z]*Error)' "$OUT/tune_wna16.txt" | cut -c1-200 | tail -8
+      echo "configs skipped: $(grep -c '^  skip' "$OUT/tune_wna16.txt")"
+      sed -n '/^TUNED_W4G128/,$p' "$OUT/tune_wna16.txt" | cut -c1-200 ;;
     quant)
       # The offline benchmark once per weight format (QUANTS: "none" is bf16), dummy weights at the 8B shapes.
       for q in ${QUANTS:-none awq fp8}; do

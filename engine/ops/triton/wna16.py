@@ -1,6 +1,9 @@
 """4-/8-bit group-quantized weights x bf16/fp16 activations (Triton version of wna16_linear_ref).
 
-Three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
+wna16_linear runs wna16_fused's kernels (a one-token GEMV and a GEMM that dequantizes in its K loop, up to
+DEQUANT_MIN_M tokens) unless ENGINE_WNA16_KERNELS=old; from there on, and always under that setting, this
+module's kernels run. They are kept for prefill-sized batches and for A/B measurements (bench/tune_wna16.py).
+This module's three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
 - M == 1, GEMV: FMA dot products; each program streams a column strip of the packed weight once.
 - 2 <= M <= 64, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
 - M > 64: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there).
@@ -16,12 +19,14 @@ An integer q < 2**23 becomes a float with one OR and one subtract (the bits of f
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton import wna16_fused
 from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
 
 MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
@@ -210,9 +215,17 @@ def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
     return block_kp
 
 
+def fused_kernels_enabled() -> bool:
+    """ENGINE_WNA16_KERNELS=old selects this module's kernels (GEMV, dot, dequantize+cuBLAS) instead of
+    wna16_fused's, for A/B measurements in one process."""
+    return os.environ.get("ENGINE_WNA16_KERNELS", "fused") != "old"
+
+
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bits: int, bias: torch.Tensor | None = None,
-                 config: Wna16Config | None = None) -> torch.Tensor:
+                 config: Wna16Config | wna16_fused.FusedConfig | None = None) -> torch.Tensor:
+    """config: None chooses (the fused kernels unless ENGINE_WNA16_KERNELS=old); a Wna16Config runs this
+    module's kernels, a FusedConfig wna16_fused's."""
     lead = x.shape[:-1]
     K = x.shape[-1]
     N = qweight.shape[1]
@@ -222,6 +235,12 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
+        return out.reshape(*lead, N)
+    if config is None and fused_kernels_enabled():
+        config = wna16_fused.choose_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
+    if isinstance(config, wna16_fused.FusedConfig):
+        out = wna16_fused.fused_linear(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size,
+                                       bits, bias, out, config)
         return out.reshape(*lead, N)
     cfg = config or choose_config(M, N, K, bits, group_size)
     if cfg.path == "gemv" and M != 1:

@@ -1,0 +1,251 @@
+"""Sweeps wna16_fused's kernel configs at Qwen3-VL-8B's decoder shapes on one GPU, prints the fastest per
+(N, K, M bucket) as the TUNED_W4G128 table, then times the older kernels against the fused ones (the tuned table
+applied in this process) and bf16 cuBLAS per shape and token count, and the whole decoder's linears per step.
+
+    python bench/tune_wna16.py [--jobs 12] [--quick] [--json out.json]
+
+4-bit weights, group 128, bf16 activations, random data. Every time is the median replay of a CUDA graph that
+cycles through >= 150 MB of weight copies (no weight served from the 60 MB L2); bench/bench_quant.py's method.
+Floors: the bytes the op must move (weights, scales and zeros, activations in and out) at 4.8 TB/s (HBM3e,
+datasheet) and 2*M*N*K at 785 TFLOP/s (bf16 GEMM measured on this H200, BENCHMARKS.md).
+Compilation dominates a cold run: --jobs processes compile every config first (Triton's disk cache), then the
+main process times them one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_quant import LAYER, LAYERS, ROTATE_BYTES, make_bf16, make_w4, time_graph, weight_bytes  # noqa: E402
+from engine.ops.triton import wna16 as tw  # noqa: E402
+from engine.ops.triton import wna16_fused as tf  # noqa: E402
+
+DT = torch.bfloat16
+FLOOR_BW, FLOOR_FLOPS = 4.8e12, 785e12
+GEMV_BUCKETS = (1, 2, 4, 8)
+GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)
+AB_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def candidates(bucket: int) -> list[tf.FusedConfig]:
+    """The configs tried for an M bucket (4-bit: block_k counts weights, 8 per packed row). The gemv takes one
+    program per token (its ALU work grows with M), so it is tried at 1 and 2 tokens; the gemm from 2."""
+    out = []
+    if bucket <= 2:
+        # Columns per warp: 4, 8 or 16 int32 per thread and packed row; at most 64 int32 per thread and step
+        # (bench/wna16_sass.py: no spills up to there).
+        for warps in (1, 2, 4):
+            for cols, bks in ((128, (64,)), (256, (32, 64)), (512, (16, 32))):
+                for bk in bks:
+                    for split in (4, 8, 16, 32):
+                        out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
+                                                  num_warps=warps))
+    if bucket == 1:
+        return out
+    if bucket <= 32:
+        for bm in sorted({16, max(16, bucket)}):
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for split in (1, 2, 4, 8):
+                        out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
+                                                  num_warps=4, num_stages=4, swap_ab=True))
+        return out
+    for bm in ((64,) if bucket == 64 else (64, 128) if bucket == 128 else (128, 256)):
+        for bn in (128, 256):
+            for bk in (64, 128):
+                for warps in ((4,) if bm == 64 else (4, 8) if bm == 128 else (8,)):
+                    for stages in (3, 4):
+                        for split in ((1, 2) if bucket == 64 else (1,)):
+                            out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
+                                                      num_warps=warps, num_stages=stages))
+    return out
+
+
+def _compile_worker(jobs):
+    """Runs each (K, N, M, config) once on small random inputs of the real shape: fills Triton's disk cache."""
+    failed = []
+    for K, N, M, cfg in jobs:
+        qweight, scales, zeros, group, bits = make_w4(K, N)
+        x = torch.randn(M, K, device="cuda", dtype=DT)
+        try:
+            tw.wna16_linear(x, qweight, scales, zeros, group, bits, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: reported, then skipped)
+            failed.append((K, N, M, cfg, str(e).splitlines()[0][:160]))
+    return failed
+
+
+def precompile(work, jobs: int) -> set:
+    chunks = [work[i::jobs] for i in range(jobs)]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        failed = [f for part in pool.map(_compile_worker, chunks) for f in part]
+    for K, N, M, cfg, err in failed:
+        print(f"  skip {K}->{N} M={M} {cfg}: {err}", flush=True)
+    return {(K, N, M, cfg) for K, N, M, cfg, _ in failed}
+
+
+def weight_copies(K, N, make=make_w4, kind="w4g128"):
+    """Enough copies of one weight that a graph cycling through them reads none from L2 (made once per shape)."""
+    return [make(K, N) for _ in range(max(2, min(8, int(ROTATE_BYTES // weight_bytes(kind, K, N)) + 1)))]
+
+
+def time_op(K, M, op, weights):
+    x = torch.randn(M, K, device="cuda", dtype=DT)
+    return time_graph([lambda w=w: op(x, *w) for w in weights], reps=15) / len(weights)
+
+
+def row(K, N, M, ms, kind="w4g128"):
+    nbytes = weight_bytes(kind, K, N) + 2 * M * (K + N)
+    floor = max(nbytes / FLOOR_BW, 2 * M * N * K / FLOOR_FLOPS) * 1e3
+    return {"us": ms * 1e3, "TB/s": nbytes / ms / 1e9, "TFLOP/s": 2 * M * N * K / ms / 1e9, "floor_us": floor * 1e3}
+
+
+def configs_for(K, N, M):
+    """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
+    twins."""
+    out = list(dict.fromkeys(candidates(M) + [tf.default_config(M, N, K, 4, 128)]))
+    return out + [replace(c, serial=False) for c in out if c.serial and c.path == "gemv" and c.split_k == 8]
+
+
+def sweep(shapes, buckets, jobs):
+    work = [(K, N, M, cfg) for _, K, N in shapes for M in buckets for cfg in configs_for(K, N, M)]
+    t0 = time.time()
+    bad = precompile(work, jobs) if jobs > 1 else set()
+    print(f"compiled {len(work)} configs in {time.time() - t0:.0f} s ({len(bad)} failed)", flush=True)
+    best = {}
+    for name, K, N in shapes:
+        weights = weight_copies(K, N)
+        for M in buckets:
+            res = []
+            for cfg in configs_for(K, N, M):
+                if (K, N, M, cfg) in bad:
+                    continue
+                try:
+                    ms = time_op(K, M, lambda x, *w, c=cfg: tw.wna16_linear(x, *w, config=c), weights)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  skip {cfg}: {str(e).splitlines()[0][:120]}", flush=True)
+                    continue
+                res.append((ms, cfg))
+            if not res:
+                continue
+            times = {c: ms for ms, c in res}
+            default = times.get(tf.default_config(M, N, K, 4, 128), float("nan"))
+            # The two split-K reductions on the same config (serial: one launch; pass: a second kernel), median
+            # of the time ratios over the split-8 GEMV configs.
+            pairs = [(times[c], times[replace(c, serial=False)]) for c in times
+                     if c.serial and c.split_k == 8 and replace(c, serial=False) in times]
+            pass_over_serial = statistics.median([p / s for s, p in pairs]) if pairs else float("nan")
+            res.sort(key=lambda r: r[0])
+            best[(N, K, M)] = res[0]
+            second = res[1][0] if len(res) > 1 else float("nan")
+            print(f"sweep {name:8s} M={M:4d} best {res[0][0] * 1e3:7.1f} us  2nd {second * 1e3:7.1f}  "
+                  f"default {default * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  {res[0][1]}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return best
+
+
+def print_table(best):
+    print("\nTUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {")
+    for (N, K, M), (ms, cfg) in sorted(best.items()):
+        fields = ", ".join(f"{k}={v!r}" for k, v in cfg.__dict__.items()
+                           if k != "path" and v != tf.FusedConfig.__dataclass_fields__[k].default)
+        print(f"    ({N}, {K}, {M}): FusedConfig({cfg.path!r}, {fields}),  # {ms * 1e3:.1f} us")
+    print("}", flush=True)
+
+
+def old_op(x, *w):
+    os.environ["ENGINE_WNA16_KERNELS"] = "old"
+    try:
+        return tw.wna16_linear(x, *w)
+    finally:
+        os.environ["ENGINE_WNA16_KERNELS"] = "fused"
+
+
+def fused_op(x, *w):
+    return tw.wna16_linear(x, *w)
+
+
+def bf16_op(x, w):
+    return F.linear(x, w)
+
+
+def ab_table(shapes, tokens):
+    rows = []
+    print("\nper shape: us (TB/s, TFLOP/s); floor = max(bytes / 4.8 TB/s, FLOPs / 785 TFLOP/s)")
+    print("| M | layer | floor us | bf16 cuBLAS | 4-bit old | 4-bit fused | fused / old | fused / bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
+    weights = {(K, N): (weight_copies(K, N, make_bf16, "bf16"), weight_copies(K, N)) for _, K, N in shapes}
+    for M in tokens:
+        for name, K, N in shapes:
+            r = {"M": M, "layer": name, "K": K, "N": N}
+            w16, w4 = weights[(K, N)]
+            r["bf16"] = row(K, N, M, time_op(K, M, bf16_op, w16), "bf16")
+            r["old"] = row(K, N, M, time_op(K, M, old_op, w4))
+            r["fused"] = row(K, N, M, time_op(K, M, fused_op, w4))
+            rows.append(r)
+            cell = lambda c: f"{c['us']:.1f} ({c['TB/s']:.2f}, {c['TFLOP/s']:.0f})"  # noqa: E731
+            print(f"| {M} | {name} | {r['fused']['floor_us']:.1f} | {cell(r['bf16'])} | {cell(r['old'])} | "
+                  f"{cell(r['fused'])} | {r['fused']['us'] / r['old']['us']:.2f} | "
+                  f"{r['fused']['us'] / r['bf16']['us']:.2f} |", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
+def decoder_step(op, make, M):
+    """ms per step of the 36 layers' linears in one graph (distinct weights per layer)."""
+    layers = [[make(K, N) for _, K, N in LAYER] for _ in range(LAYERS)]
+    xs = {K: torch.randn(M, K, device="cuda", dtype=DT) for _, K, _ in LAYER}
+    calls = [lambda w=w, x=xs[K]: op(x, *w) for layer in layers for (_, K, _), w in zip(LAYER, layer)]
+    ms = time_graph(calls, reps=10)
+    del layers
+    torch.cuda.empty_cache()
+    return ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=12, help="compile processes (1: compile while timing)")
+    ap.add_argument("--quick", action="store_true", help="buckets 1, 8, 64, 256 only")
+    ap.add_argument("--no-sweep", action="store_true", help="only the A/B tables (the committed table)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    shapes = LAYER
+    result = {}
+    if not args.no_sweep:
+        buckets = (1, 8, 64, 256) if args.quick else GEMV_BUCKETS + GEMM_BUCKETS
+        best = sweep(shapes, buckets, args.jobs)
+        print_table(best)
+        tf.TUNED_W4G128.update({k: cfg for k, (_, cfg) in best.items()})   # the A/B below runs the tuned table
+        result["best"] = {f"{k}": (ms * 1e3, repr(cfg)) for k, (ms, cfg) in best.items()}
+    result["shapes"] = ab_table(shapes, (1, 8, 64, 256) if args.quick else AB_TOKENS)
+    dec = {}
+    print("\nwhole decoder's linears per step (36 layers x qkv, o, gate_up, down; one graph), ms:")
+    for M in (1, 64, 256):
+        dec[f"bf16 M={M}"] = decoder_step(bf16_op, make_bf16, M)
+        dec[f"old M={M}"] = decoder_step(old_op, make_w4, M)
+        dec[f"fused M={M}"] = decoder_step(fused_op, make_w4, M)
+        print(f"M={M:4d}: bf16 {dec[f'bf16 M={M}']:.3f}  4-bit old {dec[f'old M={M}']:.3f}  "
+              f"4-bit fused {dec[f'fused M={M}']:.3f}", flush=True)
+    result["decoder"] = dec
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
