@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16
-#                                          hf serve imageab); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab tp); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -137,6 +137,16 @@ for s in $STAGES; do
         fi
         kill $spid; wait $spid 2>/dev/null; sleep 2
       done ;;
+    tp)
+      # Needs TP_SIZE GPUs (nvidia-h200-x2 for 2): the TP GPU tests, then TP=TP_SIZE against TP=1 on this host.
+      stage "tensor parallelism: GPU tests and TP=${TP_SIZE:-2} against TP=1"
+      timeout "${TPT_T:-300}" python3 -m pytest -m gpu tests/test_gpu_tp.py -q -p no:cacheprovider \
+        > "$OUT/tp_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/tp_tests.txt" | tail -15
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${TPB_T:-480}" python3 bench/tp_compare.py --model /tmp/q8 --tp "${TP_SIZE:-2}" \
+        --out "$OUT/tp_compare.json" > "$OUT/tp_compare.txt" 2>&1; echo "rc=$?"
+      grep -E 'Tensor parallel size|Memory profile|Captured|Error|error' "$OUT/tp_compare.txt" | head
+      grep -E '^\| ' "$OUT/tp_compare.txt" | tail -6 ;;
     serve)
       stage "serving benchmark over HTTP"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

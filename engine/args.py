@@ -90,6 +90,10 @@ class EngineArgs:
     max_prompt_text_mb_in_flight: float = flag(
         32.0, help="MB of prompt text being rendered and tokenized at once over all requests; a prompt past it "
                    "gets 429 (default %(default)s)")
+    tensor_parallel_size: int = flag(
+        1, aliases=("-tp",),
+        help="number of tensor-parallel ranks: the engine process and N-1 worker processes, each holding 1/N of "
+             "the weights and KV heads (one GPU per rank, cuda:0..N-1; on CPU any N, over gloo)")
     seed: int = flag(0)
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
@@ -120,6 +124,10 @@ class EngineArgs:
         if not 0 < self.max_prompt_text_mb <= self.max_prompt_text_mb_in_flight:
             raise ValueError(f"max_prompt_text_mb must be in (0, max_prompt_text_mb_in_flight = "
                              f"{self.max_prompt_text_mb_in_flight:g}], not {self.max_prompt_text_mb:g}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a whole number of ranks, at least 1, not "
+                             f"{self.tensor_parallel_size!r}")
 
     @property
     def batched_tokens_budget(self) -> int:

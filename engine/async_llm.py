@@ -84,6 +84,8 @@ class AsyncLLM:
         # The grammar engine's view of the vocabulary takes a second or two to build: ready before the first
         # structured-output request, built beside the engine loop.
         self._workers.submit(self.engine.structured_output.ll_tokenizer)
+        if self.engine.executor is not None:
+            self.engine.executor.add_failure_callback(self._on_rank_failure)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -239,7 +241,17 @@ class AsyncLLM:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
-        self.engine.input_processor.shutdown()
+        if self._thread.is_alive() and self.engine.executor is not None:
+            # The loop is stuck in a step: telling the workers to stop would race its collectives.
+            self.engine.executor.shutdown(graceful=False)
+        self.engine.shutdown()
+
+    def _on_rank_failure(self, message: str) -> None:
+        """A tensor-parallel rank died (the executor's watcher thread; the process exits right after): every
+        open stream ends with the reason, and /health reports the engine dead meanwhile."""
+        self.dead_error = EngineError(message, code="engine_dead")
+        for rid in list(self._streams):
+            self._deliver(rid, EngineOverloadedError(f"the engine failed: {message}", code="engine_dead"))
 
     # ---- the engine thread ---------------------------------------------------------------------------------
     def _send(self, command: EngineCommand) -> None:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.logger import init_logger
 from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
@@ -148,7 +149,9 @@ class CUDAGraphRunner:
         """Replay one prefill graph and run the same padded batch eagerly (same shapes, so the same kernels):
         they must agree. On a mismatch, drop the prefill graphs rather than serve wrong answers."""
         n, bucket = 40, 64
-        self.input_ids[:n].copy_(torch.randint(0, self.model.config.vocab_size, (n,), device=self.device))
+        # The same ids on every tensor-parallel rank: the check's forward passes are collectives.
+        ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        self.input_ids[:n].copy_(ids)
         positions = torch.arange(n, device=self.device)
         self._positions(n).copy_(positions.expand(3, -1) if self.mrope else positions)
         self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
@@ -156,7 +159,8 @@ class CUDAGraphRunner:
         self.graphs[("prefill", bucket)].replay()
         graph = self.outputs[("prefill", bucket)][:n].float()
         err = ((graph - eager).norm() / eager.norm().clamp(min=1e-6)).item()
-        if not err < 1e-3:
+        # Every rank keeps or drops the prefill graphs alike: a replay on one rank pairs with a replay on the others.
+        if not all(all_gather_object(err < 1e-3)):
             for key in [k for k in self.graphs if k[0] == "prefill"]:
                 del self.graphs[key]
             logger.warning("prefill CUDA graphs disabled: replay differs from eager by %.3g (relative)", err)
@@ -208,6 +212,8 @@ def _bucket(n: int) -> int:
 
 
 def enable_cuda_graphs(engine) -> None:
+    """Capture the decoder's graphs for `engine`: one rank's Worker (engine/distributed/worker.py). Every rank
+    captures the same graphs, the collectives inside them included."""
     if not triton_available():
         logger.warning("CUDA graphs need the Triton kernels (the torch references read host-side lengths); "
                        "running eagerly")
@@ -219,7 +225,9 @@ def enable_cuda_graphs(engine) -> None:
     try:
         runner.capture()
     except torch.cuda.OutOfMemoryError:
-        if engine.gpu_memory_limit is None:
+        # Under tensor parallelism the other ranks may be inside a collective of the capture: this rank's error
+        # ends the engine (a rank that dies stops all) rather than leaving the ranks with different graphs.
+        if engine.gpu_memory_limit is None or get_tp_size() > 1:
             raise
         runner = None
     if runner is None:

@@ -7,6 +7,7 @@ import psutil
 import torch
 
 from engine.cache_engine import CacheEngine
+from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
 from engine.memory import (GiB, MemoryProfile, check_weights_fit, cpu_kv_budget, encoder_cache_bytes,
@@ -28,7 +29,8 @@ class KVCachePlan:
         gpu_bytes, cpu_bytes = self.num_gpu_blocks * self.bytes_per_block, self.num_cpu_blocks * self.bytes_per_block
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
-        logger.info("Total blocks allocated: %d (%.1f MB)", self.num_gpu_blocks, gpu_bytes / 2**20)
+        per_rank = " on each of %d ranks" % get_tp_size() if get_tp_size() > 1 else ""
+        logger.info("Total blocks allocated: %d (%.1f MB%s)", self.num_gpu_blocks, gpu_bytes / 2**20, per_rank)
         if self.profile is not None and self.profile.limit_bytes is not None:
             logger.info("GPU memory utilization: not used (--gpu-memory-limit %.2f GiB)",
                         self.profile.limit_bytes / GiB)
@@ -50,77 +52,87 @@ class KVCachePlan:
                     self.num_gpu_blocks * bs / engine.max_model_len)
 
 
-def plan_kv_cache(engine, max_len: int) -> KVCachePlan:
-    args, cfg = engine.args, engine.model_config
-    per_block = CacheEngine.bytes_per_block(cfg, args.block_size, engine.dtype)
+def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
+    """The pool of one rank's Worker (engine/distributed/worker.py): profiled on CUDA, from --cpu-kv-cache-space
+    on CPU, or as overridden; the same block counts on every rank."""
+    args, cfg = worker.args, worker.model_config
+    per_block = CacheEngine.bytes_per_block(cfg, args.block_size, worker.dtype)
     profile = None
     if args.num_gpu_blocks_override:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
-    elif engine.device.type == "cuda":
-        profile = _profile(engine, max_len)
+    elif worker.device.type == "cuda":
+        profile = _profile(worker, max_len)
         num_gpu = max(profile.kv_budget_bytes, 0) // per_block
         source = "gpu_memory_utilization" if profile.limit_bytes is None else "gpu_memory_limit"
     else:
         budget = cpu_kv_budget(args.cpu_kv_cache_space)
         num_gpu, source = budget // per_block, f"cpu_kv_cache_space = {budget / GiB:.2f} GiB"
+    swap_gib = args.swap_space if args.swap_space is not None else (4.0 if worker.device.type == "cuda" else 1.0)
+    swap_bytes = min(int(swap_gib * GiB), psutil.virtual_memory().available // 2)
+    num_gpu, num_cpu = _smallest_over_ranks(int(num_gpu), swap_bytes // per_block)
     if num_gpu < 1:
         if profile is not None:
             raise ModelLoadError(no_kv_room_message(profile, per_block, args.block_size))
         raise ModelLoadError(f"no memory left for the KV cache ({source}); lower max_num_batched_tokens, raise "
                              f"gpu_memory_utilization, or use a smaller model")
-    swap_gib = args.swap_space if args.swap_space is not None else (4.0 if engine.device.type == "cuda" else 1.0)
-    swap_bytes = min(int(swap_gib * GiB), psutil.virtual_memory().available // 2)
-    return KVCachePlan(int(num_gpu), swap_bytes // per_block, per_block, source, profile)
+    return KVCachePlan(num_gpu, num_cpu, per_block, source, profile)
 
 
-def _profile(engine, max_len: int) -> MemoryProfile:
+def _smallest_over_ranks(num_gpu: int, num_cpu: int) -> tuple[int, int]:
+    """Under tensor parallelism every rank holds the same blocks (its share of each block's KV heads): the pool
+    is the smallest rank's. At TP=1 the counts as they are."""
+    counts = all_gather_object((num_gpu, num_cpu))
+    return min(c[0] for c in counts), min(c[1] for c in counts)
+
+
+def _profile(worker, max_len: int) -> MemoryProfile:
     """The memory profile on CUDA: weights as loaded, then the profiled steps (and, under a limit, the reserve)."""
-    args, dev, limit = engine.args, engine.device, engine.gpu_memory_limit
+    args, dev, limit = worker.args, worker.device, worker.gpu_memory_limit
     weights = torch.cuda.memory_allocated(dev)
     if limit is not None:
         check_weights_fit(limit, weights, non_torch_bytes(dev))
     tokens = min(args.batched_tokens_budget, max_len)
     try:
         # The profiled steps write their K/V here, outside the measured peaks: at run time the pool holds them.
-        scratch = CacheEngine(engine.model_config, -(-tokens // args.block_size), 0, args.block_size, engine.dtype,
+        scratch = CacheEngine(worker.model_config, -(-tokens // args.block_size), 0, args.block_size, worker.dtype,
                               dev)
-        reserve = 0 if limit is None else _limit_reserve(engine, max_len, scratch)
+        reserve = 0 if limit is None else _limit_reserve(worker, max_len, scratch)
     except torch.cuda.OutOfMemoryError as err:
         if limit is None:
             raise
         raise steps_out_of_memory(limit, weights, err) from None
-    profile = profile_cuda(lambda: _worst_case_step(engine, tokens, max_len, scratch), weights,
+    profile = profile_cuda(lambda: _worst_case_step(worker, tokens, max_len, scratch), weights,
                            args.gpu_memory_utilization, dev, limit, reserve)
     del scratch
     torch.cuda.empty_cache()        # its freed segment would otherwise stay reserved beside the pool
     return profile
 
 
-def _limit_reserve(engine, max_len: int, scratch: CacheEngine) -> int:
+def _limit_reserve(worker, max_len: int, scratch: CacheEngine) -> int:
     """Under a limit, what the utilization's headroom holds otherwise: the CUDA graph pools (when graphs will
     be captured) and a full encoder cache."""
     from engine.cuda_graphs import cuda_graphs_wanted
 
-    graphs = _graph_pool_bytes(engine, max_len, scratch) if cuda_graphs_wanted(engine.args, engine.device) else 0
-    return graphs + encoder_cache_bytes(engine.model_config, engine.args.encoder_cache_size, engine.dtype)
+    graphs = _graph_pool_bytes(worker, max_len, scratch) if cuda_graphs_wanted(worker.args, worker.device) else 0
+    return graphs + encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype)
 
 
 @torch.inference_mode()
-def _graph_pool_bytes(engine, max_len: int, scratch: CacheEngine) -> int:
+def _graph_pool_bytes(worker, max_len: int, scratch: CacheEngine) -> int:
     """The graphs' private pools, measured on eager runs of their largest shapes. Decoder graphs share one pool,
     captured largest bucket first: its transient peak, plus every graph's output (each stays alive). Vision graphs
     share another: the ViT's peak on the largest image a graph takes, plus that graph's static inputs."""
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
     from engine.vision_graphs import MAX_GRAPH_PATCHES
 
-    cfg, dev = engine.model_config, engine.device
-    itemsize = torch.tensor([], dtype=engine.dtype).element_size()
-    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(engine.args.max_num_seqs))) * cfg.hidden_size * itemsize
-    total = _peak_bytes(lambda: _prefill_forward(engine, min(PREFILL_BUCKETS[-1], max_len), scratch), dev) + outputs
-    image = _largest_image(engine, max_len, MAX_GRAPH_PATCHES)
+    cfg, dev = worker.model_config, worker.device
+    itemsize = torch.tensor([], dtype=worker.dtype).element_size()
+    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(worker.args.max_num_seqs))) * cfg.hidden_size * itemsize
+    total = _peak_bytes(lambda: _prefill_forward(worker, min(PREFILL_BUCKETS[-1], max_len), scratch), dev) + outputs
+    image = _largest_image(worker, max_len, MAX_GRAPH_PATCHES)
     if image is not None:
         pixels, grid = image
-        total += _peak_bytes(lambda: engine.model.encode_images(pixels, grid), dev)
+        total += _peak_bytes(lambda: worker.model.encode_images(pixels, grid), dev)
         total += pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize   # static inputs
     return total
 
@@ -138,10 +150,10 @@ def _peak_bytes(fn, device: torch.device) -> int:
     return peak
 
 
-def _largest_image(engine, max_len: int, max_patches: int | None = None):
+def _largest_image(worker, max_len: int, max_patches: int | None = None):
     """Random pixels and grid of the largest image a request may carry (its tokens within max_len, its patches
     within max_patches), or None for a text-only model."""
-    processor = engine.input_processor.image_processor
+    processor = worker.image_processor
     if processor is None:
         return None
     budget = min(processor.max_pixels, max_len * processor.factor ** 2)
@@ -151,21 +163,21 @@ def _largest_image(engine, max_len: int, max_patches: int | None = None):
     h, w = processor.resized_size(side, side)
     t, gh, gw = processor.grid_thw(h, w)
     pixels = torch.randn(t * gh * gw, 3 * processor.temporal_patch_size * processor.patch_size ** 2,
-                         device=engine.device)
+                         device=worker.device)
     return pixels, torch.tensor([[t, gh, gw]])
 
 
 @torch.inference_mode()
-def _worst_case_step(engine, tokens: int, max_len: int, scratch: CacheEngine) -> None:
+def _worst_case_step(worker, tokens: int, max_len: int, scratch: CacheEngine) -> None:
     """The largest step the scheduler can build: `tokens` (max_num_batched_tokens) prompt tokens through the
     decoder into the scratch KV cache, logits and top-p sampling for max_num_seqs rows, and the largest image
     through the ViT."""
     from engine.sampler import SamplingMetadata, sample
 
-    args, dev = engine.args, engine.device
-    hidden = _prefill_forward(engine, tokens, scratch)
+    args, dev = worker.args, worker.device
+    hidden = _prefill_forward(worker, tokens, scratch)
     rows = min(args.max_num_seqs, tokens)
-    logits = engine.model.compute_logits(hidden[-rows:])
+    logits = worker.model.compute_logits(hidden[-rows:])
     del hidden
     fake = SamplingMetadata(
         temperature=torch.ones(rows, device=dev), greedy=torch.zeros(rows, dtype=torch.bool, device=dev),
@@ -173,18 +185,18 @@ def _worst_case_step(engine, tokens: int, max_len: int, scratch: CacheEngine) ->
         frequency=None, repetition=None, output_ids=[[]] * rows, prompt_ids=[[]] * rows, banned=[], generators={},
         max_logprobs=None)
     sample(logits, fake)
-    image = _largest_image(engine, max_len)
+    image = _largest_image(worker, max_len)
     if image is not None:
         # The largest image a request may carry is encoded in one piece (chunked prefill splits only its
         # placeholder tokens): profile the vision encoder on it.
-        engine.model.encode_images(*image)
+        worker.model.encode_images(*image)
 
 
-def _prefill_forward(engine, tokens: int, scratch: CacheEngine) -> torch.Tensor:
+def _prefill_forward(worker, tokens: int, scratch: CacheEngine) -> torch.Tensor:
     """One sequence of `tokens` prompt tokens through the decoder into `scratch`; its hidden states."""
     from engine.ops import AttentionMetadata
 
-    cfg, dev, bs = engine.model_config, engine.device, engine.args.block_size
+    cfg, dev, bs = worker.model_config, worker.device, worker.args.block_size
     blocks = -(-tokens // bs)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=dev)
     positions = torch.arange(tokens, device=dev)
@@ -196,4 +208,4 @@ def _prefill_forward(engine, tokens: int, scratch: CacheEngine) -> torch.Tensor:
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None], num_decodes=0, num_decode_tokens=0,
         max_query_len=tokens, max_seq_len=tokens, query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens])
-    return engine.model(ids, positions, scratch.layer_caches(), md)
+    return worker.model(ids, positions, scratch.layer_caches(), md)

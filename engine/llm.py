@@ -16,6 +16,16 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any):
         self.engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes and the input threads (also done at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -4,6 +4,7 @@ while the device computes, and returns what changed. The offline LLM and the ser
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -11,31 +12,28 @@ import torch
 
 from engine import load_progress
 from engine.args import EngineArgs
-from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
-from engine.cuda_graphs import cuda_graphs_wanted, enable_cuda_graphs, scratch_blocks_needed
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.executor import RankInfo, TensorParallelExecutor, check_tensor_parallel_size
+from engine.distributed.worker import Worker, resolve_dtype
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
 from engine.inputs.setup import build_input_processor
 from engine.kv_map import block_map
-from engine.kv_sizing import plan_kv_cache
 from engine.logger import init_logger
-from engine.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
-from engine.model.loader import build_model, load_model_config, load_weights
+from engine.memory import GiB
+from engine.model.loader import load_model_config
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.runner import InflightStep, ModelRunner
+from engine.runner import InflightStep
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
 from engine.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32,
-           "float": torch.float32}
 
 
 class LLMEngine:
@@ -44,42 +42,50 @@ class LLMEngine:
         self.args = args
         self.device = _resolve_device(args.device)
         self.model_config: ModelConfig = load_model_config(args.model, args.quantization, args.load_format)
-        self.dtype = _resolve_dtype(args.dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
         self.model_name = args.served_model_name or Path(args.model).name
+        self.tensor_parallel_size = tp = args.tensor_parallel_size
         logger.info("Initializing engine: model=%s, architecture=%s, dtype=%s, device=%s, block_size=%d, "
-                    "prefix_caching=%s, scheduling_policy=%s", args.model, self.model_config.architecture,
-                    str(self.dtype).removeprefix("torch."), self.device, args.block_size,
-                    args.enable_prefix_caching, args.scheduling_policy)
+                    "prefix_caching=%s, scheduling_policy=%s, tensor_parallel_size=%d", args.model,
+                    self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device,
+                    args.block_size, args.enable_prefix_caching, args.scheduling_policy, tp)
+        check_tensor_parallel_size(tp, self.device, self.model_config)     # before any process starts
+        self.executor: TensorParallelExecutor | None = None
+        if tp > 1:
+            self.executor = TensorParallelExecutor(args, self.device)
+            self.device = self.executor.device          # rank 0's: cuda:0 on GPUs
+        try:
+            self._init_rank0(args)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown(graceful=False)
+            raise
+        self.ranks = (self.executor.ranks if self.executor is not None
+                      else [RankInfo(0, os.getpid(), _device_name(self.device))])
+        if self.executor is not None:
+            self.executor.mark_ready()
+        logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
+
+    def _init_rank0(self, args: EngineArgs) -> None:
+        """Rank 0's model share, KV pool and runner (each worker builds its own the same way), then the engine
+        core around them: scheduler, KV cache manager, output processing."""
         self.input_processor = build_input_processor(args, self.model_config)
         self.tokenizer = self.input_processor.tokenizer
         load_progress.report("building the model", 0.03)
 
         max_len = args.max_model_len or self.model_config.max_position_embeddings
-        # Capped before the weights arrive, so that loading too runs as on a card of that size.
-        self.gpu_memory_limit = apply_gpu_memory_limit(args.gpu_memory_limit, self.device)
-        try:
-            self.model = build_model(self.model_config, max_len, self.dtype, self.device)
-            load_weights(self.model, args.model, args.load_format)
-        except torch.cuda.OutOfMemoryError as err:
-            if self.gpu_memory_limit is None:
-                raise
-            raise weights_out_of_memory(self.gpu_memory_limit, self.device, err) from None
+        self.worker = worker = Worker(args, self.model_config, self.dtype, self.device,
+                                      self.input_processor.image_processor)
+        self.gpu_memory_limit = worker.gpu_memory_limit
+        worker.load_model(max_len)
+        self.model = worker.model
 
         load_progress.report("sizing the KV cache", 0.87)
-        plan = plan_kv_cache(self, max_len)
-        self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
+        plan = worker.init_kv_cache(max_len)
+        self.num_gpu_blocks, self.num_cpu_blocks = worker.num_gpu_blocks, worker.num_cpu_blocks
         self.kv_bytes_per_block = plan.bytes_per_block
-        use_graphs = cuda_graphs_wanted(args, self.device)
-        # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool.
-        # (Taken from the profiled budget; an explicit num_gpu_blocks_override gets them on top.)
-        num_scratch = scratch_blocks_needed(args.block_size) if use_graphs else 0
-        if num_scratch and not args.num_gpu_blocks_override:
-            if self.num_gpu_blocks > 2 * num_scratch:
-                self.num_gpu_blocks -= num_scratch
-            else:
-                use_graphs, num_scratch = False, 0
-        self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
-        self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
+        self.scratch_blocks = worker.scratch_blocks
+        self.max_model_len = worker.max_model_len
         self.input_processor.max_prompt_tokens = self.max_model_len
         if self.max_model_len < max_len:
             under = "" if self.gpu_memory_limit is None else \
@@ -87,17 +93,14 @@ class LLMEngine:
             logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens%s", max_len,
                            self.max_model_len, self.num_gpu_blocks * args.block_size, under)
         self.max_num_batched_tokens = args.batched_tokens_budget
-        self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
-                                 args.block_size, self.dtype, self.device)
+        self.cache, self.runner = worker.cache, worker.runner
         self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.model_config, self.cache, args.block_size, self.device,
-                                  args.encoder_cache_size)
         plan.log(self)
-        if use_graphs:
+        if worker.use_graphs:
             load_progress.report("capturing CUDA graphs", 0.9)
-            enable_cuda_graphs(self)
+            worker.capture_cuda_graphs()
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
@@ -110,7 +113,6 @@ class LLMEngine:
         # collection; one took 88 ms on a 2-core CPU, a stall for every running stream. vLLM freezes them too.
         gc.collect()
         gc.freeze()
-        logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -218,13 +220,35 @@ class LLMEngine:
         launched = None
         if not so.is_empty:
             self.stats.on_schedule(so)
-            launched = self.runner.launch(so, self._inflight)
+            if self.executor is None:
+                launched = self.runner.launch(so, self._inflight)
+            else:
+                launched = self._launch_on_all_ranks(so)
         else:
+            if self.executor is not None and so.finished_req_ids:
+                self.executor.execute(so)               # the workers forget them too
             self.runner.update_states(so)               # it may still have finished requests to forget
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
         self._inflight = launched
         return outputs
+
+    def _launch_on_all_ranks(self, so: SchedulerOutput) -> InflightStep:
+        """Send step `so` to the workers, then launch it here. From the send on, every rank must run the step's
+        collectives: rank 0 failing inside the step leaves the others waiting in one, so it ends the engine."""
+        try:
+            self.executor.execute(so)
+            return self.runner.launch(so, self._inflight)
+        except Exception as e:
+            self.executor.step_failed(e)       # ends the process, unless it is already shutting down
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (tensor parallelism) and the input threads; from the thread that runs the
+        steps, between steps. The engine cannot run afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown()
+        self.input_processor.shutdown()
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         result = step.result()
@@ -260,11 +284,6 @@ class LLMEngine:
         return block_map(self.kv, self.scheduler, self.kv_bytes_per_block)
 
 
-def _cpu_has_bf16() -> bool:
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(check and check())
-
-
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -273,14 +292,8 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        # fp32 on CPU (exact), except a GGUF, whose weights are already quantized: bf16 halves the bytes each
-        # token reads, and on CPUs with AVX512-BF16 both prefill and decode run ~1.7x faster than fp32 (fp16
-        # decodes faster still but prefills 3x slower: its matrix products have no fast CPU path).
-        return torch.bfloat16 if config.source_format == "gguf" and _cpu_has_bf16() else torch.float32
-    dtype = _DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
-    return torch.bfloat16 if dtype == torch.float32 else dtype
-
+def _device_name(device: torch.device) -> str:
+    """cuda:0 rather than cuda: the GPU this process runs on, as /stats reports it."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)

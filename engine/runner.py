@@ -11,6 +11,7 @@ import torch
 from engine.cache_engine import CacheEngine
 from engine.config import ModelConfig
 from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.distributed.parallel_state import broadcast_tensor, get_tp_rank, get_tp_size
 from engine.encoder_cache import EncoderCache, EncoderOutput
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
@@ -82,7 +83,8 @@ class InflightStep:
     step's work (an event), never for a later step queued behind it."""
 
     def __init__(self, so: SchedulerOutput, token_ids: torch.Tensor | None = None, logprobs: list | None = None,
-                 sampled: list[CachedRequestState] = (), prompt_logprobs: list[PromptLogprobs] = ()):
+                 sampled: list[CachedRequestState] = (), prompt_logprobs: list[PromptLogprobs] = (),
+                 to_host: bool = True):
         self.so = so
         self.token_ids = token_ids                # [S] on the device, row i for so.sampled[i] (pending inputs)
         self.prompt_logprobs = list(prompt_logprobs)   # chunks scored this step, on the device until result()
@@ -91,7 +93,7 @@ class InflightStep:
         self._result: StepResult | None = None
         self._host = None
         self._event = None
-        if token_ids is not None and token_ids.is_cuda:
+        if to_host and token_ids is not None and token_ids.is_cuda:     # (a worker rank never reads them)
             self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             self._host.copy_(token_ids, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -177,6 +179,9 @@ class ModelRunner:
         self.vision_graphs = None   # likewise, for a multimodal model
         self._staging = None        # pinned host buffer for image uploads, reused (see _upload)
         self._staging_free = None   # event: the last upload from it has finished
+        # Tensor parallelism: every rank runs this runner on its share of the model; rank 0 alone samples
+        # (it owns the grammars, generators and penalties) and sends the token ids to the others.
+        self.tp_size, self.is_driver = get_tp_size(), get_tp_rank() == 0
 
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,12 +206,21 @@ class ModelRunner:
         if not inp.sampled:
             return InflightStep(so, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if not self.is_driver:
+            return InflightStep(so, self._receive_token_ids(len(inp.sampled)), to_host=False)
         if any(state.grammar is not None for state in inp.sampled):
             catch_up_grammars(so, inp.sampled, prev)
         smd = SamplingMetadata.from_requests(inp.sampled, logits.shape[-1], self.device,
                                              [s.num_output_tokens for s in so.sampled])
         out = sample(logits, smd)
+        if self.tp_size > 1:        # the next step's pending inputs must be the same ids on every rank
+            broadcast_tensor(out.token_ids)
         return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
+
+    def _receive_token_ids(self, num_sampled: int) -> torch.Tensor:
+        """A worker rank's copy of the ids rank 0 sampled this step (on the device, like rank 0's)."""
+        token_ids = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+        return broadcast_tensor(token_ids)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Forget the requests that finished, learn the new ones."""

@@ -142,4 +142,6 @@ class StatLogger:
             "multimodal": e.model_config.is_multimodal,
             "max_images_per_prompt": e.input_processor.limits.limit_images_per_prompt,
             "demo_model": e.args.demo_model,
+            "tensor_parallel_size": e.tensor_parallel_size,
+            "ranks": [r.as_dict() for r in e.ranks],
         }

@@ -210,7 +210,7 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     from engine.kv_sizing import _graph_pool_bytes, _largest_image, _profile
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
-    engine, cfg = llm.engine, llm.engine.model_config
+    engine, cfg = llm.engine.worker, llm.engine.model_config     # rank 0's Worker: what kv_sizing sizes
     fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
     fake.install(monkeypatch)
     fake.alloc(GiB)                                           # the "weights"

@@ -29,8 +29,9 @@ _TP = TensorParallelGroup(rank=0, world_size=1, device_group=None, cpu_group=Non
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 600.0) -> TensorParallelGroup:
-    """Join the group of `world_size` ranks at `init_method` (e.g. tcp://127.0.0.1:port)."""
+                         timeout_s: float = 600.0, object_timeout_s: float | None = None) -> TensorParallelGroup:
+    """Join the group of `world_size` ranks at `init_method` (e.g. tcp://127.0.0.1:port). `object_timeout_s`:
+    a longer wait for the host group, whose broadcasts the workers wait in while the engine is idle."""
     global _TP
     if world_size == 1:
         _TP = TensorParallelGroup(0, 1, None, None)
@@ -40,7 +41,11 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     ranks = list(range(world_size))
-    cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    if backend == "gloo" and object_timeout_s is None:
+        cpu_group = dist.group.WORLD
+    else:
+        object_timeout = timeout if object_timeout_s is None else datetime.timedelta(seconds=object_timeout_s)
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=object_timeout)
     _TP = TensorParallelGroup(rank, world_size, dist.group.WORLD, cpu_group)
     return _TP
 
