@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.ops.quant import fp8_block_linear, fp8_block_linear_w8a8_ref, pack_int32, wna16_linear  # noqa: E402
+from engine.ops.quant import fp8_block_linear_w8a8_ref, pack_int32  # noqa: E402
 from engine.ops.triton import fp8_block as tf  # noqa: E402
 from engine.ops.triton import wna16 as tw  # noqa: E402
 
@@ -153,6 +153,11 @@ def bench_shape(kind, K, N, M):
 def bench_decoder(kind, M):
     make, op, env, _, _ = (KINDS | DECODER_ONLY)[kind]
     set_env(env)
+    return decoder_linears_ms(op, make, M)
+
+
+def decoder_linears_ms(op, make, M):
+    """ms per step of the 36 layers' linears in one graph (distinct weights per layer)."""
     layers = [[make(K, N) for _, K, N in LAYER] for _ in range(LAYERS)]
     xs = {K: torch.randn(M, K, device="cuda", dtype=DT) for _, K, _ in LAYER}
     calls = [lambda w=w, x=xs[K]: op(x, *w) for layer in layers for (_, K, _), w in zip(LAYER, layer)]

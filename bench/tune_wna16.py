@@ -28,7 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_quant import LAYER, LAYERS, ROTATE_BYTES, make_bf16, make_w4, time_graph, weight_bytes  # noqa: E402
+from bench_quant import (LAYER, ROTATE_BYTES, decoder_linears_ms, make_bf16, make_w4, time_graph,  # noqa: E402
+                         weight_bytes)
 from engine.ops.triton import wna16 as tw  # noqa: E402
 from engine.ops.triton import wna16_fused as tf  # noqa: E402
 
@@ -205,17 +206,6 @@ def ab_table(shapes, tokens):
     return rows
 
 
-def decoder_step(op, make, M):
-    """ms per step of the 36 layers' linears in one graph (distinct weights per layer)."""
-    layers = [[make(K, N) for _, K, N in LAYER] for _ in range(LAYERS)]
-    xs = {K: torch.randn(M, K, device="cuda", dtype=DT) for _, K, _ in LAYER}
-    calls = [lambda w=w, x=xs[K]: op(x, *w) for layer in layers for (_, K, _), w in zip(LAYER, layer)]
-    ms = time_graph(calls, reps=10)
-    del layers
-    torch.cuda.empty_cache()
-    return ms
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=12, help="compile processes (1: compile while timing)")
@@ -236,9 +226,9 @@ def main():
     dec = {}
     print("\nwhole decoder's linears per step (36 layers x qkv, o, gate_up, down; one graph), ms:")
     for M in (1, 64, 256):
-        dec[f"bf16 M={M}"] = decoder_step(bf16_op, make_bf16, M)
-        dec[f"old M={M}"] = decoder_step(old_op, make_w4, M)
-        dec[f"fused M={M}"] = decoder_step(fused_op, make_w4, M)
+        dec[f"bf16 M={M}"] = decoder_linears_ms(bf16_op, make_bf16, M)
+        dec[f"old M={M}"] = decoder_linears_ms(old_op, make_w4, M)
+        dec[f"fused M={M}"] = decoder_linears_ms(fused_op, make_w4, M)
         print(f"M={M:4d}: bf16 {dec[f'bf16 M={M}']:.3f}  4-bit old {dec[f'old M={M}']:.3f}  "
               f"4-bit fused {dec[f'fused M={M}']:.3f}", flush=True)
     result["decoder"] = dec

@@ -119,9 +119,9 @@ def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
     """The proxy's connections to the engine cover --max-num-seqs plus --max-waiting-requests (and room for
     streams that are ending): a request past those is answered by the engine, not held in the proxy."""
     from engine.args import EngineArgs
-    from engine.server.cli import DEFAULT_MAX_WAITING_REQUESTS
+    from engine.server.cli import ServerArgs
     from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS
-    assert (ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING) == (EngineArgs.max_num_seqs, DEFAULT_MAX_WAITING_REQUESTS)
+    assert (ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING) == (EngineArgs.max_num_seqs, ServerArgs.max_waiting_requests)
     assert upstream_connections([]) == DEFAULT_MAX_UPSTREAM_CONNECTIONS == 256 + 1024 + 64
     assert upstream_connections(["--max-num-seqs", "8", "--max-waiting-requests=100"]) == 8 + 100 + 64
     assert upstream_connections(["--max-num-seqs", "lots"]) == 256 + 1024 + 64

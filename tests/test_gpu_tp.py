@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine_helpers import assert_pool_idle, make_llm, noise_image
-from test_engine_parity import image_part
+from engine_helpers import assert_pool_idle, make_llm
+from test_gpu_engine import conversations
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -17,18 +17,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprob
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
 MODES = dict(num_gpu_blocks_override=24, max_num_batched_tokens=32, enable_prefix_caching=True)
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hello! How can I help you today?"}],
-    [{"role": "user", "content": [image_part(noise_image(64, 64, 1)), {"type": "text", "text": "Describe."}]}],
-    [{"role": "user", "content": [image_part(noise_image(96, 160, 2)), {"type": "text", "text": "and"},
-                                  image_part(noise_image(128, 64, 3)), {"type": "text", "text": "Compare."}]}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Once upon a time there was a small cat who liked to sleep in the sun."}],
-]
 
 
 def outputs(llm) -> list:
-    prompts = [llm.engine.input_processor.process_chat(c) for c in CONVERSATIONS]
+    prompts = [llm.engine.input_processor.process_chat(c) for c in conversations()]
     outs = llm.generate(prompts + [prompts[3]], [GREEDY] * len(prompts) + [SEEDED])
     outs += llm.generate(prompts, GREEDY)       # again: prefix-cache and encoder-cache hits
     assert_pool_idle(llm)
