@@ -167,16 +167,15 @@ def print_table(best):
     print("}", flush=True)
 
 
-def old_op(x, *w):
-    os.environ["ENGINE_WNA16_KERNELS"] = "old"
-    try:
+def kernels_op(which: str):
+    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels."""
+    def op(x, *w):
+        os.environ["ENGINE_WNA16_KERNELS"] = which
         return tw.wna16_linear(x, *w)
-    finally:
-        os.environ["ENGINE_WNA16_KERNELS"] = "fused"
+    return op
 
 
-def fused_op(x, *w):
-    return tw.wna16_linear(x, *w)
+old_op, fused_op = kernels_op("old"), kernels_op("fused")
 
 
 def bf16_op(x, w):

@@ -1,8 +1,9 @@
 """4-/8-bit group-quantized weights x bf16/fp16 activations (Triton version of wna16_linear_ref).
 
-wna16_linear runs wna16_fused's kernels (a one-token GEMV and a GEMM that dequantizes in its K loop, up to
-DEQUANT_MIN_M tokens) unless ENGINE_WNA16_KERNELS=old; from there on, and always under that setting, this
-module's kernels run. They are kept for prefill-sized batches and for A/B measurements (bench/tune_wna16.py).
+With ENGINE_WNA16_KERNELS=fused, wna16_linear runs wna16_fused's kernels (a one-token GEMV and a GEMM that
+dequantizes in its K loop) up to DEQUANT_MIN_M tokens, and this module's from there on. They stay opt-in until
+they have passed the GPU tests and been timed on a GPU (so far only Triton's CPU interpreter has run them;
+`STAGES=wna16 bash bench/device_check.sh` does both); by default this module's kernels, measured, run.
 This module's three paths, chosen by the number of tokens M (choose_config; measured on an H200, BENCHMARKS.md):
 - M == 1, GEMV: FMA dot products; each program streams a column strip of the packed weight once.
 - 2 <= M <= 64, dot: a tiled kernel that dequantizes each packed tile in registers and feeds the tensor cores.
@@ -211,15 +212,15 @@ def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
 
 
 def fused_kernels_enabled() -> bool:
-    """ENGINE_WNA16_KERNELS=old selects this module's kernels (GEMV, dot, dequantize+cuBLAS) instead of
-    wna16_fused's, for A/B measurements in one process."""
-    return os.environ.get("ENGINE_WNA16_KERNELS", "fused") != "old"
+    """ENGINE_WNA16_KERNELS=fused selects wna16_fused's kernels instead of this module's (GEMV, dot,
+    dequantize+cuBLAS); read per call, for A/B measurements in one process."""
+    return os.environ.get("ENGINE_WNA16_KERNELS", "old") == "fused"
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bits: int, bias: torch.Tensor | None = None,
                  config: Wna16Config | wna16_fused.FusedConfig | None = None) -> torch.Tensor:
-    """config: None chooses (the fused kernels unless ENGINE_WNA16_KERNELS=old); a Wna16Config runs this
+    """config: None chooses (the fused kernels under ENGINE_WNA16_KERNELS=fused); a Wna16Config runs this
     module's kernels, a FusedConfig wna16_fused's."""
     lead = x.shape[:-1]
     K = x.shape[-1]
