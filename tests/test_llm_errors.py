@@ -42,6 +42,29 @@ def test_missing_tensor_is_named(qwen3_dir, tmp_path):
         LLM(str(d))
 
 
+def test_a_tensor_the_model_has_no_parameter_for_is_refused(qwen3_dir, tmp_path):
+    """A bias the config does not announce (Llama's mlp_bias) would be dropped and change every answer."""
+    d = shutil.copytree(qwen3_dir, tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    rows = weights["model.layers.0.mlp.down_proj.weight"].shape[0]
+    weights["model.layers.0.mlp.down_proj.bias"] = weights["model.layers.0.mlp.down_proj.weight"].new_ones(rows)
+    save_file(weights, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj.bias.*no parameter"):
+        LLM(str(d))
+
+
+def test_tensors_of_parts_the_model_does_not_build_are_ignored_with_a_word(qwen3_dir, tmp_path, caplog):
+    d = shutil.copytree(qwen3_dir, tmp_path / "m")
+    weights = load_file(d / "model.safetensors")
+    weights["mtp.layers.0.proj.weight"] = weights["model.norm.weight"].clone()
+    weights["model.rotary_emb.inv_freq"] = weights["model.norm.weight"].clone()
+    save_file(weights, d / "model.safetensors")
+    llm = make_llm(d, max_model_len=64, num_gpu_blocks_override=8)
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    ignored = [r.getMessage() for r in caplog.records if "Ignored" in r.getMessage()]
+    assert ignored == ["Ignored 1 checkpoint tensors of parts this model does not use: mtp.layers.0.proj.weight"]
+
+
 def test_empty_prompt(llm):
     with pytest.raises(InvalidInputError, match="empty"):
         llm.generate("")

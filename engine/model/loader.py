@@ -295,6 +295,7 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
     filled: dict[str, set] = defaultdict(set)
     vision: list[tuple[str, torch.Tensor]] = []
     dequantized: list[str] = []
+    unused: list[tuple[str, nn.Module | None]] = []   # checkpoint tensors that match no parameter
     for name, entry in weights:
         target = _target(name, config)
         if target is None:
@@ -329,7 +330,9 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
         elif name.startswith("model.visual."):
             tensor = entry.read()
         elif target[0] not in params:
-            continue   # rotary inv_freq buffers saved by old checkpoints
+            if not name.endswith("rotary_emb.inv_freq"):    # buffers that old checkpoints saved
+                unused.append((name, module))
+            continue
         else:
             tensor = entry.read(_rank_index(module, shard, FLOAT_BIAS if name.endswith(".bias") else FLOAT_WEIGHT))
         if name.startswith("model.visual."):
@@ -341,6 +344,7 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
         filled[target[0]].add(shard)
     if collector is not None:
         collector.check_complete()
+    _check_unused(unused)
     if dequantized:
         logger.info("Dequantized %d quantized layers the model runs in %s (%s%s) at load", len(dequantized),
                     str(dtype).removeprefix("torch."), ", ".join(dequantized[:3]),
@@ -353,6 +357,22 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint is missing tensors: {shown}", code="missing_weights")
+
+
+def _check_unused(unused: list[tuple[str, nn.Module | None]]) -> None:
+    """A bias for a layer the model built without one (the config did not announce it, as Llama's mlp_bias)
+    would be dropped and change every answer: refused. Other tensors that match no parameter (parts the model
+    does not build, such as extra heads, or scales of options it does not use) are named in the log."""
+    dropped = [name for name, module in unused if module is not None and name.endswith(".bias")]
+    if dropped:
+        shown = ", ".join(dropped[:4]) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else "")
+        raise ModelLoadError(f"the checkpoint holds {shown}, which the model built from its config.json has no "
+                             f"parameter for (an option this engine does not support, such as mlp_bias?)",
+                             code="unexpected_weights")
+    if unused:
+        shown = ", ".join(name for name, _ in unused[:4])
+        logger.warning("Ignored %d checkpoint tensors of parts this model does not use: %s%s", len(unused), shown,
+                       " ..." if len(unused) > 4 else "")
 
 
 def _copy_shard(module: nn.Module | None, param: torch.Tensor, tensor: torch.Tensor, shard: int | None,
