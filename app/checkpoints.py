@@ -138,17 +138,28 @@ def other_params(config: dict) -> int:
     vocab, layers = t["vocab_size"], t["num_hidden_layers"]
     tied = config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
     n = vocab * h * (1 if tied else 2) + layers * (2 * h + 2 * hd) + h     # + q/k norms, layer norms, final norm
+    return n + _vision_other_params(config)
+
+
+def _vision_other_params(config: dict) -> int:
+    """The vision tower's parameters outside its blocks' linear weights."""
     v = config.get("vision_config")
-    if v:
-        vh, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
-        block_rest = 3 * vh + vh + vi + vh + 4 * vh                    # linear biases, two LayerNorms
-        patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh + vh
-        merged = vh * v["spatial_merge_size"] ** 2
-        merger = merged * merged + merged + merged * out + out        # fc1, fc2 (the norm is counted below)
-        deepstack = len(v.get("deepstack_visual_indexes", []))
-        n += v["depth"] * block_rest + patch + v["num_position_embeddings"] * vh
-        n += (merger + 2 * vh) + deepstack * (merger + 2 * merged)
-    return n
+    if not v:
+        return 0
+    vh, vi, out = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"]
+    block_rest = 3 * vh + vh + vi + vh + 4 * vh                    # linear biases, two LayerNorms
+    patch = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2 * vh + vh
+    merged = vh * v["spatial_merge_size"] ** 2
+    merger = merged * merged + merged + merged * out + out        # fc1, fc2 (the norm is counted below)
+    deepstack = len(v.get("deepstack_visual_indexes", []))
+    return (v["depth"] * block_rest + patch + v["num_position_embeddings"] * vh + (merger + 2 * vh)
+            + deepstack * (merger + 2 * merged))
+
+
+def vision_bytes(config: dict) -> int:
+    """Device bytes of the vision tower: bf16 (a tower shipped quantized is dequantized at load), and whole on
+    every rank under tensor parallelism."""
+    return 2 * (sum(o * i for o, i in vision_linear_shapes(config)) + _vision_other_params(config))
 
 
 def weight_bytes(config: dict, fmt: WeightFormat) -> int:
@@ -178,10 +189,17 @@ class CachedCheckpoint:
     fmt: WeightFormat | None      # None when the engine cannot load it
     weights: int = 0              # bytes, computed
     skipped: str | None = None    # why it is not a candidate
+    replicated: int = 0           # of which every rank holds all (the vision tower) under tensor parallelism
 
     @property
     def needs(self) -> int:
         return self.weights + RUNTIME_BYTES
+
+    def needs_per_gpu(self, tensor_parallel_size: int = 1) -> int:
+        """What each of N GPUs needs: its share of the split weights, the replicated ones, the run time."""
+        if tensor_parallel_size == 1:
+            return self.needs
+        return (self.weights - self.replicated) // tensor_parallel_size + self.replicated + RUNTIME_BYTES
 
     def describe(self) -> str:
         if self.fmt is None:
@@ -215,10 +233,11 @@ def cached_checkpoints(hub: Path, latest_snapshot) -> list[CachedCheckpoint]:
             found.append(CachedCheckpoint(repo, snap, None, skipped=fmt))
             continue
         try:
-            size = weight_bytes(config, fmt)
+            size, vision = weight_bytes(config, fmt), vision_bytes(config)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            size = weight_bytes(json.loads(REFERENCE_CONFIG.read_text()), fmt)
-        found.append(CachedCheckpoint(repo, snap, fmt, size))
+            reference = json.loads(REFERENCE_CONFIG.read_text())
+            size, vision = weight_bytes(reference, fmt), vision_bytes(reference)
+        found.append(CachedCheckpoint(repo, snap, fmt, size, replicated=min(vision, size)))
     return found
 
 
@@ -229,10 +248,12 @@ class Choice:
     others: list[CachedCheckpoint]
 
 
-def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None) -> Choice | None:
-    """The most precise checkpoint whose weights plus run-time memory fit the GPU's total memory; with none
-    fitting, the smallest; without a GPU to read, bf16 if present, else the most precise. Official Qwen repos
-    first among equals."""
+def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None,
+           tensor_parallel_size: int = 1) -> Choice | None:
+    """The most precise checkpoint whose weights plus run-time memory fit the GPU's total memory (with
+    tensor parallelism: each of N such GPUs holding its share); with none fitting, the smallest; without a GPU
+    to read, bf16 if present, else the most precise. Official Qwen repos first among equals."""
+    n = tensor_parallel_size
     usable = [c for c in found if c.fmt is not None]
     if not usable:
         return None
@@ -241,22 +262,26 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None) -> Choice
         pick, reason = by_quality[0], "no NVIDIA GPU found (nvidia-smi): the most precise checkpoint"
     else:
         name, total = gpu
-        fits = [c for c in by_quality if c.needs <= total]
+        if n > 1:
+            name = f"{n} x {name}"
+        fits = [c for c in by_quality if c.needs_per_gpu(n) <= total]
+        share = "its weights" if n == 1 else f"1/{n} of its weights (the vision tower whole)"
         if fits:
             pick = fits[0]
-            reason = (f"the most precise one that fits {name} ({total / GiB:.0f} GiB; a checkpoint needs its "
-                      f"weights + ~{RUNTIME_BYTES / GB:.1f} GB at run time)")
+            reason = (f"the most precise one that fits {name} ({total / GiB:.0f} GiB; a checkpoint needs {share} "
+                      f"+ ~{RUNTIME_BYTES / GB:.1f} GB at run time{' per GPU' if n > 1 else ''})")
         else:
             pick = min(usable, key=lambda c: c.weights)
             reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "
-                      f"~{pick.needs / GB:.0f} GB: lower --max-model-len, --max-num-batched-tokens and "
+                      f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''}: lower --max-model-len, --max-num-batched-tokens and "
                       f"--encoder-cache-size (README: 'Which checkpoint for which GPU')")
     return Choice(pick, reason, [c for c in found if c is not pick])
 
 
-def gpu_memory(env=os.environ) -> tuple[str, int] | None:
-    """(name, total bytes) of the GPU the engine will use (CUDA_VISIBLE_DEVICES' first, else GPU 0), from
-    nvidia-smi; None without one. LOCALCHAT_GPU_MEMORY_GIB overrides it (choose as for a card of that size)."""
+def gpu_memory(env=os.environ, count: int = 1) -> tuple[str, int] | None:
+    """(name, total bytes) of the GPU the engine will use (CUDA_VISIBLE_DEVICES' first, else GPU 0), or the
+    smallest of the first `count` (tensor parallelism), from nvidia-smi; None without one.
+    LOCALCHAT_GPU_MEMORY_GIB overrides it (choose as for cards of that size)."""
     if env.get("LOCALCHAT_GPU_MEMORY_GIB"):
         return "LOCALCHAT_GPU_MEMORY_GIB", int(float(env["LOCALCHAT_GPU_MEMORY_GIB"]) * GiB)
     smi = shutil.which("nvidia-smi")
@@ -267,22 +292,23 @@ def gpu_memory(env=os.environ) -> tuple[str, int] | None:
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"))
+    return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"), count)
 
 
-def parse_nvidia_smi(out: str, visible: str | None) -> tuple[str, int] | None:
+def parse_nvidia_smi(out: str, visible: str | None, count: int = 1) -> tuple[str, int] | None:
+    """The first `count` GPUs the engine sees (CUDA_VISIBLE_DEVICES' indices, else in order; a UUID list counts
+    from GPU 0), the smallest of them; None when fewer are there."""
     rows = [line.rsplit(",", 1) for line in out.strip().splitlines() if "," in line]
-    index = 0
-    first = (visible or "").split(",")[0].strip()
-    if first.isdigit():
-        index = int(first)
-    if not rows or index >= len(rows):
+    listed = [part.strip() for part in (visible or "").split(",")]
+    indices = [int(i) for i in listed if i.isdigit()] if listed and listed[0].isdigit() else list(range(len(rows)))
+    indices = indices[:count]
+    if not rows or len(indices) < count or any(i >= len(rows) for i in indices):
         return None
-    name, mib = rows[index]
     try:
-        return name.strip(), int(float(mib)) * 2**20
+        gpus = [(rows[i][0].strip(), int(float(rows[i][1])) * 2**20) for i in indices]
     except ValueError:
         return None
+    return min(gpus, key=lambda g: g[1])
 
 
 def main(argv: list[str]) -> None:

@@ -54,6 +54,18 @@ def split_engine_args(args: list[str]) -> tuple[list[str], str | None]:
     return out, key
 
 
+def tensor_parallel_size(args: list[str]) -> int:
+    """The engine's --tensor-parallel-size / -tp among the launcher's arguments (1 when absent; a bad value is
+    the engine's to refuse)."""
+    for i, arg in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            value = args[i + 1] if arg == flag and i + 1 < len(args) else \
+                arg.split("=", 1)[1] if arg.startswith(flag + "=") else None
+            if value is not None:
+                return int(value) if value.isdigit() and int(value) > 0 else 1
+    return 1
+
+
 DEMO_GENERATION_DIR = Path(__file__).resolve().parent / "demo_generation"
 
 
@@ -319,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rest.append(arg)
     try:
-        model = resolve_model(model_arg)
+        model = resolve_model(model_arg, tensor_parallel_size=tensor_parallel_size(rest))
     except ModelNotFound as err:
         say(f"error: {err}")
         return 2

@@ -75,10 +75,11 @@ def latest_complete_snapshot(repo_dir: Path) -> Path | None:
     return next((c for c in candidates if c.is_dir() and snapshot_complete(c)), None)
 
 
-def find_cached_target(env=os.environ, gpu=gpu_memory) -> ResolvedModel | None:
-    """The Qwen3-VL-8B-Instruct checkpoint of the HF cache that suits this GPU, with the reasons as notes."""
+def find_cached_target(env=os.environ, gpu=gpu_memory, tensor_parallel_size: int = 1) -> ResolvedModel | None:
+    """The Qwen3-VL-8B-Instruct checkpoint of the HF cache that suits this GPU (or these N GPUs), with the
+    reasons as notes."""
     found = cached_checkpoints(hf_hub_dir(env), latest_complete_snapshot)
-    choice = choose(found, gpu(env))
+    choice = choose(found, gpu(env, tensor_parallel_size), tensor_parallel_size)
     if choice is None:
         return None
     pick = choice.checkpoint
@@ -126,13 +127,15 @@ def served_name_for(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def resolve_model(cli_path: str | None = None, env=os.environ, gpu=gpu_memory) -> ResolvedModel:
-    """`gpu(env)` gives the (name, total bytes) of the GPU the choice among cached checkpoints is made for."""
+def resolve_model(cli_path: str | None = None, env=os.environ, gpu=gpu_memory,
+                  tensor_parallel_size: int = 1) -> ResolvedModel:
+    """`gpu(env, count)` gives the (name, total bytes) of the GPU (the smallest of `count`) the choice among
+    cached checkpoints is made for."""
     for value, source in ((cli_path, "--model"), (env.get("MODEL_PATH"), "MODEL_PATH")):
         if value:
             path = check_model_path(Path(value))
             return ResolvedModel(path, source, served_name_for(path), demo=False)
-    cached = find_cached_target(env, gpu)
+    cached = find_cached_target(env, gpu, tensor_parallel_size)
     if cached is not None:
         return cached
     gguf = demo_gguf()

@@ -4,12 +4,13 @@ and picks the most precise one that fits the GPU, saying why and what else it fo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from app.checkpoints import (BF16, GB, GiB, RUNTIME_BYTES, CachedCheckpoint, choose,
                              decoder_linear_shapes, gpu_memory, other_params, parse_nvidia_smi,
-                             vision_linear_shapes, weight_bytes, weight_format)
+                             vision_bytes, vision_linear_shapes, weight_bytes, weight_format)
 from app.models import resolve_model
 from test_app_launcher import clean_env, fake_snapshot  # noqa: F401  (clean_env is a fixture)
 
@@ -108,6 +109,26 @@ def test_when_none_fits_the_smallest_with_the_flags_to_lower():
     assert "none fits RTX 3070 (8 GiB)" in choice.reason and "--max-model-len" in choice.reason
 
 
+def test_with_tensor_parallelism_each_gpu_holds_a_share_and_the_whole_vision_tower():
+    """Two 12 GiB cards hold bf16 split in two (one card alone takes the 4-bit); the vision tower is not split."""
+    found = [replace(c, replicated=vision_bytes(REFERENCE)) for c in FOUND]
+    assert choose(found, ("RTX 3060", 12 * GiB)).checkpoint.repo == "someone/Qwen3-VL-8B-Instruct-AWQ"
+    choice = choose(found, ("RTX 3060", 12 * GiB), tensor_parallel_size=2)
+    assert choice.checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct" and "2 x RTX 3060" in choice.reason
+    bf16 = choice.checkpoint
+    assert bf16.needs_per_gpu(2) == (bf16.weights - bf16.replicated) // 2 + bf16.replicated + RUNTIME_BYTES
+    assert bf16.needs_per_gpu(2) > bf16.weights // 2 + RUNTIME_BYTES        # the tower counts whole
+    assert choose(found, ("RTX 3080", 10 * GiB), tensor_parallel_size=2).checkpoint.repo.endswith("-FP8")
+
+
+def test_the_smallest_of_the_gpus_tensor_parallelism_uses():
+    out = "NVIDIA GeForce RTX 3060, 12288\nNVIDIA GeForce RTX 3090, 24576\nNVIDIA GeForce RTX 4060, 8192\n"
+    assert parse_nvidia_smi(out, None, 2) == ("NVIDIA GeForce RTX 3060", 12 * GiB)
+    assert parse_nvidia_smi(out, None, 3) == ("NVIDIA GeForce RTX 4060", 8 * GiB)
+    assert parse_nvidia_smi(out, "1,0", 2) == ("NVIDIA GeForce RTX 3060", 12 * GiB)
+    assert parse_nvidia_smi(out, "1", 2) is None                               # one visible, two asked for
+
+
 def test_without_a_gpu_bf16_else_the_most_precise():
     assert choose(FOUND, None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct"
     assert choose(FOUND[1:], None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct-FP8"
@@ -127,7 +148,7 @@ def test_resolve_picks_from_the_cache_and_says_why(clean_env, tmp_path):
     fake_snapshot(hf, repo_dir="models--Qwen--Qwen3-VL-8B-Thinking-FP8", config=with_quant(QWEN_FP8))
     fake_snapshot(hf, repo_dir="models--someone--Qwen3-VL-8B-Instruct-abliterated", config=REFERENCE)
 
-    resolved = resolve_model(None, clean_env, gpu=lambda env: ("NVIDIA GeForce RTX 4080", 16 * GiB))
+    resolved = resolve_model(None, clean_env, gpu=lambda env, n: ("NVIDIA GeForce RTX 4080", 16 * GiB))
     assert resolved.path == fp8 and resolved.served_name == "Qwen3-VL-8B-Instruct-FP8" and not resolved.demo
     notes = "\n".join(resolved.notes)
     assert notes.startswith("chosen from the Hugging Face cache: Qwen/Qwen3-VL-8B-Instruct-FP8 (fp8, weights "
@@ -140,13 +161,13 @@ def test_resolve_picks_from_the_cache_and_says_why(clean_env, tmp_path):
         assert absent not in notes
     assert "--model <its snapshot folder>" in notes
 
-    big = resolve_model(None, clean_env, gpu=lambda env: ("NVIDIA H200", 140 * GiB))
+    big = resolve_model(None, clean_env, gpu=lambda env, n: ("NVIDIA H200", 140 * GiB))
     assert big.served_name == "Qwen3-VL-8B-Instruct" and big.path.parts[-3] == "models--Qwen--Qwen3-VL-8B-Instruct"
 
 
 def test_only_bf16_cached_needs_no_notes_beyond_the_choice(clean_env, tmp_path):
     snap = fake_snapshot(tmp_path / "hf")
-    resolved = resolve_model(None, clean_env, gpu=lambda env: None)
+    resolved = resolve_model(None, clean_env, gpu=lambda env, n: None)
     assert resolved.path == snap and resolved.notes == (
         "chosen from the Hugging Face cache: Qwen/Qwen3-VL-8B-Instruct (bf16, weights ~17.5 GB, needs ~21 GB); "
         "no NVIDIA GPU found (nvidia-smi): the most precise checkpoint",)

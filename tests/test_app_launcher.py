@@ -243,3 +243,11 @@ def test_sigint_stops_everything(qwen3_vl_dir, app_env, tmp_path):
     assert "SIGINT received" in out.read_text()
     assert_all_gone(procs)
     assert not list(Path(app_env["LOCALCHAT_RUN_DIR"]).glob("*.pid"))
+
+
+def test_the_checkpoint_is_chosen_for_the_tensor_parallel_gpus():
+    from app.launcher import tensor_parallel_size
+    assert tensor_parallel_size([]) == 1
+    assert tensor_parallel_size(["--max-num-seqs", "8", "-tp", "2"]) == 2
+    assert tensor_parallel_size(["--tensor-parallel-size=4"]) == 4
+    assert tensor_parallel_size(["--tensor-parallel-size", "two"]) == 1       # the engine refuses it, with a message
