@@ -96,6 +96,14 @@ def answer_done(page, n=None):
     return answer
 
 
+def exchange(page, text: str, reply: str) -> dict:
+    """Send `text`, let the scripted server answer `reply`, and return the request the page sent."""
+    script_replies(page, {"chunks": [reply]})
+    send(page, text)
+    answer_done(page)
+    return sent_requests(page)[-1]
+
+
 def png_file(tmp_path, name, size=(64, 48), color=(200, 30, 30), noise=False):
     img = Image.new("RGB", size, color)
     if noise:   # incompressible pixels: a file of a predictable, large size
@@ -171,18 +179,14 @@ def test_images_too_large_for_one_request_are_refused_before_sending(chat, tmp_p
     assert chat.input_value("#prompt") == "two photos"     # nothing lost: remove one and send again
     expect(chat.locator(".thumb")).to_have_count(2)
     chat.locator(".thumb .remove").first.click()
-    script_replies(chat, {"chunks": ["one photo"]})
-    send(chat, "one photo")
-    answer_done(chat)
-    assert sum(map(len, sent_images(sent_requests(chat)[-1]))) == 1
+    request = exchange(chat, "one photo", "one photo")
+    assert sum(map(len, sent_images(request))) == 1
 
 
 def test_max_tokens_is_left_to_the_server_or_fitted_to_the_context_left(chat):
     open_page(chat)
-    script_replies(chat, {"chunks": ["one"]})
-    send(chat, "hello")
-    answer_done(chat)
-    assert "max_tokens" not in sent_requests(chat)[-1]   # empty field: the server fits it to the room left
+    request = exchange(chat, "hello", "one")
+    assert "max_tokens" not in request   # empty field: the server fits it to the room left
     expect(chat.locator("#max-tokens")).to_have_attribute("placeholder", "fit to context")
 
     chat.click("#settings summary")
@@ -304,10 +308,7 @@ def test_settings_values_are_checked_before_sending(chat):
 
     chat.fill("#temperature", "0.3")
     chat.fill("#max-tokens", "64")
-    script_replies(chat, {"chunks": ["fine"]})
-    send(chat, "hello")
-    answer_done(chat)
-    request = sent_requests(chat)[-1]
+    request = exchange(chat, "hello", "fine")
     assert request["temperature"] == 0.3 and request["max_tokens"] == 64
     expect(chat.locator("#temperature")).to_have_attribute("aria-invalid", "false")
 
@@ -477,10 +478,8 @@ def test_regenerate_keeps_every_version(chat):
     expect(last_answer(chat).locator(".content")).to_have_text("First version.")
     expect(last_answer(chat).locator(".version-count")).to_have_text("1/2")
     # The next turn continues from the version on screen.
-    script_replies(chat, {"chunks": ["Follow-up."]})
-    send(chat, "And then?")
-    answer_done(chat)
-    assert sent_requests(chat)[-1]["messages"][1] == {"role": "assistant", "content": "First version."}
+    request = exchange(chat, "And then?", "Follow-up.")
+    assert request["messages"][1] == {"role": "assistant", "content": "First version."}
     chat.reload()
     expect(chat.locator(".msg.assistant").first.locator(".version-count")).to_have_text("1/2")
 
@@ -607,10 +606,7 @@ def test_every_sampling_field_reaches_the_request(chat):
         chat.fill(selector, value)
     chat.fill("#system-prompt", "Answer briefly.")
     chat.fill("#stop-strings", "END\nSTOP")
-    script_replies(chat, {"chunks": ["ok"]})
-    send(chat, "hello")
-    answer_done(chat)
-    request = sent_requests(chat)[-1]
+    request = exchange(chat, "hello", "ok")
     assert {k: request[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                                     "frequency_penalty", "seed", "max_tokens", "stop")} == {
         "temperature": 0.4, "top_p": 0.9, "top_k": 30, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -626,10 +622,7 @@ def test_every_sampling_field_reaches_the_request(chat):
     expect(chat.locator("#top-k")).to_have_value("")
     chat.click("#reset-settings")
     expect(chat.locator("#temperature")).to_have_value("")
-    script_replies(chat, {"chunks": ["ok"]})
-    send(chat, "again")
-    answer_done(chat)
-    request = sent_requests(chat)[-1]
+    request = exchange(chat, "again", "ok")
     assert not {"temperature", "top_p", "top_k", "min_p"} & request.keys()
     assert request["max_tokens"] == 200                      # a preset is about sampling, not length
 
