@@ -9,7 +9,6 @@ blocks at once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
 import time
@@ -75,7 +74,6 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
         self._stopping = False
         self.dead_error: BaseException | None = None
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
@@ -114,9 +112,6 @@ class AsyncLLM:
         """A hint for Retry-After: about one wave of running requests per queued batch of max_num_seqs."""
         waves = self.num_waiting // max(1, self.engine.scheduler.max_num_seqs) + 1
         return min(60, waves)
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None,

@@ -69,10 +69,6 @@ class Grammar:
                                self.matcher.get_error())
             self.num_consumed += 1
 
-    @property
-    def is_terminated(self) -> bool:
-        return self.matcher.is_stopped()
-
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of the int32 host bitmask: the tokens allowed next. A matcher in error (it cannot
         happen while its mask is applied) allows only EOS, so the request ends instead of wandering."""

@@ -57,10 +57,6 @@ def destroy_tensor_parallel() -> None:
     _TP = TensorParallelGroup(0, 1, None, None)
 
 
-def get_tp_group() -> TensorParallelGroup:
-    return _TP
-
-
 def get_tp_rank() -> int:
     return _TP.rank
 

@@ -27,11 +27,6 @@ FLOAT_WEIGHT = LeafLayout(0, 1, 1, 1)
 FLOAT_BIAS = LeafLayout(0, 1, None, 1)
 
 
-def grouped(group_size: int) -> int | None:
-    """The K unit of a tensor with one entry per group; None for per-channel (one group: every rank reads it)."""
-    return None if group_size == -1 else group_size
-
-
 @dataclass
 class WNA16Weights:
     """W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], input channels in checkpoint order; `g_idx`
