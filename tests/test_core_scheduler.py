@@ -188,6 +188,19 @@ def test_under_the_priority_policy_an_important_request_preempts_a_less_importan
     assert so.preempted == ["low"] and list(chunks(so)) == ["high"]
 
 
+def test_a_request_preempted_to_make_room_waits_for_the_next_step_though_a_chunk_of_it_would_fit():
+    sched = scheduler(num_gpu_blocks=4, budget=12, policy="priority")
+    loop = StepLoop(sched)
+    low = make_request("low", 10, priority=5)
+    sched.add_request(low)
+    loop.step()
+    loop.land()                                               # 3 blocks; nothing of it in flight
+    sched.add_request(make_request("high", 8, priority=0))   # needs 2: low goes, 2 blocks and 4 tokens stay free
+    so = loop.step()
+    assert so.preempted == ["low"] and chunks(so) == {"high": (0, 8)}
+    assert low.status == RequestStatus.WAITING and [r.request_id for r in sched.waiting] == ["low"]
+
+
 def test_under_fcfs_a_newcomer_waits_for_room_instead():
     sched = scheduler(num_gpu_blocks=4)
     loop = StepLoop(sched)

@@ -2,9 +2,11 @@
 
 One step = one forward. Steps are scheduled one ahead of the device; PendingTokens holds what that means.
 
-Order: running requests (decodes and unfinished prefill chunks), then swapped-out
-requests coming back, then waiting ones, all within max_num_batched_tokens and max_num_seqs. A prompt longer
-than the remaining budget is split across steps (chunked prefill), so decodes keep flowing beside it.
+Order: running requests (decodes and unfinished prefill chunks), then swapped-out requests coming back and
+waiting ones, in policy order, all within max_num_batched_tokens and max_num_seqs. The swapped and waiting
+queues stay in policy order as requests enter them (RequestQueue), so a step reads only the heads it admits,
+however many requests wait. A prompt longer than the remaining budget is split across steps (chunked prefill),
+so decodes keep flowing beside it.
 When the pool runs dry the least important running request is preempted: swapped to the CPU pool when
 it has room, else freed and recomputed later. "Least important" = latest arrival (fcfs), or largest
 `priority` value then latest arrival (priority policy, lower value runs sooner, as in vLLM).
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.pending_tokens import PendingTokens
 from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import QueueEntry, RequestQueue, create_request_queue
 from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.logger import init_logger
 
@@ -35,27 +38,23 @@ class SchedulerCounters:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs"):
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', not {policy!r}")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
+        self.waiting: RequestQueue = create_request_queue(policy)
+        self.swapped: RequestQueue = create_request_queue(policy)
+        self.running: list[Request] = []           # at most max_num_seqs: sorted at the start of each step
+        self._key = self.waiting.key               # the policy's rank of a request: lower goes first
         self.requests: dict[str, Request] = {}
         self.pending = PendingTokens()
         self.finished_req_ids: set[str] = set()      # since the last step, for the runner to forget
         self.counters = SchedulerCounters()
 
     # ---- queues --------------------------------------------------------------------------------------------
-    def _key(self, req: Request):
-        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
-
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add_request(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -81,15 +80,16 @@ class Scheduler:
             self.pending.forget(req)
             self.requests.pop(req.request_id, None)
             self.finished_req_ids.add(req.request_id)
-        for queue_status, queue in ((RequestStatus.RUNNING, self.running), (RequestStatus.WAITING, self.waiting),
-                                    (RequestStatus.SWAPPED, self.swapped)):
-            if queue_status in held:
-                queue[:] = [r for r in queue if r.request_id not in ended]
+        if RequestStatus.RUNNING in held:
+            self.running[:] = [r for r in self.running if r.request_id not in ended]
+        if RequestStatus.WAITING in held:
+            self.waiting.remove_requests(ended)
+        if RequestStatus.SWAPPED in held:
+            self.swapped.remove_requests(ended)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        for queue in (self.running, self.waiting, self.swapped):
-            queue.sort(key=self._key)
+        self.running.sort(key=self._key)
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         self._schedule_running(out, self.max_num_batched_tokens)
@@ -132,23 +132,35 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Bring in swapped-out and waiting requests in policy order, stopping at the first that does not fit
-        (so nothing overtakes a more important request that is still waiting for room)."""
-        for req in sorted(self.swapped + self.waiting, key=self._key):
-            if self.pending.count(req):
-                continue                               # preempted this very step; back once its token lands
+        (so nothing overtakes a more important request that is still waiting for room). A request preempted
+        during this step, or one with a pending token, is passed over and keeps its place."""
+        passed_over: list[tuple[RequestQueue, QueueEntry]] = []
+        while (queue := self._next_queue()) is not None:
+            req = queue.peek_request()
+            if self.pending.count(req) or req.request_id in out.preempted:
+                passed_over.append((queue, queue.pop_entry()))
+                continue
             budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return
-            admitted = self._swap_in(out, req, budget) if req.status == RequestStatus.SWAPPED \
-                else self._start(out, req, budget)
+                break
+            admitted = self._swap_in(out, req, budget) if queue is self.swapped else self._start(out, req, budget)
             if not admitted:
-                return
+                break
+        for queue, entry in passed_over:
+            queue.push_entry(entry)
+
+    def _next_queue(self) -> RequestQueue | None:
+        """The queue whose head comes next in policy order; on a tie, swapped-out requests go first."""
+        if not self.swapped or not self.waiting:
+            return self.swapped or self.waiting or None
+        swapped_first = self._key(self.swapped.peek_request()) <= self._key(self.waiting.peek_request())
+        return self.swapped if swapped_first else self.waiting
 
     def _swap_in(self, out: SchedulerOutput, req: Request, budget: int) -> bool:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if not self.kv.can_swap_in(req, n):
             return False
-        self.swapped.remove(req)
+        self.swapped.pop_request()                     # req: it is the head
         copies = self.kv.swap_in(req)
         out.blocks_to_swap_in.extend(copies)
         self.counters.num_swap_ins += 1
@@ -168,7 +180,7 @@ class Scheduler:
                 return False
             self._preempt(victim, out)
             n = min(req.num_tokens - num_cached, self.max_num_batched_tokens - out.total_num_scheduled_tokens)
-        self.waiting.remove(req)
+        self.waiting.pop_request()                     # req: still the head, as victims rank below it
         req.num_computed_tokens = num_cached
         req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, num_cached)
         req.status = RequestStatus.RUNNING
@@ -193,7 +205,7 @@ class Scheduler:
             copies = self.kv.swap_out(req)
             out.blocks_to_swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            self.swapped.add_request(req)
             self.counters.num_swap_outs += 1
             self.counters.num_blocks_swapped_out += len(copies)
             mode = "SWAP"
@@ -201,7 +213,7 @@ class Scheduler:
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
-            self.waiting.insert(0, req)
+            self.waiting.prepend_request(req)
             self.counters.num_recompute_preemptions += 1
             mode = "RECOMPUTE"
         logger.warning(
