@@ -20,23 +20,20 @@ def run_lengths(codes: list[int]) -> list[list[int]]:
     return runs
 
 
-def block_map(kv, scheduler, bytes_per_block: int) -> dict:
+def block_map(kv, bytes_per_block: int) -> dict:
     for _ in range(3):          # the engine thread may resize a dict while it is copied: copy again
         try:
             tables, blocks, swapped = kv.block_owners()
-            queues = {r.request_id: state for state, queue in (("running", list(scheduler.running)),
-                                                                ("waiting", list(scheduler.waiting)))
-                      for r in queue}
             break
         except RuntimeError:
             continue
     else:
-        tables, blocks, swapped, queues = {}, [], {}, {}
+        tables, blocks, swapped = {}, [], {}
     codes = [CACHED if cached and ref == 0 else FREE for ref, cached in blocks]
     requests = []
     for rid, ids in tables.items():
         k = len(requests)
-        requests.append({"id": rid, "state": queues.get(rid, "running"), "blocks": len(ids), "cpu_blocks": 0})
+        requests.append({"id": rid, "state": "running", "blocks": len(ids), "cpu_blocks": 0})
         for block_id in ids:
             if block_id < len(codes) and codes[block_id] < 0:   # a shared block keeps its first holder's colour
                 codes[block_id] = k

@@ -281,7 +281,7 @@ class LLMEngine:
 
     def get_block_map(self) -> dict:
         """Who holds which GPU block, run-length encoded (engine/kv_map.py); read from any thread."""
-        return block_map(self.kv, self.scheduler, self.kv_bytes_per_block)
+        return block_map(self.kv, self.kv_bytes_per_block)
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -2,7 +2,6 @@
 prefix blocks and swapped-out requests, run-length encoded (engine/kv_map.py, KVCacheManager.block_owners)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 from engine import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
@@ -36,16 +35,14 @@ def test_run_lengths():
 
 def test_map_shows_holders_shared_prefix_cached_free_and_swapped():
     kv = KVCacheManager(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BLOCK, enable_caching=True)
-    sched = SimpleNamespace(running=[], waiting=[])
     prefix = list(range(1, 9))                      # two full blocks every request below starts with
     a = request("a", prefix + [50, 51, 52])
     b = request("b", prefix + [60, 61, 62])
     c = request("c", [70, 71, 72, 73, 74])
     for req in (a, b, c):
         computed(kv, req)
-    sched.running = [a, b, c]
 
-    m = block_map(kv, sched, bytes_per_block=1000)
+    m = block_map(kv, bytes_per_block=1000)
     codes = decode(m["runs"])
     assert m["num_blocks"] == 12 and len(codes) == 12 and m["bytes_per_block"] == 1000
     assert [r["id"] for r in m["requests"]] == ["a", "b", "c"]
@@ -58,8 +55,7 @@ def test_map_shows_holders_shared_prefix_cached_free_and_swapped():
 
     # c is swapped out: its GPU blocks are free again (its full block still a prefix-cache entry).
     kv.swap_out(c)
-    sched.running = [a, b]
-    m = block_map(kv, sched, bytes_per_block=1000)
+    m = block_map(kv, bytes_per_block=1000)
     codes = decode(m["runs"])
     assert m["requests"][-1] == {"id": "c", "state": "swapped", "blocks": 0, "cpu_blocks": 2}
     assert codes.count(CACHED) == 1 and max(codes) == 1
@@ -68,7 +64,7 @@ def test_map_shows_holders_shared_prefix_cached_free_and_swapped():
     for req in (a, b):
         kv.free(req)
     kv.free(c)
-    m = block_map(kv, SimpleNamespace(running=[], waiting=[]), bytes_per_block=1000)
+    m = block_map(kv, bytes_per_block=1000)
     assert m["requests"] == [] and m["shared"] == []
     assert all(code in (FREE, CACHED) for code in decode(m["runs"]))
     assert len(m["runs"]) <= 5                                    # compact: a few runs, not one entry per block
