@@ -1,5 +1,6 @@
 """Building a model and filling its weights: Hugging Face safetensors directories, GGUF files, or random
-("dummy") weights for benchmarks. Weights go straight to the target device and dtype.
+("dummy") weights for benchmarks. Weights go straight to the target device and dtype (with --cpu-embeddings the
+token-embedding table straight to host memory).
 
 Under tensor parallelism each rank reads only its slice of each checkpoint tensor: the layer a tensor goes to
 says which rows and columns (checkpoint_ranges), and the tensor's layout says where they are (LeafLayout: a
@@ -21,11 +22,11 @@ from engine.errors import ModelLoadError
 from engine.logger import init_logger
 from engine.distributed.parallel_state import get_tp_size
 from engine.model.linear import LinearBase
-from engine.model.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine.model.quantization.loading import QuantizedTensorCollector
 from engine.model.quantization.parse import resolve_quantization
 from engine.model.quantization.weights import FLOAT_BIAS, FLOAT_WEIGHT, LeafLayout
+from engine.model.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model.weight_files import CheckpointTensor, Index, gguf_config, gguf_weights, safetensors_weights
 
 logger = init_logger(__name__)
