@@ -2,7 +2,7 @@
 lives in page-locked host memory and the Triton lookup kernel reads its rows over PCIe, in place.
 
 - the kernel on such a table equals F.embedding (bf16, the 8B's table shape, shard edges, 1..8192 tokens), also
-  replayed from a CUDA graph with new ids;
+  replayed from a CUDA graph with new ids; without Triton the op still answers, gathering on the host;
 - an engine with the flag holds the table's bytes less GPU memory after start-up, at its peak too (the rows go
   straight to host memory, never through a GPU copy), and says where the table is;
 - its greedy tokens are those of the same engine without the flag: text and an image, eager and CUDA graphs, a
@@ -91,6 +91,19 @@ def test_kernel_on_a_host_table_replays_from_a_cuda_graph(table_8b):
         ids.copy_(torch.randint(0, VOCAB_8B, (64,), device="cuda"))
         graph.replay()
         assert torch.equal(out, F.embedding(ids, table_8b))
+
+
+def test_without_triton_the_lookup_runs_on_the_host(table_8b, monkeypatch):
+    """ENGINE_DISABLE_TRITON=1: the op gathers on the host and copies the rows to the ids' device (eager only)."""
+    import engine.ops.embedding as op
+    from engine.model.vocab_parallel_embedding import host_table
+
+    monkeypatch.setattr(op, "use_triton", lambda t: False)
+    host = host_table(VOCAB_8B, HIDDEN_8B, torch.bfloat16)
+    host.data.copy_(table_8b)
+    ids = torch.randint(0, VOCAB_8B, (100,), device="cuda")
+    got = op.embedding(ids, host, 0, VOCAB_8B)
+    assert got.is_cuda and torch.equal(got, F.embedding(ids, table_8b))
 
 
 # ---- the engine: GPU memory ----------------------------------------------------------------------------------
