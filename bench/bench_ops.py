@@ -28,6 +28,7 @@ from engine.ops.norm import rms_norm_ref  # noqa: E402
 from engine.ops.rotary import qk_norm_rope_ref, rope_and_store_kv_ref  # noqa: E402
 
 HQ, HK, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 12288, 16   # Qwen3-VL-8B text model, block_size 16
+VOCAB = 151936
 V_HEADS, V_D = 16, 72                                        # its vision encoder
 DT = torch.bfloat16
 E = 2                                                        # bytes per bf16 element
@@ -167,11 +168,28 @@ def vision_cases(quick: bool):
         yield f"vision attn {n} patches", t, nbytes, flops, ref, sd
 
 
+def embedding_cases():
+    """The token-embedding lookup from a table in page-locked host memory (--cpu-embeddings: the GPU reads the
+    rows over PCIe) and from one in GPU memory; ref: torch's gather from the GPU table."""
+    from engine.model.vocab_parallel_embedding import host_table
+    from engine.ops.triton.embedding import embedding
+    table = torch.randn(VOCAB, HIDDEN, device=DEV, dtype=DT)
+    host = host_table(VOCAB, HIDDEN, DT)
+    host.data.copy_(table)
+    for t in (1, 256, 8192):
+        ids = torch.randint(0, VOCAB, (t,), device=DEV)
+        ref = time_us(lambda: F.embedding(ids, table))
+        for where, weight in (("host", host), ("GPU", table)):   # read the rows, write them
+            yield (f"embedding, {where} table T={t}", time_us(lambda: embedding(ids, weight, 0, VOCAB)),
+                   2 * t * HIDDEN * E, 0, ref, None)
+
+
 def elementwise_cases(quick: bool):
     from engine.ops.triton.activation import silu_and_mul
     from engine.ops.triton.kv_cache import store_kvcache
     from engine.ops.triton.norm import rms_norm
     from engine.ops.triton.rotary import qk_norm_rope, rope_and_store_kv
+    yield from embedding_cases()
     for t in (1, 256, 8192):
         x = torch.randn(t, HIDDEN, device=DEV, dtype=DT)
         res = torch.randn_like(x)

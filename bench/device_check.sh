@@ -36,7 +36,7 @@ for s in $STAGES; do
         > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
     engine)
       stage "GPU engine tests"
-      timeout "${ENG_T:-150}" python3 -m pytest -m gpu ${ENG_TESTS:-tests/test_gpu_engine.py tests/test_gpu_quant_engine.py tests/test_gpu_memory_limit.py} -q -p no:cacheprovider \
+      timeout "${ENG_T:-150}" python3 -m pytest -m gpu ${ENG_TESTS:-tests/test_gpu_engine.py tests/test_gpu_quant_engine.py tests/test_gpu_memory_limit.py tests/test_gpu_cpu_embeddings.py} -q -p no:cacheprovider \
         > "$OUT/engine_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/engine_tests.txt" | tail -25 ;;
     opsbench)
       stage "kernel benchmark"

@@ -45,6 +45,7 @@ LOG_PATTERNS = {
     "gpu_memory_limit": re.compile(r"GPU memory limit: (.*)"),
     "limit_ignored": re.compile(r"--gpu-memory-limit (.* applies to CUDA devices only.*)"),
     "weights": re.compile(r"Loading model weights took (.*)"),
+    "host_embeddings": re.compile(r"Token embeddings in host memory \(([\d.]+ GB)"),   # --cpu-embeddings
     "max_model_len_reduced": re.compile(r"max_model_len reduced from (.*)"),
     "cuda_graphs": re.compile(r"Captured CUDA graphs (.*)"),
     "error": re.compile(r"(?:ERROR .*?\] )(.*)"),

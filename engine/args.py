@@ -61,6 +61,11 @@ class EngineArgs:
     enable_prefix_caching: bool = flag(False, action=argparse.BooleanOptionalAction,
                                        help="reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = flag(False, help="no CUDA graphs: every step runs op by op")
+    cpu_embeddings: bool = flag(
+        False, help="keep the token-embedding table in page-locked host memory instead of on the GPU (a step reads "
+                    "only its tokens' rows, over PCIe): frees its GPU memory for the KV cache, 1.24 GB for "
+                    "Qwen3-VL-8B in bf16. No effect on the CPU, nor for a model whose lm_head shares the table "
+                    "(tie_word_embeddings: a warning says so)")
     load_format: str = flag("auto", choices=LOAD_FORMATS)
     quantization: str | None = flag(
         None, aliases=("-q",),

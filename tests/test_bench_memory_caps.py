@@ -10,6 +10,7 @@ from bench.memory_caps import main, parse_log, table
 
 LOG = """INFO 12-04 10:00:01 [memory.py:120] GPU memory limit: 8.00 GiB of 139.81 GiB (torch's allocator capped at 7.31 GiB; 0.69 GiB held outside it)
 INFO 12-04 10:00:02 [loader.py:67] Loading model weights took 7.25 GB and 2.10 seconds (random dummy weights)
+INFO 12-04 10:00:02 [loader.py:95] Token embeddings in host memory (1.24 GB, --cpu-embeddings; not in the weights above): the GPU reads the rows of each step's tokens over PCIe
 INFO 12-04 10:00:05 [kv_sizing.py:45] Memory profile: weights 7.25 GB, activation peak 0.40 GB, KV cache 0.31 GB of 150.11 GB total; limit 8.59 GB (8.00 GiB): outside torch 0.74 GB, CUDA graphs + encoder cache 0.62 GB
 WARNING 12-04 10:00:05 [llm_engine.py:75] max_model_len reduced from 4096 to 2096: the KV pool holds 2096 tokens under --gpu-memory-limit 8.00 GiB
 INFO 12-04 10:00:09 [cuda_graphs.py:137] Captured CUDA graphs for 5 decode batch sizes (1..16) and 32 prefill sizes (up to 2048 tokens) in 3.9 s, using 0.55 GiB
@@ -20,6 +21,7 @@ def test_the_start_up_lines_that_explain_a_cap_are_kept():
     lines = parse_log(LOG)
     assert lines["gpu_memory_limit"].startswith("8.00 GiB of 139.81 GiB")
     assert lines["weights"].startswith("7.25 GB")
+    assert lines["host_embeddings"] == "1.24 GB"
     assert lines["memory_profile"].endswith("CUDA graphs + encoder cache 0.62 GB")
     assert lines["max_model_len_reduced"].startswith("4096 to 2096")
     assert lines["cuda_graphs"].endswith("using 0.55 GiB")

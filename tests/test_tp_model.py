@@ -76,7 +76,7 @@ def model_logits(model_dir: str, image: bool = False, load_format: str = "auto",
 
     config = config or load_model_config(model_dir)
     model = build_model(config, 256, torch.float32, CPU)
-    load_weights(model, model_dir, load_format)
+    load_weights(model, model_dir, load_format, CPU)
     caches = CacheEngine(config, 4, 0, BLOCK, torch.float32, CPU).layer_caches()
     prompts, img = _prompts(config, image)
     ids = torch.tensor(prompts[0] + prompts[1])

@@ -49,8 +49,8 @@ class Worker:
 
     def load_model(self, max_len: int) -> None:
         try:
-            self.model = build_model(self.model_config, max_len, self.dtype, self.device)
-            load_weights(self.model, self.args.model, self.args.load_format)
+            self.model = build_model(self.model_config, max_len, self.dtype, self.device, self.args.cpu_embeddings)
+            load_weights(self.model, self.args.model, self.args.load_format, self.device)
         except torch.cuda.OutOfMemoryError as err:
             if self.gpu_memory_limit is None:
                 raise

@@ -74,11 +74,12 @@ class DenseMultimodalEmbeds:
 
 
 class TextDecoder(nn.Module):
-    """`prefix`: the decoder's name in the checkpoint (`model`, or `model.language_model` in Qwen3-VL)."""
+    """`prefix`: the decoder's name in the checkpoint (`model`, or `model.language_model` in Qwen3-VL);
+    `host_embeddings`: the token-embedding table in host memory (--cpu-embeddings)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model"):
+    def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model", host_embeddings: bool = False):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, host_embeddings)
         self.layers = nn.ModuleList(DecoderLayer(config, f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,10 +104,10 @@ class TextDecoder(nn.Module):
 class CausalLM(nn.Module):
     """Llama / Qwen3: decoder + lm_head (tied to the embedding when the config says so)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, host_embeddings: bool = False):
         super().__init__()
         self.config = config
-        self.model = TextDecoder(config, max_positions)
+        self.model = TextDecoder(config, max_positions, host_embeddings=host_embeddings)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,5 +1,6 @@
 """Building a model and filling its weights: Hugging Face safetensors directories, GGUF files, or random
-("dummy") weights for benchmarks. Weights go straight to the target device and dtype.
+("dummy") weights for benchmarks. Weights go straight to the target device and dtype (with --cpu-embeddings the
+token-embedding table straight to host memory).
 
 Under tensor parallelism each rank reads only its slice of each checkpoint tensor: the layer a tensor goes to
 says which rows and columns (checkpoint_ranges), and the tensor's layout says where they are (LeafLayout: a
@@ -25,6 +26,7 @@ from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine.model.quantization.loading import QuantizedTensorCollector
 from engine.model.quantization.parse import resolve_quantization
 from engine.model.quantization.weights import FLOAT_BIAS, FLOAT_WEIGHT, LeafLayout
+from engine.model.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model.weight_files import CheckpointTensor, Index, gguf_config, gguf_weights, safetensors_weights
 
 logger = init_logger(__name__)
@@ -32,6 +34,7 @@ logger = init_logger(__name__)
 # checkpoint projection -> (our fused parameter, output shard). The loader copies each into its slice.
 _STACKED = (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
             ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+_DUMMY_TABLE_ROWS = 4096   # rows of a vocabulary table drawn at once by dummy loading (32 MB at hidden 4096)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -55,39 +58,69 @@ def load_model_config(path: str | Path, quantization: str | None = None, load_fo
     return config
 
 
-def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                cpu_embeddings: bool = False) -> nn.Module:
     """The model's modules on `device` in `dtype` (weights not yet meaningful); under tensor parallelism this
-    rank's share of them (engine.distributed.parallel_state must be initialized first)."""
+    rank's share of them (engine.distributed.parallel_state must be initialized first). `cpu_embeddings`: the
+    token-embedding table in host memory where that saves GPU memory (embeddings_in_host_memory)."""
     config.verify_tensor_parallel(get_tp_size())
+    host_embeddings = embeddings_in_host_memory(cpu_embeddings, config, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             if config.architecture == "Qwen3VLForConditionalGeneration":
                 from engine.model.qwen3_vl import Qwen3VLForConditionalGeneration
-                model = Qwen3VLForConditionalGeneration(config, max_positions)
+                model = Qwen3VLForConditionalGeneration(config, max_positions, host_embeddings)
             else:
                 from engine.model.decoder import CausalLM
-                model = CausalLM(config, max_positions)
+                model = CausalLM(config, max_positions, host_embeddings)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: nn.Module, path: str | Path, load_format: str) -> None:
+def embeddings_in_host_memory(cpu_embeddings: bool, config: ModelConfig, device: torch.device) -> bool:
+    """Whether --cpu-embeddings puts the token-embedding table in host memory: only on a GPU (on the CPU it is
+    in host memory already), and only when lm_head does not share it (tied embeddings: lm_head reads the whole
+    table every step, so it stays on the GPU). A launcher may pass the flag for any model: neither case fails."""
+    if not cpu_embeddings:
+        return False
+    if config.tie_word_embeddings:
+        logger.warning("--cpu-embeddings saves nothing for this model: its lm_head shares the token-embedding "
+                       "table (tie_word_embeddings) and reads all of it every step, so the table stays with the "
+                       "other weights")
+        return False
+    if device.type != "cuda":
+        logger.info("--cpu-embeddings changes nothing on the CPU: the token embeddings are in host memory already")
+        return False
+    return True
+
+
+def load_weights(model: nn.Module, path: str | Path, load_format: str, device: torch.device) -> None:
+    """Fill the model built by build_model on `device` (the device is never taken from a parameter: the first
+    one may be a token-embedding table kept in host memory)."""
     start = time.perf_counter()
     if load_format == "dummy":
-        _init_dummy(model)
+        _init_dummy(model, device)
     elif is_gguf(path):
         _load_named(model, _counted(gguf_weights(Path(path), model.config), model))
     else:
-        _load_named(model, _counted(safetensors_weights(Path(path), next(model.parameters()).device), model))
+        _load_named(model, _counted(safetensors_weights(Path(path), device), model))
     load_progress.report("weights loaded", load_progress.WEIGHTS_END)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    on_device = [p for p in model.parameters() if p.device.type == device.type]
+    in_host = [p for p in model.parameters() if p.device.type != device.type]
     quant = model.config.quantization
-    logger.info("Loading model weights took %.2f GB and %.2f seconds (%s%s)", nbytes / 1e9,
+    logger.info("Loading model weights took %.2f GB and %.2f seconds (%s%s)", _nbytes(on_device) / 1e9,
                 time.perf_counter() - start, f"{quant.describe()}; " if quant else "",
                 "random dummy weights" if load_format == "dummy" else path)
+    if in_host:
+        logger.info("Token embeddings in host memory (%.2f GB, --cpu-embeddings; not in the weights above): the GPU "
+                    "reads the rows of each step's tokens over PCIe", _nbytes(in_host) / 1e9)
+
+
+def _nbytes(params: list[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _counted(weights: Iterator[tuple[str, CheckpointTensor]], model: nn.Module) -> Iterator[tuple[str, CheckpointTensor]]:
@@ -206,7 +239,9 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
                 unused.append((name, module))
             continue
         else:
-            tensor = entry.read(_rank_index(module, shard, FLOAT_BIAS if name.endswith(".bias") else FLOAT_WEIGHT))
+            # A table kept in host memory (--cpu-embeddings) is read there, never through the GPU.
+            tensor = entry.read(_rank_index(module, shard, FLOAT_BIAS if name.endswith(".bias") else FLOAT_WEIGHT),
+                                host=getattr(module, "in_host_memory", False))
         if name.startswith("model.visual."):
             vision.append((name[len("model.visual."):], tensor))
             continue
@@ -266,18 +301,25 @@ def _complete(name: str, shards: set) -> bool:
     return bool(shards)
 
 
-def _init_dummy(model: nn.Module) -> None:
-    """Random weights of realistic scale: speed does not depend on the values, but NaNs and overflow would."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    quantized = set()
+def _init_dummy(model: nn.Module, device: torch.device) -> None:
+    """Random weights of realistic scale: speed does not depend on the values, but NaNs and overflow would.
+    Drawn on `device`; the vocabulary tables (embedding, lm_head) in slices of rows copied into place, so that a
+    table in host memory (--cpu-embeddings) never has a whole copy on the GPU and gets the same values."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    quantized, tables = set(), set()
     for prefix, module in model.named_modules():
         if _is_quantized(module):
             module.quant_method.init_dummy(module, gen)
             quantized.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
+        elif isinstance(module, VocabParallelEmbedding):
+            tables.add(f"{prefix}.weight")
     for name, p in model.named_parameters():
         if name in quantized:
             continue
         if p.dim() == 1 and "norm" in name:
             p.data.fill_(1.0)
+        elif name in tables:
+            for rows in p.data.split(_DUMMY_TABLE_ROWS):
+                rows.copy_(torch.empty(rows.shape, dtype=rows.dtype, device=device).normal_(0.0, 0.02, generator=gen))
         else:
             p.data.normal_(0.0, 0.02, generator=gen)

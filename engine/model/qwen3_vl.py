@@ -15,11 +15,12 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     """The vision encoder is replicated: under tensor parallelism every rank holds all of it and encodes the
     images of its own step (no broadcast of embeddings); the text decoder is split."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    def __init__(self, config: ModelConfig, max_positions: int, host_embeddings: bool = False):
         super().__init__()
         self.config = config
         self.visual = Qwen3VLVisionModel(config.vision, dtype=torch.get_default_dtype())  # set by build_model
-        self.language_model = TextDecoder(config, max_positions, prefix="model.language_model")
+        self.language_model = TextDecoder(config, max_positions, prefix="model.language_model",
+                                          host_embeddings=host_embeddings)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.language_model.embed_tokens.weight

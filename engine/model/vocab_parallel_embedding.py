@@ -1,8 +1,14 @@
 """The token embedding and the lm_head split along the vocabulary (vLLM's names). Rank r holds rows
 [r * V_local, (r + 1) * V_local) with V_local = ceil(vocab / tp_size): the vocabulary is padded to a multiple of
 tp_size, the padding rows are zero and their logits are cut off. At TP=1 they are nn.Embedding's lookup and
-nn.Linear's product on the [vocab, hidden] weight, with no collective."""
+nn.Linear's product on the [vocab, hidden] weight, with no collective.
+
+With --cpu-embeddings the embedding's table lives in page-locked host memory instead of on the GPU: a step reads
+only the rows of its tokens, which the GPU fetches over PCIe in place (engine/ops/embedding.py), while the whole
+table (1.24 GB for Qwen3-VL-8B in bf16) would otherwise take GPU memory the KV cache can use."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +17,34 @@ from torch import nn
 from engine.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                                tensor_model_parallel_all_reduce)
 from engine.errors import ModelLoadError
+from engine.ops import embedding
+
+# cudaHostRegisterPortable | cudaHostRegisterMapped: page-locked for every CUDA context, mapped into the GPUs'
+# address space (under unified addressing at the host pointer's own address).
+_HOST_REGISTER_FLAGS = 1 | 2
+
+
+def host_table(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized [rows, cols] parameter in page-locked host memory that GPU kernels can read in place.
+    Registered with cudaHostRegister rather than allocated by torch.empty(pin_memory=True): torch's pinned
+    allocator rounds every block up to a power of two, which would lock 2 GiB of host memory for a 1.24 GB
+    table. The registration ends with the parameter."""
+    data = torch.empty(rows, cols, dtype=dtype, device="cpu")
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), _HOST_REGISTER_FLAGS))
+    if err != 0:
+        raise ModelLoadError(f"--cpu-embeddings: cannot page-lock {data.numel() * data.element_size() / 1e9:.2f} GB "
+                             f"of host memory for the token embeddings (cudaHostRegister error {err}); run without "
+                             f"--cpu-embeddings", code="cpu_embeddings")
+    param = nn.Parameter(data, requires_grad=False)
+    weakref.finalize(param, cudart.cudaHostUnregister, data.data_ptr())
+    return param
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    """`host_memory`: the table in page-locked host memory (--cpu-embeddings; CUDA only), read by the GPU."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, host_memory: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings = num_embeddings
@@ -22,17 +52,19 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         # Rows of the checkpoint this rank holds (the last rank's share may be short, or empty).
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
-                                   requires_grad=False)
+        self.in_host_memory = host_memory
+        if host_memory:   # allocated there from the start: never, even briefly, a copy on the GPU
+            self.weight = host_table(self.num_embeddings_per_partition, embedding_dim, torch.get_default_dtype())
+        else:
+            self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                       requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 and not self.in_host_memory:
             return F.embedding(input_ids, self.weight)
         # Each rank looks up the ids in its rows (zero for the others); the sum over ranks is the embedding.
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local = torch.where(mine, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return tensor_model_parallel_all_reduce(out)
+        out = embedding(input_ids, self.weight, self.vocab_start, self.vocab_end)
+        return out if self.tp_size == 1 else tensor_model_parallel_all_reduce(out)
 
     def checkpoint_ranges(self, index: None) -> tuple[tuple[int, int], None]:
         return (self.vocab_start, max(self.vocab_end - self.vocab_start, 0)), None

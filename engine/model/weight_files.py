@@ -25,17 +25,29 @@ class CheckpointTensor:
     """One checkpoint entry, read on demand: all of it, or the part `index` selects."""
     dtype: torch.dtype | None
 
-    def read(self, index: Index = None) -> torch.Tensor:
+    def read(self, index: Index = None, host: bool = False) -> torch.Tensor:
+        """On the load device, or in host memory with `host` (for a parameter that lives there)."""
         raise NotImplementedError
 
 
 class _SafetensorsTensor(CheckpointTensor):
-    def __init__(self, f, key: str):
-        self.f, self.key = f, key
+    def __init__(self, f, key: str, path: Path, device: torch.device):
+        self.f, self.key, self.path, self.device = f, key, path, device
         self.dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
 
-    def read(self, index: Index = None) -> torch.Tensor:
-        return self.f.get_tensor(self.key) if index is None else self.f.get_slice(self.key)[index]
+    def read(self, index: Index = None, host: bool = False) -> torch.Tensor:
+        if host and self.device.type != "cpu":
+            from safetensors import safe_open
+
+            # The file again, opened for the host: reading through the GPU handle would put the tensor, whole,
+            # on the GPU first.
+            with safe_open(self.path, framework="pt", device="cpu") as f:
+                return _read_safetensors(f, self.key, index)
+        return _read_safetensors(self.f, self.key, index)
+
+
+def _read_safetensors(f, key: str, index: Index) -> torch.Tensor:
+    return f.get_tensor(key) if index is None else f.get_slice(key)[index]
 
 
 # ---- safetensors ---------------------------------------------------------------------------------------------
@@ -55,7 +67,7 @@ def safetensors_weights(path: Path, device: torch.device) -> Iterator[tuple[str,
                                  code="missing_weights")
         with safe_open(path / name, framework="pt", device=str(device)) as f:
             for key in f.keys():
-                yield key, _SafetensorsTensor(f, key)
+                yield key, _SafetensorsTensor(f, key, path / name, device)
 
 
 # ---- GGUF (config and tokenizer from metadata, weights dequantized once) -------------------------------------
@@ -86,8 +98,8 @@ class _GGUFTensor(CheckpointTensor):
     def __init__(self, tensor, unpermute_head_dim: int | None):
         self.tensor, self.unpermute_head_dim = tensor, unpermute_head_dim
 
-    def read(self, index: Index = None) -> torch.Tensor:
-        import gguf
+    def read(self, index: Index = None, host: bool = False) -> torch.Tensor:
+        import gguf   # (always read into host memory: dequantized there)
 
         data, kind = self.tensor.data, self.tensor.tensor_type
         rows, cols = (tuple(index) + (slice(None),) * 2)[:2] if index else (slice(None), slice(None))
