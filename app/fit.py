@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from app.checkpoints import weight_bytes, weight_format
 
 GB, GiB = 1e9, 1 << 30
 TARGET_CONTEXT = 8192                # tokens of KV pool the fit aims at (less when the model's context is less)
@@ -203,9 +205,6 @@ USER_FLAGS = {
     "--mm-processor-kwargs": ("max_pixels", lambda v: json.loads(v).get("max_pixels")),
     "--enforce-eager": ("enforce_eager", None), "--cpu-embeddings": ("cpu_embeddings", None),
 }
-# Flags under which the fit does not apply.
-NOT_FITTED = {"--num-gpu-blocks-override": "the KV pool size is given (--num-gpu-blocks-override)",
-              "--cpu-kv-cache-space": None}
 
 
 def user_settings(args: list[str]) -> tuple[EngineSettings, set[str], str | None]:
@@ -223,7 +222,7 @@ def user_settings(args: list[str]) -> tuple[EngineSettings, set[str], str | None
             except (ValueError, AttributeError, TypeError):
                 values.pop(field_name, None)
         elif name == "--num-gpu-blocks-override":
-            skip = NOT_FITTED[name]
+            skip = "the KV pool size is given (--num-gpu-blocks-override)"
         elif name == "--device" and value == "cpu":
             skip = "the engine runs on the CPU (--device cpu)"
         elif name in ("--tensor-parallel-size", "-tp") and value.isdigit() and int(value) > 1:
@@ -264,17 +263,31 @@ def _frees(after: MemoryEstimate, before: MemoryEstimate) -> bool:
 def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None = None,
         cpu_embeddings: bool = True, target: int = TARGET_CONTEXT) -> FitPlan:
     """The engine flags (beyond the user's) that give a KV pool of at least `target` tokens on a card of `total`
-    bytes; none when the defaults do. `cpu_embeddings`: whether the engine has --cpu-embeddings."""
+    bytes holding `weights` bytes of weights; none when the defaults do. `cpu_embeddings`: whether the engine
+    has --cpu-embeddings."""
     user, given, _ = user_settings(list(user_args or []))
     target = min(target, user.max_model_len or shape.max_positions, shape.max_positions)
-    start = estimate(total, weights, shape, user)
+    size = lambda s: estimate(total, weights, shape, s)       # noqa: E731
+    start = size(user)
     if _score(start, target)[:2] == (True, target):
         return FitPlan((), start, f"the engine's defaults fit: KV pool ~{start.pool_tokens:,} tokens (computed)")
-    # Each candidate is judged at the context its pool holds (--max-model-len, unless the user gave one): a
-    # shorter context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/cuda_graphs.py).
-    fitted = (lambda s: (s, estimate(total, weights, shape, s))) if "max_model_len" in given else \
-        (lambda s: _fit_context(total, weights, shape, s))
-    steps = _steps(shape, cpu_embeddings)
+    cur, est = _walk(size, shape, user, given, target, _steps(shape, cpu_embeddings))
+    fits = est.headroom_short == 0 and est.context >= min(MIN_CONTEXT, target)
+    flags = tuple(FitFlag(_flag_args(k, getattr(cur, k)), _reason(k, getattr(cur, k), start, est, shape))
+                  for k in FLAG_ORDER if getattr(cur, k) != getattr(user, k))
+    kv = f"KV pool ~{est.pool_tokens:,} tokens ({max(est.kv_bytes, 0) / GB:.2f} GB, computed)"
+    if fits:
+        return FitPlan(flags, est, f"fitted, {kv}")
+    return FitPlan(flags, est, f"does not fit even with these flags: {kv}, weights {est.weights / GB:.2f} GB on "
+                               f"the GPU; use a smaller checkpoint (README: 'Which checkpoint for which GPU')", False)
+
+
+def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target: int, steps: list[dict]):
+    """Take the steps in order, each one that helps, until the target fits: (settings, their estimate).
+    Each candidate is judged at the context its pool holds (--max-model-len, unless the user gave one): a shorter
+    context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/cuda_graphs.py)."""
+    fitted = (lambda s: (s, size(s))) if "max_model_len" in given else \
+        (lambda s: _fit_context(size, s, shape.max_positions))
     base = user
     if steps and "max_pixels" in steps[0] and "max_pixels" not in given:
         base = replace(base, **steps.pop(0))       # whenever the defaults do not fit: the cheapest step
@@ -289,35 +302,24 @@ def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None
         # A step is kept when it frees memory (monotone, unlike the pool, which loses the graphs' scratch blocks
         # once it is large enough to hold them); no CUDA graphs, when it gives more context.
         if _score(after, target) > _score(est, target) if "enforce_eager" in change else \
-                _frees(estimate(total, weights, shape, replace(base, **change)),
-                       estimate(total, weights, shape, base)):
+                _frees(size(replace(base, **change)), size(base)):
             base, cur, est = replace(base, **change), cand, after
-    fits = est.headroom_short == 0 and est.context >= min(MIN_CONTEXT, target)
-    flags = tuple(FitFlag(_flag_args(k, getattr(cur, k)), _reason(k, getattr(cur, k), start, est, shape))
-                  for k in FLAG_ORDER if getattr(cur, k) != getattr(user, k))
-    kv = f"KV pool ~{est.pool_tokens:,} tokens ({max(est.kv_bytes, 0) / GB:.2f} GB, computed)"
-    if fits:
-        summary = f"fitted, {kv}"
-    else:
-        summary = (f"does not fit even with these flags: {kv}, weights {est.weights / GB:.2f} GB on the GPU; "
-                   f"use a smaller checkpoint (README: 'Which checkpoint for which GPU')")
-    return FitPlan(flags, est, summary, fits)
+    return cur, est
 
 
-def _fit_context(total, weights, shape, cur):
+def _fit_context(size, cur: EngineSettings, max_positions: int):
     """--max-model-len: the longest context (a multiple of CONTEXT_STEP) the pool holds at that length: a shorter
     context needs smaller rotary tables and lets the engine profile smaller images, so the pool grows as the
-    length shrinks (found by bisection; at least CONTEXT_STEP)."""
-    at = lambda n: estimate(total, weights, shape, replace(cur, max_model_len=n * CONTEXT_STEP))   # noqa: E731
-    lo, hi = 1, max(at(1).pool_tokens // CONTEXT_STEP, 1)
-    hi = min(hi, max(shape.max_positions // CONTEXT_STEP, 1))
+    length shrinks (found by bisection; at least CONTEXT_STEP, at most the model's positions)."""
+    at = lambda n: replace(cur, max_model_len=min(n * CONTEXT_STEP, max_positions))   # noqa: E731
+    lo, hi = 1, min(max(size(at(1)).pool_tokens // CONTEXT_STEP, 1), max(max_positions // CONTEXT_STEP, 1))
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if at(mid).pool_tokens >= mid * CONTEXT_STEP:
+        if size(at(mid)).pool_tokens >= mid * CONTEXT_STEP:
             lo = mid
         else:
             hi = mid - 1
-    return replace(cur, max_model_len=lo * CONTEXT_STEP), at(lo)
+    return at(lo), size(at(lo))
 
 
 FLAG_ORDER = ("max_model_len", "max_pixels", "cpu_embeddings", "max_num_batched_tokens", "max_num_seqs",
@@ -337,8 +339,8 @@ def _reason(key: str, value, before: MemoryEstimate, after: MemoryEstimate, shap
     gb = lambda b: f"{b / GB:.2f} GB"   # noqa: E731
     side = int(value ** 0.5) if key == "max_pixels" else 0
     return {
-        "max_model_len": f"the context the KV pool holds (computed; the engine would cap it there, after "
-                         f"profiling images and sizing rotary tables for {before.max_len:,} tokens)",
+        "max_model_len": f"the context the KV pool holds (computed); the engine would cap it there too, but only "
+                         f"after sizing its rotary tables and largest image for {before.max_len:,} tokens",
         "max_pixels": f"larger images are scaled down to {side}x{side}: the engine profiles the largest image at "
                       f"{gb(after.vision_peak)} instead of {gb(before.vision_peak)}",
         "cpu_embeddings": f"the token-embedding table ({gb(shape.embedding_bytes)}) stays in host memory",
@@ -365,8 +367,6 @@ def engine_has_flag(name: str, repo: Path = Path(__file__).resolve().parent.pare
 def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu) -> FitPlan | None:
     """The plan for the launcher: None where the fit does not apply at all (no NVIDIA GPU, LOCALCHAT_FIT=0, a
     GGUF); a plan without flags, saying why, where it applies but adds nothing."""
-    from app.checkpoints import weight_bytes, weight_format
-
     if env.get("LOCALCHAT_FIT", "1").strip().lower() in ("0", "false", "no", "off") or model_path.suffix == ".gguf":
         return None
     card = gpu(env)
@@ -388,7 +388,7 @@ def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu) -> FitPla
     if skip is not None:
         return FitPlan((), None, f"engine flags: not fitted to {where}: {skip}")
     plan = fit(total, weights, shape, engine_args, cpu_embeddings=engine_has_flag("cpu_embeddings"))
-    off = " (LOCALCHAT_FIT=0: none added)" if plan.flags else ""
+    off = "; LOCALCHAT_FIT=0 adds none" if plan.flags else ""
     return replace(plan, summary=f"engine flags for {where}: {plan.summary}{off}")
 
 

@@ -147,7 +147,7 @@ def test_the_launcher_puts_the_fitted_flags_before_the_users_and_prints_why(tmp_
     fitted, args = fit_engine_flags(model, user, env={}, gpu=lambda env: ("NVIDIA GeForce RTX 3060", card(12)))
     assert args[-2:] == user and len(args) > len(user) and "--max-num-seqs" not in args[:-2]
     notes = "\n".join(fitted.notes)
-    assert "engine flags for NVIDIA GeForce RTX 3060 (12 GiB): fitted" in notes and "LOCALCHAT_FIT=0" in notes
+    assert "engine flags for NVIDIA GeForce RTX 3060 (12 GiB): fitted" in notes and "LOCALCHAT_FIT=0 adds none" in notes
     assert "--mm-processor-kwargs '{\"max_pixels\": 1048576}': larger images are scaled down" in notes
 
 
