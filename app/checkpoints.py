@@ -4,8 +4,8 @@ A checkpoint's format comes from its config.json (`quantization_config`, as the 
 is computed from the config's shapes as the engine holds them on the GPU: the decoder's linear layers in the
 checkpoint's format (integer formats repacked with a bf16 scale and zero point per group), and the embeddings,
 lm_head, norms and the whole vision tower in bf16 (a checkpoint that ships its vision blocks quantized, which its
-exclusion list `modules_to_not_convert` / `ignore` shows, has them dequantized at load). Pure Python: the launcher must start without importing
-torch.
+exclusion list `modules_to_not_convert` / `ignore` shows, has them dequantized at load). Pure Python: the
+launcher must start without importing torch.
 
     python -m app.checkpoints [CONFIG.json]     # the weight sizes of each format for that config
 """
@@ -276,8 +276,8 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None,
         else:
             pick = min(usable, key=lambda c: c.weights)
             reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "
-                      f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''} with them: the engine's flags "
-                      f"are fitted to the card below (README: 'Which checkpoint for which GPU')")
+                      f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''} with them: the "
+                      f"launcher fits the engine's flags to the card where it can (README: 'Which checkpoint for which GPU')")
     return Choice(pick, reason, [c for c in found if c is not pick])
 
 

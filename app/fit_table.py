@@ -25,7 +25,8 @@ def reference_shape() -> ModelShape:
 
 def table() -> str:
     config, shape = json.loads(REFERENCE_CONFIG.read_text()), reference_shape()
-    rows = [BEGIN, "| card | checkpoint | flags the launcher adds | KV pool (computed) | context |", "|---|---|---|---|---|"]
+    rows = [BEGIN, "| card | checkpoint | flags the launcher adds | KV pool (computed) | context |",
+            "|---|---|---|---|---|"]
     for gib in CARDS_GIB:
         for kind, fmt in KINDS:
             weights = weight_bytes(config, fmt)

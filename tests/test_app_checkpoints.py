@@ -109,7 +109,7 @@ def test_the_most_precise_checkpoint_that_fits_the_gpu(gib, repo):
 def test_when_none_fits_the_smallest_whose_flags_the_launcher_then_fits():
     choice = choose(FOUND, ("RTX 3070", 8 * GiB))
     assert choice.checkpoint.repo == "someone/Qwen3-VL-8B-Instruct-AWQ"
-    assert "none fits RTX 3070 (8 GiB)" in choice.reason and "fitted to the card" in choice.reason
+    assert "none fits RTX 3070 (8 GiB)" in choice.reason and "fits the engine's flags to the card" in choice.reason
 
 
 def test_with_tensor_parallelism_each_gpu_holds_a_share_and_the_whole_vision_tower():

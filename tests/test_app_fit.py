@@ -11,7 +11,7 @@ import pytest
 
 from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
 from app.fit import (CUDA_GRAPH_BYTES, IMAGE_CAP_PIXELS, MIN_CONTEXT, NON_TORCH_BYTES, TARGET_CONTEXT,
-                     EngineSettings, ModelShape, engine_has_flag, estimate, fit, fit_for_launch, user_settings)
+                     EngineSettings, engine_has_flag, estimate, fit, fit_for_launch, user_settings)
 from app.fit_table import readme_table, reference_shape, table
 from app.launcher import fit_engine_flags
 from app.models import ResolvedModel
