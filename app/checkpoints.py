@@ -277,7 +277,8 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None,
             pick = min(usable, key=lambda c: c.weights)
             reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "
                       f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''} with them: the "
-                      f"launcher fits the engine's flags to the card where it can (README: 'Which checkpoint for which GPU')")
+                      f"launcher fits the engine's flags to the card where it can (README: 'Which checkpoint "
+                      f"for which GPU')")
     return Choice(pick, reason, [c for c in found if c is not pick])
 
 
