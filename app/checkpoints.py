@@ -1,10 +1,11 @@
 """Qwen3-VL-8B-Instruct checkpoints in the Hugging Face cache, bf16 and quantized, and which one fits this GPU.
 
 A checkpoint's format comes from its config.json (`quantization_config`, as the engine reads it); its weight size
-is computed from the config's shapes: the decoder's linear layers in the checkpoint's format, the vision blocks'
-linear layers too unless the config's exclusion list (`modules_to_not_convert`, `ignore`) names them, and the
-embeddings, lm_head, norms and vision mergers in bf16. Pure Python: the launcher must start without importing
-torch.
+is computed from the config's shapes as the engine holds them on the GPU: the decoder's linear layers in the
+checkpoint's format (integer formats repacked with a bf16 scale and zero point per group), and the embeddings,
+lm_head, norms and the whole vision tower in bf16 (a checkpoint that ships its vision blocks quantized, which its
+exclusion list `modules_to_not_convert` / `ignore` shows, has them dequantized at load). Pure Python: the
+launcher must start without importing torch.
 
     python -m app.checkpoints [CONFIG.json]     # the weight sizes of each format for that config
 """
@@ -42,7 +43,7 @@ class WeightFormat:
     group_size: int | None = None  # integer formats: values per scale (None: one per output channel)
     zero_points: bool = False
     block: tuple[int, int] | None = None   # fp8: a float32 scale per (out, in) block
-    vision_quantized: bool = False         # the vision blocks' linear layers too (not excluded by the config)
+    vision_quantized: bool = False         # the checkpoint ships the vision blocks quantized (dequantized at load)
 
     @property
     def precision_rank(self) -> int:
@@ -163,10 +164,11 @@ def vision_bytes(config: dict) -> int:
 
 
 def weight_bytes(config: dict, fmt: WeightFormat) -> int:
-    """Device bytes of the weights in `fmt`: quantized values and their scales (and zero points), the rest bf16."""
-    quantized = decoder_linear_shapes(config) + (vision_linear_shapes(config) if fmt.vision_quantized else [])
-    kept = 0 if fmt.vision_quantized else sum(o * i for o, i in vision_linear_shapes(config))
-    return sum(_linear_bytes(out, inp, fmt) for out, inp in quantized) + 2 * (kept + other_params(config))
+    """Device bytes of the weights as the engine holds them: the decoder's linear layers in `fmt` (quantized
+    values and their scales and zero points), the rest in bf16 -- the vision tower too when the checkpoint ships
+    its blocks quantized, since the engine dequantizes it once at load (engine/model/loader.py)."""
+    quantized = sum(_linear_bytes(out, inp, fmt) for out, inp in decoder_linear_shapes(config))
+    return quantized + 2 * (sum(o * i for o, i in vision_linear_shapes(config)) + other_params(config))
 
 
 def _linear_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
@@ -176,9 +178,10 @@ def _linear_bytes(out: int, inp: int, fmt: WeightFormat) -> int:
     if fmt.block is not None:                                         # fp8 with a float32 scale per block
         bo, bi = fmt.block
         return n + 4 * (-(-out // bo)) * (-(-inp // bi))
+    # Integer weights are repacked at load (engine/model/quantization/layers.py): int32 words of packed values,
+    # and a scale and a zero point per group in the model dtype (symmetric formats get their implied zero).
     groups = out * (-(-inp // fmt.group_size)) if fmt.group_size else out
-    zeros = -(-groups * fmt.bits // 8) if fmt.zero_points else 0
-    return -(-n * fmt.bits // 8) + 2 * groups + zeros                 # values, fp16/bf16 scales, zero points
+    return -(-n * fmt.bits // 8) + 2 * groups + 2 * groups
 
 
 # ---- the cache -----------------------------------------------------------------------------------------------
@@ -273,8 +276,9 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None,
         else:
             pick = min(usable, key=lambda c: c.weights)
             reason = (f"none fits {name} ({total / GiB:.0f} GiB) with default flags; the smallest needs "
-                      f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''}: lower --max-model-len, --max-num-batched-tokens and "
-                      f"--encoder-cache-size (README: 'Which checkpoint for which GPU')")
+                      f"~{pick.needs_per_gpu(n) / GB:.0f} GB{' per GPU' if n > 1 else ''} with them: the "
+                      f"launcher fits the engine's flags to the card where it can (README: 'Which checkpoint "
+                      f"for which GPU')")
     return Choice(pick, reason, [c for c in found if c is not pick])
 
 
@@ -317,16 +321,15 @@ def main(argv: list[str]) -> None:
     config = json.loads(path.read_text())
     decoder, vision = (sum(o * i for o, i in shapes(config)) for shapes in (decoder_linear_shapes,
                                                                             vision_linear_shapes))
-    print(f"{path}: decoder linear layers {decoder / 1e9:.3f} G params, vision blocks' linear layers "
-          f"{vision / 1e9:.3f} G, the rest {other_params(config) / 1e9:.3f} G (always bf16)")
+    print(f"{path}: decoder linear layers {decoder / 1e9:.3f} G params (in the checkpoint's format); vision "
+          f"blocks' linear layers {vision / 1e9:.3f} G and the rest {other_params(config) / 1e9:.3f} G (bf16 on "
+          f"the GPU)")
     for fmt in (BF16, WeightFormat("fp8 block 128x128", 8, block=(128, 128)),
-                WeightFormat("int8 g128 (symmetric)", 8, 128), WeightFormat("int4 g128 (symmetric)", 4, 128),
-                WeightFormat("int4 g128 + zero points", 4, 128, True)):
-        sizes = [weight_bytes(config, replace(fmt, vision_quantized=v)) for v in (False, True)]
-        print(f"{fmt.name:>26}: weights {sizes[0] / GB:6.2f} GB ({sizes[0] / GiB:5.2f} GiB)" +
-              ("" if fmt.bits == 16 else f"; with the vision blocks quantized too {sizes[1] / GB:6.2f} GB "
-                                         f"({sizes[1] / GiB:5.2f} GiB)"))
-
+                WeightFormat("int8 g128", 8, 128), WeightFormat("int4 g128", 4, 128)):
+        size = weight_bytes(config, fmt)
+        print(f"{fmt.name:>18}: weights on the GPU {size / GB:6.2f} GB ({size / GiB:5.2f} GiB)")
+    print("(integer formats: symmetric or with zero points alike, the engine holds a bf16 zero point per group; "
+          "a vision tower shipped quantized is dequantized to bf16 at load)")
 
 if __name__ == "__main__":
     main(sys.argv[1:])

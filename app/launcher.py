@@ -14,9 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from app import control, procs
+from app.checkpoints import gpu_memory
+from app.fit import fit_for_launch
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
 from app.settings import REPO, Settings
@@ -64,6 +67,16 @@ def tensor_parallel_size(args: list[str]) -> int:
             if value is not None:
                 return int(value) if value.isdigit() and int(value) > 0 else 1
     return 1
+
+
+def fit_engine_flags(model: ResolvedModel, engine_args: list[str], env=os.environ,
+                     gpu=gpu_memory) -> tuple[ResolvedModel, list[str]]:
+    """The engine flags fitted to the GPU (app/fit.py) go before the user's, so that a flag the user gave wins
+    in the engine's parser as well; what was chosen and why joins the model's notes, printed at start."""
+    plan = None if model.demo else fit_for_launch(model.path, engine_args, env, gpu)
+    if plan is None:
+        return model, engine_args
+    return replace(model, notes=model.notes + tuple(plan.lines())), plan.args() + engine_args
 
 
 DEMO_GENERATION_DIR = Path(__file__).resolve().parent / "demo_generation"
@@ -339,4 +352,5 @@ def main(argv: list[str] | None = None) -> int:
         return start_detached(s, argv)  # the background launcher resolves the same model again
     engine_args, key = split_engine_args(rest)
     key = key or os.environ.get("ENGINE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    model, engine_args = fit_engine_flags(model, engine_args)
     return start(s, model, engine_args, key)

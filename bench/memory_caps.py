@@ -6,13 +6,15 @@ token and the decode speed of a chat carrying one 1024x1024 PNG and a question, 
         --quantization awq --max-model-len 8192]
 
 Without --model it serves Qwen3-VL-8B-Instruct's shapes with random weights (bench/synthetic_model.py,
---load-format dummy). Every flag it does not know goes to the engine; unless given, it adds
---mm-processor-kwargs '{"max_pixels": 1048576}' (images up to the benchmark's 1024x1024: the engine profiles and
-sets memory aside for the largest image it may be sent, by default 4096x4096). For an 8 GiB cap, e.g.:
+--load-format dummy). Every flag it does not know goes to the engine. Each cap also gets the flags the launcher
+would fit to a card of that size (app/fit.py: smaller worst-case images, smaller steps, ...), so that the numbers
+are what a user of that card gets; the JSON lists them with the KV pool they were computed to leave. Flags given
+here win over them; --no-fit leaves them out. For example:
 
-    python bench/memory_caps.py --caps 8 --quantization awq --max-model-len 4096 --max-num-batched-tokens 2048 \
-        --encoder-cache-size 2048 --max-num-seqs 16 The JSON is rewritten after every cap, and each
-server's log is kept beside it; a cap that fails to start, hangs or crashes is recorded and the next one runs.
+    python bench/memory_caps.py --caps 8 12 --quantization awq
+
+The JSON is rewritten after every cap, and each server's log is kept beside it; a cap that fails to start, hangs
+or crashes is recorded and the next one runs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -34,11 +37,12 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.checkpoints import GiB, weight_bytes, weight_format  # noqa: E402
+from app.fit import ModelShape, fit  # noqa: E402
 from bench.serve import image_data_url, stream_request  # noqa: E402
 
 QUESTION = "Describe this image in detail."
 IMAGE_SIDE = 1024
-IMAGE_PIXELS = IMAGE_SIDE * IMAGE_SIDE
 # Lines of the engine's start-up log worth keeping per cap (the memory profile says where the memory went).
 LOG_PATTERNS = {
     "memory_profile": re.compile(r"Memory profile: (.*)"),
@@ -138,13 +142,47 @@ def median(xs: list[float]) -> float | None:
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
+def quantization_flag(engine_flags: list[str]) -> str | None:
+    """The --quantization / -q value among the engine flags (the layout of --load-format dummy weights)."""
+    for i, flag in enumerate(engine_flags):
+        name, eq, value = flag.partition("=")
+        if name in ("--quantization", "-q"):
+            return value if eq else (engine_flags[i + 1] if i + 1 < len(engine_flags) else None)
+    return None
+
+
+def fitted_flags(model: str, cap: float, engine_flags: list[str]):
+    """What the launcher would add on a card of `cap` GiB (app/fit.py), for the model's config, its
+    quantization_config or else the published layout of --quantization (bench/synthetic_model.py)."""
+    from bench.synthetic_model import QUANTIZATION_CONFIGS
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    method = quantization_flag(engine_flags)
+    if "quantization_config" not in config and method in QUANTIZATION_CONFIGS:
+        config["quantization_config"] = QUANTIZATION_CONFIGS[method]
+    pre = Path(model) / "preprocessor_config.json"
+    shape = ModelShape.from_config(config, json.loads(pre.read_text()) if pre.is_file() else None)
+    return fit(int(cap * GiB), weight_bytes(config, weight_format(config)), shape, engine_flags)
+
+
 def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"engine_cap{cap:g}GiB.log"
-    cmd = [sys.executable, "-m", "engine", "--model", args.model, "--port", str(port),
-           "--gpu-memory-limit", f"{cap:g}", "--disable-log-requests", "--disable-uvicorn-access-log", *engine_flags]
-    res: dict = {"cap_gib": cap, "command": " ".join(cmd), "log": str(log_path), "started": False}
+    plan, fit_error = None, None
+    if not args.no_fit:
+        try:
+            plan = fitted_flags(args.model, cap, engine_flags)
+        except (OSError, ValueError, KeyError, TypeError) as err:    # the engine then says what is wrong
+            fit_error = f"{type(err).__name__}: {err}"
+    fitted = plan.args() if plan is not None else []
+    cmd = [sys.executable, "-m", "engine", "--model", args.model, "--port", str(port), "--gpu-memory-limit",
+           f"{cap:g}", "--disable-log-requests", "--disable-uvicorn-access-log", *fitted, *engine_flags]
+    res: dict = {"cap_gib": cap, "command": shlex.join(cmd), "log": str(log_path), "started": False,
+                 "fitted_args": fitted, "fitted_flags": [str(f) for f in plan.flags] if plan is not None else None,
+                 "fitted_kv_tokens_computed": plan.estimate.pool_tokens if plan is not None else None}
+    if fit_error:
+        res["fit_error"] = fit_error
     print(f"\n== cap {cap:g} GiB: {' '.join(cmd)}", flush=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
@@ -194,19 +232,23 @@ def measure(res: dict, base: str, proc: subprocess.Popen, args) -> None:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| cap | started | KV pool (tokens) | max context | TTFT p50 ms | decode tok/s p50 | GPU used (nvidia-smi) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| cap | fitted flags | started | KV pool (tokens): computed / engine | max context | TTFT p50 ms | "
+            "decode tok/s p50 | GPU used (nvidia-smi) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        flags = shlex.join(r.get("fitted_args") or []) or "—"
+        computed = r.get("fitted_kv_tokens_computed")
+        computed = "—" if computed is None else str(computed)
         if not r["started"]:
-            rows.append(f"| {r['cap_gib']:g} GiB | no: {r.get('reason', '?')} | | | | | |")
+            rows.append(f"| {r['cap_gib']:g} GiB | `{flags}` | no: {r.get('reason', '?')} | {computed} / — | | | | |")
             continue
         fmt = lambda v, spec: "—" if v is None else format(v, spec)   # noqa: E731
         used = "—" if r.get("gpu_used_mib") is None else f"{r['gpu_used_mib'] / 1024:.2f} GiB"
         note = "" if not r.get("request_error") else f" ({r['request_error'][:80]})"
         if "limit_ignored" in r.get("log_lines", {}):
             note += " (cap ignored: not on CUDA)"
-        rows.append(f"| {r['cap_gib']:g} GiB | yes{note} | {r['kv_tokens']} | {r['max_model_len']} | "
-                    f"{fmt(r.get('ttft_ms_p50'), '.1f')} | {fmt(r.get('decode_tok_s_p50'), '.1f')} | {used} |")
+        rows.append(f"| {r['cap_gib']:g} GiB | `{flags}` | yes{note} | {computed} / {r['kv_tokens']} | "
+                    f"{r['max_model_len']} | {fmt(r.get('ttft_ms_p50'), '.1f')} | "
+                    f"{fmt(r.get('decode_tok_s_p50'), '.1f')} | {used} |")
     return "\n".join(rows)
 
 
@@ -221,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds per chat request")
     ap.add_argument("--out", default=None, help="JSON results (default: memory_caps.json in the log folder)")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a new temp folder)")
+    ap.add_argument("--no-fit", action="store_true", help="leave out the flags the launcher fits to each card")
     args, engine_flags = ap.parse_known_args(argv)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="memory_caps_"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -229,8 +272,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.model = str(build(log_dir / "qwen3-vl-8b-synthetic"))
         if not any(f.startswith("--load-format") for f in engine_flags):
             engine_flags += ["--load-format", "dummy"]
-    if not any(f.startswith("--mm-processor-kwargs") for f in engine_flags):
-        engine_flags += ["--mm-processor-kwargs", json.dumps({"max_pixels": IMAGE_PIXELS})]
     out = Path(args.out) if args.out else log_dir / "memory_caps.json"
     report = {"model": args.model, "engine_flags": engine_flags, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "question": QUESTION, "image": "1024x1024 PNG (bench/serve.py 'photo')",

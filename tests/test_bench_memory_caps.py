@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.memory_caps import main, parse_log, table
+from bench.memory_caps import fitted_flags, main, parse_log, table
 
 LOG = """INFO 12-04 10:00:01 [memory.py:120] GPU memory limit: 8.00 GiB of 139.81 GiB (torch's allocator capped at 7.31 GiB; 0.69 GiB held outside it)
 INFO 12-04 10:00:02 [loader.py:67] Loading model weights took 7.25 GB and 2.10 seconds (random dummy weights)
@@ -29,12 +29,37 @@ def test_the_start_up_lines_that_explain_a_cap_are_kept():
 
 
 def test_summary_table_and_json(tmp_path):
-    failed = {"cap_gib": 8.0, "started": False, "reason": "the server exited with code 1 while starting: weights"}
+    failed = {"cap_gib": 8.0, "started": False, "reason": "the server exited with code 1 while starting: weights",
+              "fitted_args": ["--max-num-seqs", "16"], "fitted_kv_tokens_computed": 5040}
     ran = {"cap_gib": 16.0, "started": True, "kv_tokens": 61440, "max_model_len": 61440, "ttft_ms_p50": 96.5,
-           "decode_tok_s_p50": 310.2, "gpu_used_mib": 16000, "log_lines": {}}
+           "decode_tok_s_p50": 310.2, "gpu_used_mib": 16000, "log_lines": {}, "fitted_args": [],
+           "fitted_kv_tokens_computed": 60000}
     text = table([failed, ran])
-    assert "| 8 GiB | no: the server exited with code 1 while starting: weights |" in text
-    assert "| 16 GiB | yes | 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB |" in text
+    assert ("| 8 GiB | `--max-num-seqs 16` | no: the server exited with code 1 while starting: weights | 5040 / — |"
+            in text)
+    assert "| 16 GiB | `—` | yes | 60000 / 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB |" in text
+
+
+@pytest.mark.parametrize("gib, quantization, fits_by_default", [(12, "awq", False), (16, "fp8", False),
+                                                                 (24, "fp8", True)])
+def test_each_cap_gets_the_flags_the_launcher_fits_to_a_card_of_that_size(gib, quantization, fits_by_default):
+    """The synthetic 8B directory (its config) with --quantization: the layout of its dummy weights."""
+    from bench.synthetic_model import REFERENCE
+
+    plan = fitted_flags(str(REFERENCE), gib, ["--quantization", quantization, "--load-format", "dummy"])
+    assert plan.fits and plan.estimate.context >= 8192
+    assert (plan.args() == []) == fits_by_default
+    if not fits_by_default:
+        assert '{"max_pixels": 1048576}' in plan.args()
+        given = fitted_flags(str(REFERENCE), gib, ["-q", quantization, "--mm-processor-kwargs", "{}"])
+        assert "--mm-processor-kwargs" not in given.args()     # a flag given to the bench wins
+
+
+def test_an_8_gib_cap_moves_the_embeddings_to_host_memory():
+    from bench.synthetic_model import REFERENCE
+
+    plan = fitted_flags(str(REFERENCE), 8, ["--quantization", "awq"])
+    assert "--cpu-embeddings" in plan.args()
 
 
 @pytest.mark.slow
@@ -47,5 +72,5 @@ def test_a_cap_that_cannot_start_is_recorded_with_the_engines_reason(tmp_path):
     assert res["cap_gib"] == 12 and res["started"] is False
     assert "exited with code 1" in res["reason"] and "does not exist" in res["reason"]
     assert "--gpu-memory-limit 12" in res["command"] and (tmp_path / "engine_cap12GiB.log").is_file()
-    assert saved["engine_flags"] == ["--device", "cpu", "--mm-processor-kwargs", '{"max_pixels": 1048576}']
+    assert saved["engine_flags"] == ["--device", "cpu"] and "FileNotFoundError" in res["fit_error"]
     assert report["caps"] == saved["caps"]

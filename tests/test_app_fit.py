@@ -1,0 +1,173 @@
+"""The launcher fits the engine's flags to the GPU (app/fit.py), as llama.cpp's --fit does: on a card where the
+engine's defaults leave no KV room it adds flags, cheapest first, until the KV pool holds a target context; where
+the defaults fit, without a GPU, or when told not to, it adds nothing; the user's flags are never changed. The
+README's "Flags per card" table is this function's output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
+from app.fit import (CUDA_GRAPH_BYTES, IMAGE_CAP_PIXELS, MIN_CONTEXT, NON_TORCH_BYTES, TARGET_CONTEXT,
+                     EngineSettings, estimate, fit, fit_for_launch, user_settings)
+from app.fit_table import readme_table, reference_shape, table
+from app.launcher import fit_engine_flags
+from app.models import ResolvedModel
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_DIR = REPO / "bench" / "model_configs" / "qwen3-vl-8b-instruct"
+CONFIG = json.loads((REFERENCE_DIR / "config.json").read_text())
+SHAPE = reference_shape()
+INT4, FP8 = WeightFormat("int4 g128", 4, 128), WeightFormat("fp8", 8, block=(128, 128))
+W4, W8, W16 = (weight_bytes(CONFIG, f) for f in (INT4, FP8, BF16))
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+       "modules_to_not_convert": ["visual"]}
+
+
+def card(gib: float) -> int:
+    return int(gib * GiB)
+
+
+def flags_of(plan) -> dict[str, str | None]:
+    return {f.args[0]: (f.args[1] if len(f.args) > 1 else None) for f in plan.flags}
+
+
+# ---- the memory sum ------------------------------------------------------------------------------------------
+def test_the_sum_uses_the_readmes_figures():
+    assert SHAPE.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2 == 144 * 1024       # 144 KiB per token
+    assert 16384 * SHAPE.encoder_bytes_per_token == 16384 * 4 * 4096 * 2          # the default encoder cache
+    assert SHAPE.embedding_bytes == 151936 * 4096 * 2
+    e = estimate(card(24), W16, SHAPE, EngineSettings())
+    assert e.usable == int(0.9 * card(24))                                        # gpu_memory_utilization
+    assert e.decoder_peak == int(0.9 * GB)                                        # 8192 batched tokens
+    assert e.weights == W16 + 262144 * 128 * 4                                    # + the rotary tables
+    assert e.kv_bytes == e.usable - e.weights - NON_TORCH_BYTES - e.activation_peak
+    assert e.graphs and e.pool_tokens == e.kv_bytes // (16 * SHAPE.kv_bytes_per_token) * 16 - 4096
+
+
+def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():
+    e = estimate(card(141), W4, SHAPE, EngineSettings(gpu_memory_limit=12))
+    assert e.usable == card(12)
+    assert e.kv_bytes == (card(12) - e.weights - NON_TORCH_BYTES - e.activation_peak - CUDA_GRAPH_BYTES
+                          - e.encoder_cache)
+
+
+def test_smaller_images_steps_and_embeddings_in_host_memory_each_free_memory():
+    base = estimate(card(12), W4, SHAPE, EngineSettings())
+    for change in ({"max_pixels": IMAGE_CAP_PIXELS}, {"cpu_embeddings": True},
+                   {"max_num_batched_tokens": 1024, "max_num_seqs": 16, "max_pixels": IMAGE_CAP_PIXELS}):
+        assert estimate(card(12), W4, SHAPE, EngineSettings(**change)).kv_bytes > base.kv_bytes, change
+
+
+# ---- the plans -----------------------------------------------------------------------------------------------
+def test_an_8_gib_card_with_a_4_bit_checkpoint_gets_at_least_4096_tokens():
+    plan = fit(card(8), W4, SHAPE)
+    assert plan.fits and plan.estimate.context >= MIN_CONTEXT and plan.estimate.pool_tokens >= MIN_CONTEXT
+    flags = flags_of(plan)
+    assert json.loads(flags["--mm-processor-kwargs"]) == {"max_pixels": 1024 * 1024}
+    assert "--cpu-embeddings" in flags
+    assert int(flags["--max-model-len"]) == plan.estimate.context <= plan.estimate.pool_tokens
+    assert all(f.reason for f in plan.flags)
+
+
+def test_without_defaults_that_fit_the_cheapest_steps_come_first():
+    """A 16 GiB card with FP8 needs only smaller worst-case images; a 12 GiB card goes further down the list."""
+    assert set(flags_of(fit(card(16), W8, SHAPE))) == {"--mm-processor-kwargs", "--max-model-len"}
+    twelve = fit(card(12), W8, SHAPE)
+    assert twelve.fits and twelve.estimate.context >= TARGET_CONTEXT
+    assert list(flags_of(twelve))[-1] == "--enforce-eager"          # the last resort, and last in the list
+
+
+@pytest.mark.parametrize("gib, weights", [(24, W16), (24, W8), (16, W4)])
+def test_where_the_defaults_fit_nothing_is_added(gib, weights):
+    plan = fit(card(gib), weights, SHAPE)
+    assert plan.flags == () and plan.args() == [] and "defaults fit" in plan.summary
+    assert plan.estimate.pool_tokens >= TARGET_CONTEXT
+
+
+def test_weights_that_cannot_fit_are_said_so():
+    plan = fit(card(8), W16, SHAPE)
+    assert not plan.fits and "does not fit" in plan.summary and "smaller checkpoint" in plan.summary
+
+
+def test_a_tied_embedding_model_never_gets_cpu_embeddings():
+    from dataclasses import replace
+    tied = replace(SHAPE, tied=True)
+    plan = fit(card(8), W4 - SHAPE.embedding_bytes, tied)     # lm_head is the embedding table: nothing to move
+    assert "--cpu-embeddings" not in plan.args() and len(plan.flags) > 2
+
+
+# ---- the user's flags ----------------------------------------------------------------------------------------
+USER = ["--max-num-batched-tokens", "4096", "--max-num-seqs=128", "--mm-processor-kwargs", '{"min_pixels": 3136}',
+        "--enforce-eager"]
+
+
+def test_the_users_flags_are_read_in_both_forms():
+    settings, given, skip = user_settings(USER + ["--gpu-memory-limit", "10GiB"])
+    assert (settings.max_num_batched_tokens, settings.max_num_seqs, settings.enforce_eager) == (4096, 128, True)
+    assert settings.max_pixels is None and settings.gpu_memory_limit == 10 and skip is None
+    assert given == {"max_num_batched_tokens", "max_num_seqs", "max_pixels", "enforce_eager", "gpu_memory_limit"}
+
+
+def test_flags_the_user_gave_are_never_overridden():
+    plan = fit(card(8), W4, SHAPE, USER)
+    added = set(flags_of(plan))
+    assert not added & {"--max-num-batched-tokens", "--max-num-seqs", "--mm-processor-kwargs", "--enforce-eager"}
+    assert "--cpu-embeddings" in added                                 # the steps the user left open
+    own = fit(card(8), W4, SHAPE, ["--max-model-len", "2048"])
+    assert "--max-model-len" not in own.args() and own.estimate.max_len == 2048
+
+
+@pytest.mark.parametrize("args, why", [(["--num-gpu-blocks-override", "100"], "KV pool size is given"),
+                                       (["--tensor-parallel-size", "2"], "tensor parallelism"),
+                                       (["--device", "cpu"], "CPU")])
+def test_the_fit_steps_aside_where_the_user_sized_things_otherwise(tmp_path, args, why):
+    plan = fit_for_launch(model_dir(tmp_path), args, {}, lambda env: ("RTX 4060", card(8)))
+    assert plan.args() == [] and why in plan.summary
+
+
+# ---- the launcher --------------------------------------------------------------------------------------------
+def model_dir(tmp_path: Path, quant: dict | None = AWQ) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant} if quant else CONFIG))
+    (tmp_path / "preprocessor_config.json").write_text((REFERENCE_DIR / "preprocessor_config.json").read_text())
+    return tmp_path
+
+
+def test_the_launcher_puts_the_fitted_flags_before_the_users_and_prints_why(tmp_path):
+    model = ResolvedModel(model_dir(tmp_path), "--model", "awq", demo=False)
+    user = ["--max-num-seqs", "8"]
+    fitted, args = fit_engine_flags(model, user, env={}, gpu=lambda env: ("NVIDIA GeForce RTX 3060", card(12)))
+    assert args[-2:] == user and len(args) > len(user) and "--max-num-seqs" not in args[:-2]
+    notes = "\n".join(fitted.notes)
+    assert "engine flags for NVIDIA GeForce RTX 3060 (12 GiB): fitted" in notes and "LOCALCHAT_FIT=0 adds none" in notes
+    assert "--mm-processor-kwargs '{\"max_pixels\": 1048576}': larger images are scaled down" in notes
+
+
+@pytest.mark.parametrize("env, gpu", [({}, lambda env: None),                                  # no NVIDIA GPU
+                                      ({"LOCALCHAT_FIT": "0"}, lambda env: ("RTX 4060", card(8)))])
+def test_no_gpu_or_fit_turned_off_adds_nothing(tmp_path, env, gpu):
+    model = ResolvedModel(model_dir(tmp_path), "--model", "awq", demo=False)
+    assert fit_engine_flags(model, ["--max-num-seqs", "8"], env=env, gpu=gpu) == (model, ["--max-num-seqs", "8"])
+
+
+def test_the_demo_model_gets_nothing(tmp_path):
+    demo = ResolvedModel(tmp_path / "smollm2.gguf", "built-in demo", "SmolLM2", demo=True)
+    assert fit_engine_flags(demo, [], env={}, gpu=lambda env: ("RTX 4060", card(8))) == (demo, [])
+
+
+def test_the_engines_parser_takes_the_fitted_flags():
+    from engine.server.cli import parse_args
+    plan = fit(card(12), W8, SHAPE)        # every kind of flag but --encoder-cache-size
+    args, _ = parse_args(["--model", "m", *plan.args(), "--encoder-cache-size", "1024"])
+    flags = flags_of(plan)
+    assert args.mm_processor_kwargs == {"max_pixels": IMAGE_CAP_PIXELS} and args.enforce_eager
+    assert args.max_model_len == int(flags["--max-model-len"])
+    assert args.max_num_batched_tokens == int(flags["--max-num-batched-tokens"])
+
+
+# ---- the README ----------------------------------------------------------------------------------------------
+def test_the_readme_table_is_the_functions_output():
+    """Regenerate with `python -m app.fit --table` and paste it over the README's table."""
+    assert readme_table((REPO / "README.md").read_text()) == table()
