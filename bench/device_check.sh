@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16
-#                                          hf serve imageab tp); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps tp); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -136,6 +136,16 @@ for s in $STAGES; do
           python3 bench/spy_summary.py "$OUT/spy_$n.txt" | head -60
         fi
         kill $spid; wait $spid 2>/dev/null; sleep 2
+      done ;;
+    memcaps)
+      # Issue 14's image chat under GPU memory caps, each cap with the flags the launcher fits to such a card
+      # (app/fit.py), once per weight format (MEMCAPS_QUANTS), dummy weights at the 8B shapes.
+      for q in ${MEMCAPS_QUANTS:-awq fp8}; do
+        stage "image chat under memory caps ${MEMCAPS_CAPS:-8 12 16 24} GiB, weights: $q"
+        timeout "${MEMCAPS_T:-280}" python3 bench/memory_caps.py --caps ${MEMCAPS_CAPS:-8 12 16 24} --quantization $q \
+          --repeats 2 --out "$OUT/memcaps_$q.json" --log-dir /tmp/memcaps_$q > "$OUT/memcaps_$q.txt" 2>&1
+        echo "rc=$?"; mkdir -p "$OUT/memcaps_$q" && cp /tmp/memcaps_$q/*.log "$OUT/memcaps_$q/" 2>/dev/null
+        grep -v -E '^(INFO|WARNING)' "$OUT/memcaps_$q.txt" | grep -v '^{' | tail -14
       done ;;
     tp)
       # Needs TP_SIZE GPUs (nvidia-h200-x2 for 2): the TP GPU tests, then TP=TP_SIZE against TP=1 on this host.
