@@ -104,6 +104,19 @@ def test_a_host_table_looks_up_through_the_op(monkeypatch, gen):
     assert module.in_host_memory and torch.equal(module(ids), F.embedding(ids, full))
 
 
+def test_a_gpu_that_cannot_read_the_host_table_is_refused_at_load_naming_the_flag(monkeypatch, gen):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    module = VocabParallelEmbedding(100, 16, host_memory=True)
+    module.weight_loader(module.weight, torch.randn(100, 16, generator=gen), None, "embed_tokens.weight")
+    module.check_host_lookup(torch.device("cpu"))           # readable: nothing to say
+
+    def unreadable(*args):
+        raise ValueError("Pointer argument (at 1) cannot be accessed from Triton (cpu tensor?)")
+    monkeypatch.setattr("engine.model.vocab_parallel_embedding.embedding", unreadable)
+    with pytest.raises(ModelLoadError, match="--cpu-embeddings: the GPU cannot read .* run without"):
+        module.check_host_lookup(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("model, conversations", [("llama_dir", [TEXT]), ("qwen3_vl_dir", [TEXT, IMAGE])],
                          ids=["llama", "qwen3-vl"])
 def test_on_the_cpu_the_flag_changes_nothing_and_says_so(model, conversations, request, engine_log):

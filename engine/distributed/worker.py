@@ -51,6 +51,7 @@ class Worker:
         try:
             self.model = build_model(self.model_config, max_len, self.dtype, self.device, self.args.cpu_embeddings)
             load_weights(self.model, self.args.model, self.args.load_format, self.device)
+            self.model.decoder.embed_tokens.check_host_lookup(self.device)
         except torch.cuda.OutOfMemoryError as err:
             if self.gpu_memory_limit is None:
                 raise

@@ -17,7 +17,7 @@ from torch import nn
 from engine.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                                tensor_model_parallel_all_reduce)
 from engine.errors import ModelLoadError
-from engine.ops import embedding
+from engine.ops import embedding, embedding_ref
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: page-locked for every CUDA context, mapped into the GPUs'
 # address space (under unified addressing at the host pointer's own address).
@@ -65,6 +65,21 @@ class VocabParallelEmbedding(nn.Module):
         # Each rank looks up the ids in its rows (zero for the others); the sum over ranks is the embedding.
         out = embedding(input_ids, self.weight, self.vocab_start, self.vocab_end)
         return out if self.tp_size == 1 else tensor_model_parallel_all_reduce(out)
+
+    def check_host_lookup(self, device: torch.device) -> None:
+        """With the table in host memory, the GPU looks its first and last rows up once, at load: a system where
+        the GPU cannot read page-locked host memory in place fails here, naming the flag, not in a request."""
+        if not self.in_host_memory or self.vocab_end <= self.vocab_start:
+            return
+        ids = torch.tensor([self.vocab_start, self.vocab_end - 1])
+        try:
+            got = embedding(ids.to(device), self.weight, self.vocab_start, self.vocab_end).cpu()
+        except (ValueError, RuntimeError) as err:
+            raise ModelLoadError(f"--cpu-embeddings: the GPU cannot read the token embeddings in host memory "
+                                 f"({err}); run without --cpu-embeddings", code="cpu_embeddings") from None
+        if not torch.equal(got, embedding_ref(ids, self.weight, self.vocab_start, self.vocab_end)):
+            raise ModelLoadError("--cpu-embeddings: rows read by the GPU from host memory differ from the table; "
+                                 "run without --cpu-embeddings", code="cpu_embeddings")
 
     def checkpoint_ranges(self, index: None) -> tuple[tuple[int, int], None]:
         return (self.vocab_start, max(self.vocab_end - self.vocab_start, 0)), None
