@@ -102,22 +102,26 @@ class TextDecoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen3: decoder + lm_head (tied to the embedding when the config says so)."""
+    """Llama / Qwen3: decoder + lm_head (tied to the embedding when the config says so). `decoder_name` is the
+    decoder's attribute, as the checkpoint names it (`model.*`; Qwen3-VL: `language_model.*`)."""
+    decoder_name = "model"
 
-    def __init__(self, config: ModelConfig, max_positions: int, host_embeddings: bool = False):
+    def __init__(self, config: ModelConfig, max_positions: int, host_embeddings: bool = False,
+                 prefix: str = "model"):
         super().__init__()
         self.config = config
-        self.model = TextDecoder(config, max_positions, host_embeddings=host_embeddings)
+        setattr(self, self.decoder_name, TextDecoder(config, max_positions, prefix=prefix,
+                                                     host_embeddings=host_embeddings))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.decoder.embed_tokens.weight
 
     @property
     def decoder(self) -> TextDecoder:
-        return self.model
+        return getattr(self, self.decoder_name)
 
     def forward(self, input_ids, positions, kv_caches, md, mm: MultimodalEmbeds | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, md, mm)
+        return self.decoder(input_ids, positions, kv_caches, md, mm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [S, vocab] on every rank (a collective under tensor parallelism)."""
