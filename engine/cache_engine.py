@@ -2,7 +2,11 @@
 block shape. Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]: a layer's K or V
 is a contiguous [num_blocks, block_size, Hk, D] view, and a swap moves a block of every layer in one copy.
 Under tensor parallelism each rank caches its own KV heads (ModelConfig.kv_heads_per_rank), with the same block
-ids on every rank."""
+ids on every rank.
+
+The pool's dtype is the KV cache dtype (--kv-cache-dtype): the model dtype, or float8_e4m3fn (one byte per
+element, scale 1.0; engine/ops/kv_cache.py writes it, the attention ops upcast what they read). Swaps copy
+bytes (uint8 views), which works for every dtype and is exact; torch has no CPU index_copy_ for float8."""
 from __future__ import annotations
 
 import torch
@@ -22,13 +26,14 @@ class CacheEngine:
             cpu_shape = shape[:2] + (num_cpu_blocks,) + shape[3:]
             self.cpu_cache = torch.empty(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
         self.device = device
+        self.dtype = dtype
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer[0], layer[1]) for layer in self.gpu_cache]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block on this rank."""
+        """Bytes of one block on this rank (`dtype`: the KV cache dtype)."""
         return config.kv_bytes_per_token(get_tp_size()) * block_size * torch.empty((), dtype=dtype).element_size()
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -37,8 +42,8 @@ class CacheEngine:
             return
         gpu_ids = torch.tensor([g for g, _ in pairs], device=self.device)
         cpu_ids = torch.tensor([c for _, c in pairs])
-        staged = self.gpu_cache.index_select(2, gpu_ids).to("cpu")
-        self.cpu_cache.index_copy_(2, cpu_ids, staged)
+        staged = _bytes(self.gpu_cache).index_select(2, gpu_ids).to("cpu")
+        _bytes(self.cpu_cache).index_copy_(2, cpu_ids, staged)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu_block, gpu_block) pairs: gather on the host, one host-to-device copy, scatter on the device."""
@@ -46,7 +51,12 @@ class CacheEngine:
             return
         cpu_ids = torch.tensor([c for c, _ in pairs])
         gpu_ids = torch.tensor([g for _, g in pairs], device=self.device)
-        staged = self.cpu_cache.index_select(2, cpu_ids)
+        staged = _bytes(self.cpu_cache).index_select(2, cpu_ids)
         if self.device.type == "cuda":
             staged = staged.pin_memory()
-        self.gpu_cache.index_copy_(2, gpu_ids, staged.to(self.device, non_blocking=True))
+        _bytes(self.gpu_cache).index_copy_(2, gpu_ids, staged.to(self.device, non_blocking=True))
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8 (the last dimension times the element size)."""
+    return cache.view(torch.uint8)

@@ -23,12 +23,16 @@ class KVCachePlan:
     bytes_per_block: int
     source: str                          # how num_gpu_blocks was decided
     profile: MemoryProfile | None = None
+    dtype: torch.dtype | None = None     # the KV cache dtype (--kv-cache-dtype)
 
     def log(self, engine) -> None:
         args, bs = engine.args, engine.args.block_size
         gpu_bytes, cpu_bytes = self.num_gpu_blocks * self.bytes_per_block, self.num_cpu_blocks * self.bytes_per_block
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
+        logger.info("KV cache dtype: %s (--kv-cache-dtype %s), %.1f KiB per token%s", kv_dtype_name(self.dtype),
+                    args.kv_cache_dtype, self.bytes_per_block / bs / 1024,
+                    " on each rank" if get_tp_size() > 1 else "")
         per_rank = " on each of %d ranks" % get_tp_size() if get_tp_size() > 1 else ""
         logger.info("Total blocks allocated: %d (%.1f MB%s)", self.num_gpu_blocks, gpu_bytes / 2**20, per_rank)
         if self.profile is not None and self.profile.limit_bytes is not None:
@@ -52,11 +56,15 @@ class KVCachePlan:
                     self.num_gpu_blocks * bs / engine.max_model_len)
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
     """The pool of one rank's Worker (engine/distributed/worker.py): profiled on CUDA, from --cpu-kv-cache-space
     on CPU, or as overridden; the same block counts on every rank."""
     args, cfg = worker.args, worker.model_config
-    per_block = CacheEngine.bytes_per_block(cfg, args.block_size, worker.dtype)
+    per_block = CacheEngine.bytes_per_block(cfg, args.block_size, worker.kv_cache_dtype)
     profile = None
     if args.num_gpu_blocks_override:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
@@ -75,7 +83,7 @@ def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
             raise ModelLoadError(no_kv_room_message(profile, per_block, args.block_size))
         raise ModelLoadError(f"no memory left for the KV cache ({source}); lower max_num_batched_tokens, raise "
                              f"gpu_memory_utilization, or use a smaller model")
-    return KVCachePlan(num_gpu, num_cpu, per_block, source, profile)
+    return KVCachePlan(num_gpu, num_cpu, per_block, source, profile, worker.kv_cache_dtype)
 
 
 def _smallest_over_ranks(num_gpu: int, num_cpu: int) -> tuple[int, int]:
@@ -94,8 +102,8 @@ def _profile(worker, max_len: int) -> MemoryProfile:
     tokens = min(args.batched_tokens_budget, max_len)
     try:
         # The profiled steps write their K/V here, outside the measured peaks: at run time the pool holds them.
-        scratch = CacheEngine(worker.model_config, -(-tokens // args.block_size), 0, args.block_size, worker.dtype,
-                              dev)
+        scratch = CacheEngine(worker.model_config, -(-tokens // args.block_size), 0, args.block_size,
+                              worker.kv_cache_dtype, dev)
         reserve = 0 if limit is None else _limit_reserve(worker, max_len, scratch)
     except torch.cuda.OutOfMemoryError as err:
         if limit is None:

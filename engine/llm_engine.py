@@ -84,6 +84,7 @@ class LLMEngine:
         plan = worker.init_kv_cache(max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = worker.num_gpu_blocks, worker.num_cpu_blocks
         self.kv_bytes_per_block = plan.bytes_per_block
+        self.kv_cache_dtype = worker.kv_cache_dtype
         self.scratch_blocks = worker.scratch_blocks
         self.max_model_len = worker.max_model_len
         self.input_processor.max_prompt_tokens = self.max_model_len

@@ -104,6 +104,8 @@ class StatLogger:
             "model": e.model_name,
             "block_size": e.args.block_size,
             "bytes_per_block": e.kv_bytes_per_block,
+            "kv_cache_dtype": str(e.kv_cache_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": e.kv_bytes_per_block // e.args.block_size,
             "num_total_gpu_blocks": total,
             "num_free_gpu_blocks": free,
             "num_used_gpu_blocks": total - free,

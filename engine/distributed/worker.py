@@ -42,6 +42,7 @@ class Worker:
         self.args = args
         self.model_config = model_config
         self.dtype = dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
         self.device = device
         self.image_processor = image_processor      # the largest image sizes the profiled step (kv_sizing)
         # Capped before the weights arrive, so that loading too runs as on a card of that size.
@@ -50,7 +51,8 @@ class Worker:
     def load_model(self, max_len: int) -> None:
         try:
             self.model = build_model(self.model_config, max_len, self.dtype, self.device, self.args.cpu_embeddings)
-            load_weights(self.model, self.args.model, self.args.load_format, self.device)
+            load_weights(self.model, self.args.model, self.args.load_format, self.device,
+                         fp8_kv_cache=self.kv_cache_dtype == torch.float8_e4m3fn)
             self.model.decoder.embed_tokens.check_host_lookup(self.device)
         except torch.cuda.OutOfMemoryError as err:
             if self.gpu_memory_limit is None:
@@ -74,7 +76,7 @@ class Worker:
         self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
         self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
-                                 args.block_size, self.dtype, self.device)
+                                 args.block_size, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, self.model_config, self.cache, args.block_size, self.device,
                                   args.encoder_cache_size)
         return plan
@@ -94,6 +96,11 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
         return torch.bfloat16 if config.source_format == "gguf" and _cpu_has_bf16() else torch.float32
     dtype = _DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
     return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto caches K and V in the model dtype; fp8 / fp8_e4m3 in float8_e4m3fn."""
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
 def _cpu_has_bf16() -> bool:

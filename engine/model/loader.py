@@ -97,16 +97,18 @@ def embeddings_in_host_memory(cpu_embeddings: bool, config: ModelConfig, device:
     return True
 
 
-def load_weights(model: nn.Module, path: str | Path, load_format: str, device: torch.device) -> None:
+def load_weights(model: nn.Module, path: str | Path, load_format: str, device: torch.device,
+                 fp8_kv_cache: bool = False) -> None:
     """Fill the model built by build_model on `device` (the device is never taken from a parameter: the first
-    one may be a token-embedding table kept in host memory)."""
+    one may be a token-embedding table kept in host memory). `fp8_kv_cache` (--kv-cache-dtype fp8): a checkpoint
+    that carries KV cache scales is refused instead of run with scale 1.0."""
     start = time.perf_counter()
     if load_format == "dummy":
         _init_dummy(model, device)
     elif is_gguf(path):
-        _load_named(model, _counted(gguf_weights(Path(path), model.config), model))
+        _load_named(model, _counted(gguf_weights(Path(path), model.config), model), fp8_kv_cache)
     else:
-        _load_named(model, _counted(safetensors_weights(Path(path), device), model))
+        _load_named(model, _counted(safetensors_weights(Path(path), device), model), fp8_kv_cache)
     load_progress.report("weights loaded", load_progress.WEIGHTS_END)
     on_device = [p for p in model.parameters() if p.device.type == device.type]
     in_host = [p for p in model.parameters() if p.device.type != device.type]
@@ -191,7 +193,11 @@ def _is_quantized(module: nn.Module | None) -> bool:
     return isinstance(module, LinearBase) and not isinstance(module.quant_method, UnquantizedLinearMethod)
 
 
-def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")   # vLLM's names for per-layer KV cache scales
+
+
+def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]],
+                fp8_kv_cache: bool = False) -> None:
     config = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -205,6 +211,12 @@ def _load_named(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]
         target = _target(name, config)
         if target is None:
             continue   # tied lm_head
+        if fp8_kv_cache and name.endswith(KV_SCALE_SUFFIXES):
+            # The fp8 cache stores K and V with scale 1.0; values calibrated against these scales would be
+            # stored unscaled, so the checkpoint is refused rather than run differently from its intent.
+            raise ModelLoadError(f"the checkpoint carries KV cache scales ({name}); --kv-cache-dtype fp8 "
+                                 f"supports only checkpoints without them (scale 1.0). Use --kv-cache-dtype auto",
+                                 code="unsupported_quantization")
         module, shard = modules.get(target[0].rpartition(".")[0]), target[1]
         if collector is not None and collector.accepts(name, entry):
             layer, _, leaf = name.rpartition(".")

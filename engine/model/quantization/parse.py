@@ -11,6 +11,11 @@ def parse_quantization_config(qc: dict | None) -> QuantizationConfig | None:
     if not qc:
         return None
     method = canonical_method(str(qc.get("quant_method", "")))
+    if qc.get("kv_cache_scheme"):
+        # Its K/V scales are calibrated for the cache; an fp8 cache with scale 1.0 (--kv-cache-dtype fp8) or a
+        # model-dtype cache would both run the model otherwise than it was quantized.
+        raise unsupported(f"{method} with a quantized KV cache (kv_cache_scheme): KV cache scales are not "
+                          f"supported")
     return {"fp8": _fp8, "awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}[method](qc)
 
 
@@ -106,8 +111,6 @@ def _compressed_tensors(qc: dict) -> QuantizationConfig:
         raise unsupported(f"compressed-tensors sparsity format {qc['sparsity_config'].get('format')!r}")
     if qc.get("transform_config"):
         raise unsupported("compressed-tensors with transforms (transform_config)")
-    if qc.get("kv_cache_scheme"):
-        raise unsupported("compressed-tensors with a quantized KV cache (kv_cache_scheme)")
     groups = []
     for name, group in (qc.get("config_groups") or {}).items():
         fmt = group.get("format") or qc.get("format")

@@ -7,6 +7,10 @@ scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: t
 (token n of a sequence lives at block_tables[n // block_size], row n % block_size) or contiguously. A token's
 head row (D contiguous elements) is the unit of coalescing either way, so every block size (1, 16, 32, ...;
 any positive integer works, powers of two turn // and % into shifts) takes the same code path.
+
+An fp8 KV cache (--kv-cache-dtype fp8) arrives as bytes (kv_cache.kernel_view) with KV_FP8 set: each K and V
+tile is decoded to q's dtype right after its load, so the dots and the softmax run as on a model-dtype cache and
+only the bytes read change. KV_FP8 is a constexpr: the model-dtype kernels compile exactly as without it.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.attention import AttentionMetadata
+from engine.ops.triton.kv_cache import fp8e4m3_to_float, kernel_view
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64   # keys per decode tile: 16 KB of K plus 16 KB of V per stage in bf16 at D=128
@@ -27,10 +32,11 @@ MAX_SPLITS = 32   # H200 sweep (bench_ops --sweep-splits), batch 1: 32 splits be
 @triton.jit
 def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
             offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     """Online softmax of q ([M, BLOCK_D]) against keys n_lo..n_hi-1. k_ptr/v_ptr already point at the kv
     head (and, unpaged, at the segment's first token). MASKED: mask keys >= n_hi (the range's ragged end);
-    CAUSAL: also keys after each row's position q_pos. Unmasked ranges must hold whole tiles only."""
+    CAUSAL: also keys after each row's position q_pos. Unmasked ranges must hold whole tiles only. KV_FP8: K and
+    V are e4m3 bytes, decoded to q's dtype after the load."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         pos = start_n + offs_n
@@ -42,6 +48,8 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
             row = pos.to(tl.int64) * stride_s
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = fp8e4m3_to_float(k, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if CAUSAL:
             s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -49,6 +57,8 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
             s = tl.where(n_mask[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = fp8e4m3_to_float(v, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
 
@@ -73,7 +83,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
     # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
     # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
@@ -102,7 +112,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + head_off, v_ptr + head_off,
                             bt_ptr + seq.to(tl.int64) * stride_bt, n_lo, n_hi, offs_g, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC)
+                            PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -143,7 +153,7 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_decodes, num_seqs,
                     stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     # Grid (q head, query block); the head varies fastest, so the heads sharing a kv head run side by side
     # and reuse its K/V from L2. Query block b of prefill sequence i has the global id
     # qsl[i] // BLOCK_M + i + b: ids increase with i and each sequence owns at least cdiv(q_len, BLOCK_M)
@@ -186,10 +196,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC)
+                            PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
                             qk_scale, stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC)
+                            PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (seq_len 0) stay 0, like the reference
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -261,7 +271,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
+    (k_cache, kv_fp8), (v_cache, _) = kernel_view(k_cache), kernel_view(v_cache)
+    assert kv_fp8 or q.dtype == k_cache.dtype == v_cache.dtype, \
+        f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
     assert num_q_heads % num_kv_heads == 0
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -286,7 +298,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, bt, md.seq_lens, out, part_o, part_lse, qk_scale,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
             num_warps=warps, num_stages=stages)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
@@ -303,7 +315,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, bt, md.seq_lens, md.query_start_loc, out, qk_scale, num_decodes, num_seqs,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, KV_FP8=kv_fp8, num_warps=warps, num_stages=stages)
     if qsl[num_seqs] < num_tokens:  # tokens outside every sequence: zeros, as the reference leaves them
         out[qsl[num_seqs]:].zero_()
     return out

@@ -7,7 +7,9 @@ the fused qkv projection; the outputs are new contiguous [T, H, D] tensors, as t
 
 `rope_and_store_kv` is the decoder's form: the k program writes its rotated heads, and this token's v
 heads, straight into the paged cache at the token's slot instead of returning k, which saves a kernel per
-layer (a batch-1 decode step is ~250 kernels of a few microseconds each).
+layer (a batch-1 decode step is ~250 kernels of a few microseconds each). An fp8 cache (--kv-cache-dtype fp8)
+comes as bytes (kv_cache.kernel_view): the rotated k, rounded to its dtype as the reference rounds it, and v are
+encoded as e4m3 there (KV_FP8).
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton.kv_cache import kernel_view, to_cache
+
 
 @triton.jit
 def _rope_heads(x_ptr, out_ptr, out_off, stride_oh, valid, w_ptr, cos_ptr, sin_ptr, t, stride_xt, stride_xh,
                 stride_ct, stride_st, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
     """Rotate (after the per-head RMSNorm if NORM) token t's heads of x; head h goes to out_ptr + out_off +
-    h * stride_oh. Nothing is read or written unless `valid`."""
+    h * stride_oh. Nothing is read or written unless `valid`. KV_FP8: out_ptr is an fp8 cache's bytes."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < HALF
@@ -45,8 +49,8 @@ def _rope_heads(x_ptr, out_ptr, out_off, stride_oh, valid, w_ptr, cos_ptr, sin_p
     o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
     o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
     dst = out_ptr + out_off + heads[:, None] * stride_oh + cols[None, :]
-    tl.store(dst, o1.to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, o2.to(dtype).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(o1.to(dtype), out_ptr, KV_FP8), mask=mask)
+    tl.store(dst + HALF, to_cache(o2.to(dtype), out_ptr, KV_FP8), mask=mask)
 
 
 @triton.jit
@@ -56,7 +60,7 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_p
                     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                    Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr):
+                    Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
     # Grid (token, 2): program 0 rotates q into q_out. Program 1 rotates k: into k_out (contiguous [T, Hk, D]),
     # or with STORE into the paged cache k_out at the token's slot, copying v to v_out there too (slot -1:
     # padding, or KV already cached, writes nothing).
@@ -65,7 +69,7 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_p
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, q_out_ptr, t64 * NUM_Q_HEADS * 2 * HALF, 2 * HALF, True, qw_ptr, cos_ptr, sin_ptr, t,
                     stride_qt, stride_qh, stride_ct, stride_st, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF,
-                    NORM, Q_DTYPE)
+                    NORM, Q_DTYPE, False)
     elif STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         valid = slot >= 0
@@ -73,17 +77,17 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_p
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         _rope_heads(k_ptr, k_out_ptr, dst, stride_ch, valid, kw_ptr, cos_ptr, sin_ptr, t,
                     stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
-                    NORM, K_DTYPE)
+                    NORM, K_DTYPE, KV_FP8)
         heads = tl.arange(0, BLOCK_KH)
         cols = tl.arange(0, 2 * BLOCK_HALF)
         mask = valid & (heads[:, None] < NUM_K_HEADS) & (cols[None, :] < 2 * HALF)
         v = tl.load(v_ptr + t64 * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
         tl.store(v_out_ptr + dst + heads[:, None] * stride_ch + cols[None, :],
-                 v.to(v_out_ptr.dtype.element_ty), mask=mask)
+                 to_cache(v, v_out_ptr, KV_FP8), mask=mask)
     else:
         _rope_heads(k_ptr, k_out_ptr, t64 * NUM_K_HEADS * 2 * HALF, 2 * HALF, True, kw_ptr, cos_ptr, sin_ptr, t,
                     stride_kt, stride_kh, stride_ct, stride_st, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF,
-                    NORM, K_DTYPE)
+                    NORM, K_DTYPE, False)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -107,11 +111,13 @@ def _launch(q, k, q_weight, k_weight, eps, cos, sin, v=None, k_cache=None, v_cac
     if store:
         assert v.shape == k.shape and slot_mapping.numel() == num_tokens
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one layout"
-        v, k_out, v_out, slots = _unit_stride(v), k_cache, v_cache, slot_mapping
+        (k_out, kv_fp8), (v_out, _) = kernel_view(k_cache), kernel_view(v_cache)
+        v, slots = _unit_stride(v), slot_mapping
         cache_strides, block_size = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)), k_cache.shape[1]
     else:
         k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k_dtype, device=k.device)
         v, v_out, slots, cache_strides, block_size = k, k_out, q, (0, 0, 0), 1   # unused without STORE
+        kv_fp8 = False
     if num_tokens:
         half = head_dim // 2
         _qk_rope_kernel[(num_tokens, 2)](
@@ -121,7 +127,7 @@ def _launch(q, k, q_weight, k_weight, eps, cos, sin, v=None, k_cache=None, v_cac
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=block_size,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
             BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, STORE=store, Q_DTYPE=_TL_DTYPES[q_dtype],
-            K_DTYPE=_TL_DTYPES[k_dtype], num_warps=4,
+            K_DTYPE=_TL_DTYPES[k_dtype], KV_FP8=kv_fp8, num_warps=4,
         )
     return q_out, (None if store else k_out)
 
