@@ -1,6 +1,8 @@
 """Every engine mode computes the same thing: the same requests give the same tokens alone, batched together,
 arriving at staggered steps, with block sizes 1, 16 and 32, with chunked-prefill budgets as small as 8 tokens,
-under recompute or swap preemption from a tiny pool, and with prefix caching on. Afterwards every block is free."""
+under recompute or swap preemption from a tiny pool, and with prefix caching on. Afterwards every block is free.
+All of it with the KV cache in the model dtype and in fp8 (--kv-cache-dtype fp8): the fp8 rounding happens once,
+when a token's K/V is written, so every mode reads the same cached values."""
 from __future__ import annotations
 
 import pytest
@@ -47,10 +49,15 @@ def run(llm, staggered: bool = False) -> list[list[int]]:
     return [final[rid] for rid in ids]
 
 
+@pytest.fixture(scope="module", params=["auto", "fp8"])
+def kv_cache_dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def expected(qwen3_vl_dir):
+def expected(qwen3_vl_dir, kv_cache_dtype):
     """Each request alone, in an ample pool, one at a time."""
-    llm = make_llm(qwen3_vl_dir)
+    llm = make_llm(qwen3_vl_dir, kv_cache_dtype=kv_cache_dtype)
     outs = []
     prompts = [llm.engine.input_processor.process_chat(c) for c in conversations()]
     for prompt, sp in zip(prompts + [prompts[2]], [GREEDY] * len(prompts) + [SEEDED]):
@@ -73,24 +80,24 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_mode_gives_same_tokens(qwen3_vl_dir, expected, mode):
-    llm = make_llm(qwen3_vl_dir, **MODES[mode])
+def test_mode_gives_same_tokens(qwen3_vl_dir, kv_cache_dtype, expected, mode):
+    llm = make_llm(qwen3_vl_dir, kv_cache_dtype=kv_cache_dtype, **MODES[mode])
     assert run(llm) == expected
 
 
 @pytest.mark.parametrize("mode", ["batched together", "chunked prefill, 8-token budget",
                                   "recompute preemption in a tiny pool", "swap preemption in a tiny pool"])
-def test_staggered_arrivals_give_same_tokens(qwen3_vl_dir, expected, mode):
-    llm = make_llm(qwen3_vl_dir, **MODES[mode])
+def test_staggered_arrivals_give_same_tokens(qwen3_vl_dir, kv_cache_dtype, expected, mode):
+    llm = make_llm(qwen3_vl_dir, kv_cache_dtype=kv_cache_dtype, **MODES[mode])
     assert run(llm, staggered=True) == expected
 
 
-def test_tiny_pool_really_preempts(qwen3_vl_dir):
-    recompute = make_llm(qwen3_vl_dir, **MODES["recompute preemption in a tiny pool"])
+def test_tiny_pool_really_preempts(qwen3_vl_dir, kv_cache_dtype):
+    recompute = make_llm(qwen3_vl_dir, kv_cache_dtype=kv_cache_dtype, **MODES["recompute preemption in a tiny pool"])
     run(recompute)
     c = recompute.engine.scheduler.counters
     assert c.num_recompute_preemptions > 0 and c.num_swap_outs == 0
-    swap = make_llm(qwen3_vl_dir, **MODES["swap preemption in a tiny pool"])
+    swap = make_llm(qwen3_vl_dir, kv_cache_dtype=kv_cache_dtype, **MODES["swap preemption in a tiny pool"])
     run(swap)
     c = swap.engine.scheduler.counters
     assert c.num_swap_outs > 0 and c.num_swap_ins == c.num_swap_outs and c.num_blocks_swapped_in > 0
