@@ -37,7 +37,7 @@ def table() -> str:
                             f"{max(e.pool_tokens, 0):,} tokens < {MIN_CONTEXT:,} even with every step | | |")
                 continue
             flags = f"`{shlex.join(plan.args())}`" if plan.flags else "none (the defaults fit)"
-            pool_gb = e.pool_tokens * shape.kv_bytes_per_token / GB
+            pool_gb = e.pool_tokens * e.kv_bytes_per_token / GB
             rows.append(f"| {gib} GiB | {kind} | {flags} | ~{e.pool_tokens:,} tokens ({pool_gb:.2f} GB) | "
                         f"{e.context:,}{'' if plan.flags else ' (KV pool)'} |")
     return "\n".join(rows + [END])

@@ -32,11 +32,11 @@ for s in $STAGES; do
   case $s in
     ops)
       stage "kernel tests"
-      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_quant.py tests/test_ops_wna16_fused.py} -q -n 8 -p no:cacheprovider \
+      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_triton_kv_fp8.py tests/test_ops_quant.py tests/test_ops_wna16_fused.py} -q -n 8 -p no:cacheprovider \
         > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
     engine)
       stage "GPU engine tests"
-      timeout "${ENG_T:-150}" python3 -m pytest -m gpu ${ENG_TESTS:-tests/test_gpu_engine.py tests/test_gpu_quant_engine.py tests/test_gpu_memory_limit.py tests/test_gpu_cpu_embeddings.py} -q -p no:cacheprovider \
+      timeout "${ENG_T:-210}" python3 -m pytest -m gpu ${ENG_TESTS:-tests/test_gpu_engine.py tests/test_gpu_quant_engine.py tests/test_gpu_memory_limit.py tests/test_gpu_cpu_embeddings.py tests/test_gpu_kv_fp8.py} -q -p no:cacheprovider \
         > "$OUT/engine_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/engine_tests.txt" | tail -25 ;;
     opsbench)
       stage "kernel benchmark"

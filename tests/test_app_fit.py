@@ -77,7 +77,30 @@ def test_without_defaults_that_fit_the_cheapest_steps_come_first():
     assert set(flags_of(fit(card(16), W8, SHAPE))) == {"--mm-processor-kwargs", "--max-model-len"}
     twelve = fit(card(12), W8, SHAPE)
     assert twelve.fits and twelve.estimate.context >= TARGET_CONTEXT
-    assert list(flags_of(twelve))[-1] == "--enforce-eager"          # the last resort, and last in the list
+    flags = list(flags_of(twelve))
+    # The fp8 KV cache comes after the embeddings in host memory and before smaller steps; it doubles the pool,
+    # so the CUDA graphs stay.
+    assert flags.index("--cpu-embeddings") < flags.index("--kv-cache-dtype") < flags.index("--max-num-batched-tokens")
+    assert flags_of(twelve)["--kv-cache-dtype"] == "fp8" and "--enforce-eager" not in flags
+    eight = fit(card(8), W4, SHAPE)
+    assert list(flags_of(eight))[-1] == "--enforce-eager"           # the last resort, and last in the list
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_bytes():
+    assert SHAPE.kv_bytes_per_token_as("fp8") == SHAPE.kv_bytes_per_token_as("fp8_e4m3") == 72 * 1024
+    settings = EngineSettings(enforce_eager=True)      # no graph scratch blocks: the pools compare directly
+    bf16 = estimate(card(24), W8, SHAPE, settings)
+    fp8 = estimate(card(24), W8, SHAPE, EngineSettings(enforce_eager=True, kv_cache_dtype="fp8"))
+    assert fp8.kv_bytes == bf16.kv_bytes and fp8.pool_tokens in (2 * bf16.pool_tokens, 2 * bf16.pool_tokens + 16)
+    reason = {f.args[0]: f.reason for f in fit(card(12), W8, SHAPE).flags}["--kv-cache-dtype"]
+    assert "72 KiB per token instead of 144" in reason and "accuracy" in reason
+
+
+def test_the_fp8_kv_cache_takes_an_8_gib_card_to_the_target_context():
+    plan = fit(card(8), W4, SHAPE)
+    assert flags_of(plan)["--kv-cache-dtype"] == "fp8" and plan.estimate.context >= TARGET_CONTEXT
+    kept = fit(card(8), W4, SHAPE, ["--kv-cache-dtype", "auto"])     # the user's choice stands
+    assert "--kv-cache-dtype" not in kept.args() and kept.fits and kept.estimate.context < TARGET_CONTEXT
 
 
 @pytest.mark.parametrize("gib, weights", [(24, W16), (24, W8), (16, W4)])
@@ -159,12 +182,14 @@ def test_the_demo_model_gets_nothing(tmp_path):
 
 def test_the_engines_parser_takes_the_fitted_flags():
     from engine.server.cli import parse_args
-    plan = fit(card(12), W8, SHAPE)        # every kind of flag but --encoder-cache-size
-    args, _ = parse_args(["--model", "m", *plan.args(), "--encoder-cache-size", "1024"])
+    plan = fit(card(8), W4, SHAPE)         # every kind of flag
+    args, _ = parse_args(["--model", "m", *plan.args()])
     flags = flags_of(plan)
-    assert args.mm_processor_kwargs == {"max_pixels": IMAGE_CAP_PIXELS} and args.enforce_eager
-    assert args.max_model_len == int(flags["--max-model-len"])
+    assert len(flags) == 8
+    assert args.mm_processor_kwargs == {"max_pixels": IMAGE_CAP_PIXELS} and args.enforce_eager and args.cpu_embeddings
+    assert args.max_model_len == int(flags["--max-model-len"]) and args.kv_cache_dtype == flags["--kv-cache-dtype"]
     assert args.max_num_batched_tokens == int(flags["--max-num-batched-tokens"])
+    assert args.encoder_cache_size == int(flags["--encoder-cache-size"])
 
 
 # ---- the README ----------------------------------------------------------------------------------------------
