@@ -50,6 +50,9 @@ REFUSED = {
     "compressed-tensors 2-bit": (ct({**CT_W4, "num_bits": 2}), "2-bit"),
     "compressed-tensors kv cache": ({**ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
                                     "kv_cache_scheme"),
+    "fp8 kv cache": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+                     "fp8 with a quantized KV cache .kv_cache_scheme.: KV cache scales are not supported"),
 }
 
 
