@@ -52,7 +52,7 @@ def prefix_cache_ttft(llm: LLM, prompt_tokens: int) -> dict:
 def swap_cost(llm: LLM, counts=(16, 64, 256)) -> list[dict]:
     cache = llm.engine.cache
     per_block = llm.engine.cache.bytes_per_block(llm.engine.model_config, llm.engine.args.block_size,
-                                                llm.engine.dtype)
+                                                llm.engine.kv_cache_dtype)
     rows = []
     for n in counts:
         n = min(n, llm.engine.num_gpu_blocks, llm.engine.num_cpu_blocks)
