@@ -295,7 +295,7 @@ def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None
     fits = est.headroom_short == 0 and est.context >= min(MIN_CONTEXT, target)
     flags = tuple(FitFlag(_flag_args(k, getattr(cur, k)), _reason(k, getattr(cur, k), start, est, shape))
                   for k in FLAG_ORDER if getattr(cur, k) != getattr(user, k))
-    kv = f"KV pool ~{est.pool_tokens:,} tokens ({est.pool_tokens * shape.kv_bytes_per_token / GB:.2f} GB, computed)"
+    kv = f"KV pool ~{est.pool_tokens:,} tokens ({est.pool_tokens * est.kv_bytes_per_token / GB:.2f} GB, computed)"
     if fits:
         return FitPlan(flags, est, f"fitted, {kv}")
     return FitPlan(flags, est, f"does not fit even with these flags: {kv}, weights {est.weights / GB:.2f} GB on "
