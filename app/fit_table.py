@@ -10,7 +10,8 @@ import json
 import shlex
 
 from app.checkpoints import BF16, GB, GiB, REFERENCE_CONFIG, WeightFormat, weight_bytes
-from app.fit import MIN_CONTEXT, ModelShape, fit
+from app.fit import MIN_CONTEXT, fit
+from app.memory_estimate import ModelShape
 
 CARDS_GIB = (8, 12, 16, 24)
 KINDS = (("bf16", BF16), ("FP8 (128x128 blocks)", WeightFormat("fp8", 8, block=(128, 128))),

@@ -38,7 +38,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.checkpoints import GiB, weight_bytes, weight_format  # noqa: E402
-from app.fit import ModelShape, fit  # noqa: E402
+from app.fit import fit  # noqa: E402
+from app.memory_estimate import ModelShape  # noqa: E402
 from bench.serve import image_data_url, stream_request  # noqa: E402
 
 QUESTION = "Describe this image in detail."

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
-from app.fit import (CUDA_GRAPH_BYTES, IMAGE_CAP_PIXELS, MIN_CONTEXT, NON_TORCH_BYTES, TARGET_CONTEXT,
-                     EngineSettings, estimate, fit, fit_for_launch, user_settings)
+from app.fit import IMAGE_CAP_PIXELS, MIN_CONTEXT, TARGET_CONTEXT, fit, fit_for_launch, user_settings
+from app.memory_estimate import CUDA_GRAPH_BYTES, NON_TORCH_BYTES, EngineSettings, estimate
 from app.fit_table import readme_table, reference_shape, table
 from app.launcher import fit_engine_flags
 from app.models import ResolvedModel
