@@ -21,6 +21,9 @@ from app.memory_estimate import (CUDA_GRAPH_BYTES, GRAPH_SCRATCH_TOKENS, EngineS
                                  estimate)
 
 TARGET_CONTEXT = 8192                # tokens of KV pool the fit aims at (less when the model's context is less)
+# Once the fit is at work, a step that costs neither accuracy nor speed (the embedding table in host memory: a few
+# KB over PCIe per step) is also taken for a roomier context, up to this.
+ROOMY_CONTEXT = 16384
 MIN_CONTEXT = 4096                   # below this the plan says it does not fit
 IMAGE_CAP_PIXELS = 1024 * 1024       # the images the launcher lets through whole (a 1024x1024 photo)
 CONTEXT_STEP = 1024                  # --max-model-len is set in multiples of this
@@ -139,6 +142,7 @@ def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None
     if _score(start, target)[:2] == (True, target):
         return FitPlan((), start, f"the engine's defaults fit: KV pool ~{start.pool_tokens:,} tokens (computed)")
     cur, est = _walk(size, shape, user, given, target, _steps(shape))
+    cur, est = _roomier(size, shape, user, given, cur, est)
     fits = est.headroom_short == 0 and est.context >= min(MIN_CONTEXT, target)
     flags = tuple(FitFlag(_flag_args(k, getattr(cur, k)), _reason(k, getattr(cur, k), start, est, shape))
                   for k in FLAG_ORDER if getattr(cur, k) != getattr(user, k))
@@ -184,6 +188,20 @@ def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target
     # the tokens of a pool that is empty until smaller steps shrink the activation peak): a second turn, in order.
     walk(walk(steps))
     return cur, est
+
+
+def _roomier(size, shape: ModelShape, user: EngineSettings, given: set[str], cur: EngineSettings,
+             est: MemoryEstimate) -> tuple[EngineSettings, MemoryEstimate]:
+    """--cpu-embeddings, when the walk stopped short of ROOMY_CONTEXT without it and it gives more context."""
+    if shape.tied or cur.cpu_embeddings or "cpu_embeddings" in given or est.context >= ROOMY_CONTEXT:
+        return cur, est
+    cand = replace(cur, cpu_embeddings=True)
+    if "max_model_len" in given:
+        after = size(cand)
+    else:
+        cand, after = _fit_context(size, replace(cand, max_model_len=user.max_model_len), shape.max_positions)
+    ok = after.headroom_short == 0 and after.context > est.context
+    return (cand, after) if ok else (cur, est)
 
 
 def _fit_context(size, cur: EngineSettings, max_positions: int):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
-from app.fit import IMAGE_CAP_PIXELS, MIN_CONTEXT, TARGET_CONTEXT, fit, fit_for_launch, user_settings
+from app.fit import IMAGE_CAP_PIXELS, MIN_CONTEXT, ROOMY_CONTEXT, TARGET_CONTEXT, fit, fit_for_launch, user_settings
 from app.memory_estimate import CUDA_GRAPH_BYTES, NON_TORCH_BYTES, EngineSettings, estimate
 from app.fit_table import readme_table, reference_shape, table
 from app.launcher import fit_engine_flags
@@ -73,8 +73,9 @@ def test_an_8_gib_card_with_a_4_bit_checkpoint_gets_at_least_4096_tokens():
 
 
 def test_without_defaults_that_fit_the_cheapest_steps_come_first():
-    """A 16 GiB card with FP8 needs only smaller worst-case images; a 12 GiB card goes further down the list."""
-    assert set(flags_of(fit(card(16), W8, SHAPE))) == {"--mm-processor-kwargs", "--max-model-len"}
+    """A 16 GiB card with FP8 needs only smaller worst-case images (and takes the embeddings to host memory for
+    a roomier context); a 12 GiB card goes further down the list."""
+    assert set(flags_of(fit(card(16), W8, SHAPE))) == {"--mm-processor-kwargs", "--cpu-embeddings", "--max-model-len"}
     twelve = fit(card(12), W8, SHAPE)
     assert twelve.fits and twelve.estimate.context >= TARGET_CONTEXT
     flags = list(flags_of(twelve))
@@ -101,6 +102,16 @@ def test_the_fp8_kv_cache_takes_an_8_gib_card_to_the_target_context():
     assert flags_of(plan)["--kv-cache-dtype"] == "fp8" and plan.estimate.context >= TARGET_CONTEXT
     kept = fit(card(8), W4, SHAPE, ["--kv-cache-dtype", "auto"])     # the user's choice stands
     assert "--kv-cache-dtype" not in kept.args() and kept.fits and kept.estimate.context < TARGET_CONTEXT
+
+
+def test_once_at_work_the_fit_also_takes_the_free_step_for_a_roomier_context():
+    """Where the other steps reach the target short of ROOMY_CONTEXT, the embeddings go to host memory too when
+    that gives more context; without that step the 16 GiB FP8 card stops below 16k tokens."""
+    roomy = fit(card(16), W8, SHAPE)
+    assert flags_of(roomy).get("--cpu-embeddings", "") is None and roomy.estimate.context >= ROOMY_CONTEXT
+    without = fit(card(16), W8, SHAPE, ["--max-model-len", "8192"])      # the user's length: no room to gain
+    assert "--cpu-embeddings" not in without.args()
+    assert "--cpu-embeddings" not in fit(card(24), W16, SHAPE).args()     # the defaults fit: nothing is added
 
 
 @pytest.mark.parametrize("gib, weights", [(24, W16), (24, W8), (16, W4)])
