@@ -1,6 +1,7 @@
 """Session fixtures: tiny random checkpoints (built once per test session in a temp dir) and the SmolLM2 GGUF."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -64,3 +65,12 @@ def gen():
     print(f"seed {seed}")
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def engine_log(caplog):
+    """caplog that also sees the "engine" logger's records (it does not propagate to the root logger)."""
+    logger = logging.getLogger("engine")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -5,7 +5,6 @@ table (a GPU): tests/test_gpu_cpu_embeddings.py; the lookup op: tests/test_ops_e
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -25,14 +24,6 @@ TEXT = [{"role": "user", "content": "Hello! How can I help you today?"}]
 IMAGE = [{"role": "user", "content": [image_part(noise_image(64, 96, 7)), {"type": "text", "text": "Describe."}]}]
 ON_CPU = "--cpu-embeddings changes nothing on the CPU"
 TIED = "--cpu-embeddings saves nothing for this model"
-
-
-@pytest.fixture
-def engine_log(caplog):
-    logger = logging.getLogger("engine")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def said(log, text: str) -> bool:

@@ -11,7 +11,6 @@ CPU side (the flag on the CPU, tied embeddings, two ranks over gloo): tests/test
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -126,22 +125,17 @@ def started(model_dir, **kwargs):
     return llm, torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before
 
 
-def test_the_table_takes_no_gpu_memory(big_vocab_llama, caplog):
-    logger = logging.getLogger("engine")
-    logger.addHandler(caplog.handler)
-    try:
-        llm, held, peak = started(big_vocab_llama)
-        expected = greedy_tokens(llm, [TEXT])
-        del llm
-        llm, held_flag, peak_flag = started(big_vocab_llama, cpu_embeddings=True)
-    finally:
-        logger.removeHandler(caplog.handler)
+def test_the_table_takes_no_gpu_memory(big_vocab_llama, engine_log):
+    llm, held, peak = started(big_vocab_llama)
+    expected = greedy_tokens(llm, [TEXT])
+    del llm
+    llm, held_flag, peak_flag = started(big_vocab_llama, cpu_embeddings=True)
     table_bytes = BIG_VOCAB * 48 * 2
     assert_table_in_host_memory(llm)
     assert held - held_flag >= 0.99 * table_bytes, (held, held_flag)
     assert peak - peak_flag >= 0.99 * table_bytes, "the table passed through GPU memory while loading"
     assert any(f"Token embeddings in host memory ({table_bytes / 1e9:.2f} GB, --cpu-embeddings" in r.getMessage()
-               for r in caplog.records)
+               for r in engine_log.records)
     assert greedy_tokens(llm, [TEXT]) == expected
 
 

@@ -5,7 +5,6 @@ replaced), and for real in tests/test_gpu_memory_limit.py."""
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
 import pytest
@@ -229,14 +228,6 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
 
 
 # ---- on the CPU, the limit does not apply --------------------------------------------------------------------
-@pytest.fixture
-def engine_log(caplog):
-    logger = logging.getLogger("engine")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def test_on_cpu_the_limit_is_ignored_with_a_warning(qwen3_dir, engine_log):
     llm = make_llm(qwen3_dir, device="cpu", gpu_memory_limit=8)
     assert llm.engine.gpu_memory_limit is None
