@@ -1,7 +1,9 @@
 """On a CUDA GPU (pytest -m gpu): the engine with --kv-cache-dtype fp8 — the Triton cache writes and attention
-reads, CUDA graphs, pinned swap — computes what the CPU engine with an fp8 cache computes. In fp32 a K/V value is
-encoded to the same e4m3 byte on both (it would differ only within an fp32 ulp of a rounding boundary), so the
-greedy tokens are the same and log-probs agree within 1e-3, eager and under CUDA graphs alike."""
+reads, CUDA graphs, pinned swap — computes what the CPU engine with an fp8 cache computes. In fp32 the GPU's and
+the CPU's K/V differ in their last bits, and a value that lands on an e4m3 rounding boundary is stored one step
+(6-12%) apart on the two: a few such values in a run move log-probs by up to ~1e-2. So the check is tie-aware:
+log-probs within FP8_ATOL, and the same greedy token at each step until the reference's two best tokens are
+closer than twice that (where either device may rightly take the other)."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,19 @@ from engine_helpers import make_llm
 from test_gpu_engine import assert_close_logprobs, outputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+FP8_ATOL = 0.02
+
+
+def assert_same_until_near_tie(got, ref, atol: float = FP8_ATOL) -> None:
+    (tokens, lps), (ref_tokens, ref_lps) = got, ref
+    for step, (a, b) in enumerate(zip(lps, ref_lps)):
+        assert_close_logprobs([a], [b], atol=atol)
+        best = sorted(b.values(), reverse=True)
+        if len(best) > 1 and best[0] - best[1] < 2 * atol:
+            return                      # a near tie: the tokens may part here, and what follows differs
+        assert tokens[step] == ref_tokens[step], f"step {step}"
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +41,8 @@ def test_gpu_fp8_kv_matches_cpu_fp8_kv(qwen3_vl_dir, cpu_fp8_reference, eager):
         graphs = llm.engine.runner.graphs
         assert graphs is not None and any(k[0] == "prefill" for k in graphs.graphs), "graphs should be captured"
     for batched in (False, True):
-        for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm, batched), cpu_fp8_reference):
-            assert tokens == ref_tokens
-            assert_close_logprobs(lps, ref_lps, atol=1e-3)
+        for got, ref in zip(outputs(llm, batched), cpu_fp8_reference):
+            assert_same_until_near_tie(got, ref)
 
 
 def test_gpu_bf16_fp8_kv_graphs_match_eager(qwen3_vl_dir):
@@ -37,9 +51,9 @@ def test_gpu_bf16_fp8_kv_graphs_match_eager(qwen3_vl_dir):
                              enforce_eager=True))
     graphs_llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=False)
     assert graphs_llm.engine.runner.graphs is not None
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(graphs_llm), eager):
-        assert tokens == ref_tokens
-        assert_close_logprobs(lps[:1], ref_lps[:1], atol=0.02)
+    for got, ref in zip(outputs(graphs_llm), eager):
+        # Padded graph buckets may tile the prefill differently from the exact-length eager step: bf16 rounding.
+        assert_same_until_near_tie(got, ref, atol=0.05)
 
 
 @pytest.mark.parametrize("mode", [dict(enable_prefix_caching=True), dict(num_gpu_blocks_override=10),
@@ -48,5 +62,6 @@ def test_gpu_bf16_fp8_kv_graphs_match_eager(qwen3_vl_dir):
 def test_gpu_fp8_kv_modes_match_cpu(qwen3_vl_dir, cpu_fp8_reference, mode):
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", kv_cache_dtype="fp8", **mode)
     outs, outs2 = outputs(llm), outputs(llm)      # second pass: prefix-cache hits
-    for (tokens, _), (tokens2, _), (ref_tokens, _) in zip(outs, outs2, cpu_fp8_reference):
-        assert tokens == tokens2 == ref_tokens
+    for got, again, ref in zip(outs, outs2, cpu_fp8_reference):
+        assert got[0] == again[0]                 # the same device and mode: the same tokens
+        assert_same_until_near_tie(got, ref)
