@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from engine.ops.activation import silu_and_mul_ref  # noqa: E402
 from engine.ops.attention import AttentionMetadata, paged_attention_ref, varlen_attention_ref  # noqa: E402
-from engine.ops.kv_cache import store_kvcache_ref  # noqa: E402
+from engine.ops.kv_cache import FP8_E4M3_MAX, FP8_KV_DTYPE, store_kvcache_ref  # noqa: E402
 from engine.ops.norm import layer_norm_ref, rms_norm_ref  # noqa: E402
 from engine.ops.rotary import (apply_rotary_ref, qk_norm_rope_ref, rope_and_store_kv_ref,  # noqa: E402
                                vision_qkv_rope_ref)
@@ -355,21 +355,33 @@ def test_varlen_attention_one_segment_in_a_cuda_graph(device, dtype, gen):
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+def as_kv_cache(cache: torch.Tensor, kv: str) -> torch.Tensor:
+    """The random cache in the model's dtype ("model") or as an fp8 one (--kv-cache-dtype fp8: the values clamped
+    to e4m3's range and rounded; the poison block's 100.0 is an e4m3 value and stays)."""
+    if kv == "model":
+        return cache
+    return cache.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
-def test_paged_attention_qwen_shapes(device, dtype, gen):
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_paged_attention_qwen_shapes(device, dtype, kv, gen):
     """Qwen3-VL-8B's heads (32 q / 8 kv, D 128), block 16, long contexts, a busy mixed batch."""
     decodes = torch.randint(1, 4000, (40,), generator=gen).tolist() + [0, 0, 8192]
     prefills = [(512, 512), (2048, 6000), (777, 1500), (1, 4097)]
-    check_paged(*make_batch(gen, decodes, prefills, 32, 8, 128, 16, dtype, device), dtype)
+    q, k_cache, v_cache, md = make_batch(gen, decodes, prefills, 32, 8, 128, 16, dtype, device)
+    check_paged(q, as_kv_cache(k_cache, kv), as_kv_cache(v_cache, kv), md, dtype)
 
 
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
-def test_decode_cuda_graph_replay(device, dtype, gen):
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_decode_cuda_graph_replay(device, dtype, kv, gen):
     """Capture the decode attention once, replay it with new seq_lens (incl. padding) and new q values."""
     from engine.ops.triton.attention import paged_attention
     batch, width, block_size = 8, 64, 16
     q, k_cache, v_cache, md = make_batch(gen, [width * block_size] * batch, [], 32, 8, 128, block_size, dtype,
                                          device)
+    k_cache, v_cache = as_kv_cache(k_cache, kv), as_kv_cache(v_cache, kv)
     scale = 128 ** -0.5
     paged_attention(q, k_cache, v_cache, md, scale)  # compile outside the capture
     torch.cuda.synchronize()

@@ -3,7 +3,8 @@ references (--kv-cache-dtype fp8). Run as test_ops_triton.py:
   GPU, compiled kernels:        pytest -m gpu tests/test_ops_triton_kv_fp8.py
   CPU, Triton's interpreter:    TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_triton_kv_fp8.py
 Writes must be bit-exact (the kernels' integer e4m3 encoding against torch's clamp-and-cast); reads decode exact
-values, so attention on an fp8 cache keeps the tolerances of attention on a model-dtype cache.
+values, so attention on an fp8 cache keeps the tolerances of attention on a model-dtype cache. The Qwen-shape and
+CUDA-graph attention tests run on both caches in test_ops_triton.py.
 """
 from __future__ import annotations
 
@@ -13,16 +14,15 @@ import torch
 pytest.importorskip("triton")
 
 from engine.ops.attention import paged_attention_ref  # noqa: E402
-from engine.ops.kv_cache import FP8_E4M3_MAX, FP8_KV_DTYPE, store_kvcache_ref, to_kv_cache_dtype  # noqa: E402
-from test_ops_triton import (ATTN_TOL, BF16, F16, F32, assert_close, device_cases,  # noqa: E402
+from engine.ops.kv_cache import FP8_KV_DTYPE, store_kvcache_ref, to_kv_cache_dtype  # noqa: E402
+from test_ops_triton import (ATTN_TOL, BF16, F16, F32, as_kv_cache, assert_close, device_cases,  # noqa: E402
                              fused_qkv, make_batch, randn, rope_cos_sin)
 
 FP8 = FP8_KV_DTYPE
 
 
 def as_fp8_cache(cache: torch.Tensor) -> torch.Tensor:
-    """A random model-dtype cache as an fp8 one (the poison block's 100.0 is an e4m3 value and stays)."""
-    return cache.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+    return as_kv_cache(cache, "fp8")
 
 
 def wide_values(gen, t, h, d, dtype, device):
@@ -109,35 +109,3 @@ def test_paged_decode_splits_fp8(device, dtype, splits, gen, monkeypatch):
         monkeypatch.setattr(attn, "decode_num_splits", lambda *args: splits)
     decodes = [0, 1, 65, 600, int(torch.randint(1, 600, (1,), generator=gen))]
     check_paged_fp8(*fp8_batch(gen, decodes, [], 8, 2, 128, 16, dtype, device), dtype)
-
-
-@pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
-def test_paged_attention_qwen_shapes_fp8(device, dtype, gen):
-    """Qwen3-VL-8B's heads (32 q / 8 kv, D 128), block 16, long contexts, a busy mixed batch, fp8 cache."""
-    decodes = torch.randint(1, 4000, (40,), generator=gen).tolist() + [0, 0, 8192]
-    prefills = [(512, 512), (2048, 6000), (777, 1500), (1, 4097)]
-    check_paged_fp8(*fp8_batch(gen, decodes, prefills, 32, 8, 128, 16, dtype, device), dtype)
-
-
-@pytest.mark.parametrize("device,dtype", device_cases([], [BF16]))
-def test_decode_cuda_graph_replay_fp8(device, dtype, gen):
-    """A captured decode attention on an fp8 cache, replayed with new seq_lens and q, equals the reference."""
-    from engine.ops.triton.attention import paged_attention
-    batch, width, block_size = 8, 64, 16
-    q, k_cache, v_cache, md = fp8_batch(gen, [width * block_size] * batch, [], 32, 8, 128, block_size, dtype,
-                                        device)
-    scale = 128 ** -0.5
-    paged_attention(q, k_cache, v_cache, md, scale)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_attention(q, k_cache, v_cache, md, scale)
-    for _ in range(3):
-        lens = torch.randint(0, width * block_size + 1, (batch,), generator=gen)
-        lens[0] = 0
-        md.seq_lens.copy_(lens)
-        md.seq_lens_cpu = lens.tolist()
-        q.copy_(randn(gen, *q.shape, dtype=dtype, device=device, std=2.0))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, scale), ATTN_TOL[dtype], f"replay {lens}")
