@@ -299,6 +299,21 @@ def gpu_memory(env=os.environ, count: int = 1) -> tuple[str, int] | None:
     return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"), count)
 
 
+def gpu_memory_used(env=os.environ) -> int | None:
+    """Bytes already in use on the GPU the engine will use (by a desktop, another engine, ...), from nvidia-smi;
+    None without one, and under LOCALCHAT_GPU_MEMORY_GIB (a card of that size, as if empty)."""
+    smi = shutil.which("nvidia-smi")
+    if env.get("LOCALCHAT_GPU_MEMORY_GIB") or smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    gpu = parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"))
+    return None if gpu is None else gpu[1]
+
+
 def parse_nvidia_smi(out: str, visible: str | None, count: int = 1) -> tuple[str, int] | None:
     """The first `count` GPUs the engine sees (CUDA_VISIBLE_DEVICES' indices, else in order; a UUID list counts
     from GPU 0), the smallest of them; None when fewer are there."""

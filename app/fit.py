@@ -132,12 +132,13 @@ def _frees(after: MemoryEstimate, before: MemoryEstimate) -> bool:
 
 
 def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None = None,
-        target: int = TARGET_CONTEXT) -> FitPlan:
+        target: int = TARGET_CONTEXT, others: int = 0) -> FitPlan:
     """The engine flags (beyond the user's) that give a KV pool of at least `target` tokens on a card of `total`
-    bytes holding `weights` bytes of weights; none when the defaults do."""
+    bytes holding `weights` bytes of weights, `others` bytes of it taken by other processes; none when the
+    defaults do."""
     user, given, _ = user_settings(list(user_args or []))
     target = min(target, user.max_model_len or shape.max_positions, shape.max_positions)
-    size = lambda s: estimate(total, weights, shape, s)       # noqa: E731
+    size = lambda s: estimate(total, weights, shape, s, others)       # noqa: E731
     start = size(user)
     if _score(start, target)[:2] == (True, target):
         return FitPlan((), start, f"the engine's defaults fit: KV pool ~{start.pool_tokens:,} tokens (computed)")
@@ -256,16 +257,19 @@ def _reason(key: str, value, before: MemoryEstimate, after: MemoryEstimate, shap
 
 
 # ---- the launcher's side ------------------------------------------------------------------------------------
-def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu) -> FitPlan | None:
+def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu, used) -> FitPlan | None:
     """The plan for the launcher: None where the fit does not apply at all (no NVIDIA GPU, LOCALCHAT_FIT=0, a
-    GGUF); a plan without flags, saying why, where it applies but adds nothing."""
+    GGUF); a plan without flags, saying why, where it applies but adds nothing. `used`: what other processes
+    hold on the card now (nvidia-smi, before the engine starts), which the engine will find taken."""
     if env.get("LOCALCHAT_FIT", "1").strip().lower() in ("0", "false", "no", "off") or model_path.suffix == ".gguf":
         return None
     card = gpu(env)
     if card is None:
         return None
     name, total = card
-    where = f"{name} ({total / GiB:.0f} GiB)"
+    others = used(env) or 0
+    where = f"{name} ({total / GiB:.0f} GiB" + (f", {others / GB:.2f} GB in use by other processes)"
+                                                 if others >= 0.05 * GB else ")")
     _, _, skip = user_settings(engine_args)
     try:
         config = json.loads((model_path / "config.json").read_text())
@@ -279,7 +283,7 @@ def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu) -> FitPla
         return FitPlan((), None, f"engine flags: not fitted (config.json unreadable: {err})", fits=False)
     if skip is not None:
         return FitPlan((), None, f"engine flags: not fitted to {where}: {skip}")
-    plan = fit(total, weights, shape, engine_args)
+    plan = fit(total, weights, shape, engine_args, others=others)
     off = "; LOCALCHAT_FIT=0 adds none" if plan.flags else ""
     return replace(plan, summary=f"engine flags for {where}: {plan.summary}{off}")
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from app import control, procs
-from app.checkpoints import gpu_memory
+from app.checkpoints import gpu_memory, gpu_memory_used
 from app.fit import fit_for_launch
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
@@ -69,11 +69,11 @@ def tensor_parallel_size(args: list[str]) -> int:
     return 1
 
 
-def fit_engine_flags(model: ResolvedModel, engine_args: list[str], env=os.environ,
-                     gpu=gpu_memory) -> tuple[ResolvedModel, list[str]]:
+def fit_engine_flags(model: ResolvedModel, engine_args: list[str], env=os.environ, gpu=gpu_memory,
+                     used=gpu_memory_used) -> tuple[ResolvedModel, list[str]]:
     """The engine flags fitted to the GPU (app/fit.py) go before the user's, so that a flag the user gave wins
     in the engine's parser as well; what was chosen and why joins the model's notes, printed at start."""
-    plan = None if model.demo else fit_for_launch(model.path, engine_args, env, gpu)
+    plan = None if model.demo else fit_for_launch(model.path, engine_args, env, gpu, used)
     if plan is None:
         return model, engine_args
     return replace(model, notes=model.notes + tuple(plan.lines())), plan.args() + engine_args

@@ -135,8 +135,10 @@ class MemoryEstimate:
         return min(self.max_len, self.pool_tokens)
 
 
-def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings) -> MemoryEstimate:
-    """The engine's KV sizing on a card of `total` bytes, with `weights` bytes of checkpoint weights."""
+def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, others: int = 0) -> MemoryEstimate:
+    """The engine's KV sizing on a card of `total` bytes, with `weights` bytes of checkpoint weights, while other
+    processes (a desktop, another engine) hold `others` bytes of it: the engine counts those as memory outside
+    torch, as it counts its own CUDA context."""
     max_len = s.max_model_len or shape.max_positions
     on_gpu = weights - (shape.embedding_bytes if s.cpu_embeddings and not shape.tied else 0)
     on_gpu += max_len * shape.head_dim * 4                    # rotary cos and sin tables, fp32
@@ -153,7 +155,7 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings) -> 
         usable, reserve = int(s.gpu_memory_limit * GiB), graph_bytes + encoder
     else:
         usable, reserve = int(s.gpu_memory_utilization * total), 0
-    kv = usable - on_gpu - NON_TORCH_BYTES - max(decoder, sampler, vision) - reserve
+    kv = usable - on_gpu - NON_TORCH_BYTES - others - max(decoder, sampler, vision) - reserve
     per_token = shape.kv_bytes_per_token_as(s.kv_cache_dtype)
     blocks = max(kv, 0) // (per_token * s.block_size)
     scratch = GRAPH_SCRATCH_TOKENS // s.block_size

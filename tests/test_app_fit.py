@@ -26,6 +26,11 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, 
        "modules_to_not_convert": ["visual"]}
 
 
+def nothing_used(env) -> None:
+    """What other processes hold on the card: nothing (the tests do not read this machine's nvidia-smi)."""
+    return None
+
+
 def card(gib: float) -> int:
     return int(gib * GiB)
 
@@ -158,8 +163,36 @@ def test_flags_the_user_gave_are_never_overridden():
                                        (["--tensor-parallel-size", "2"], "tensor parallelism"),
                                        (["--device", "cpu"], "CPU")])
 def test_the_fit_steps_aside_where_the_user_sized_things_otherwise(tmp_path, args, why):
-    plan = fit_for_launch(model_dir(tmp_path), args, {}, lambda env: ("RTX 4060", card(8)))
+    plan = fit_for_launch(model_dir(tmp_path), args, {}, lambda env: ("RTX 4060", card(8)), nothing_used)
     assert plan.args() == [] and why in plan.summary
+
+
+def test_memory_other_processes_hold_is_not_the_engines():
+    """A desktop holding 1 GB of the card: the engine will count it as memory outside torch, so the plan does."""
+    assert estimate(card(12), W8, SHAPE, EngineSettings(), others=GB).kv_bytes == \
+        estimate(card(12), W8, SHAPE, EngineSettings()).kv_bytes - GB
+    idle, busy = fit(card(12), W4, SHAPE), fit(card(12), W4, SHAPE, others=int(GB))
+    assert busy.fits and busy.estimate.context < idle.estimate.context
+
+
+def test_memory_in_use_comes_from_nvidia_smi_except_for_an_emulated_card(monkeypatch):
+    import subprocess
+
+    import app.checkpoints as checkpoints
+    monkeypatch.setattr(checkpoints.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout="NVIDIA GeForce RTX 3060, 1536\nNVIDIA GeForce RTX 3090, 10\n"))
+    assert checkpoints.gpu_memory_used({}) == 1536 * 2**20
+    assert checkpoints.gpu_memory_used({"CUDA_VISIBLE_DEVICES": "1"}) == 10 * 2**20
+    assert checkpoints.gpu_memory_used({"LOCALCHAT_GPU_MEMORY_GIB": "8"}) is None
+
+
+def test_the_launcher_reads_what_is_in_use_on_the_card(tmp_path):
+    gpu = lambda env: ("RTX 3060", card(12))      # noqa: E731
+    busy = fit_for_launch(model_dir(tmp_path), [], {}, gpu, lambda env: int(1.5 * GB))
+    idle = fit_for_launch(model_dir(tmp_path), [], {}, gpu, nothing_used)
+    assert "RTX 3060 (12 GiB, 1.50 GB in use by other processes)" in busy.summary
+    assert "in use" not in idle.summary and busy.estimate.context < idle.estimate.context
 
 
 # ---- the launcher --------------------------------------------------------------------------------------------
@@ -172,7 +205,8 @@ def model_dir(tmp_path: Path, quant: dict | None = AWQ) -> Path:
 def test_the_launcher_puts_the_fitted_flags_before_the_users_and_prints_why(tmp_path):
     model = ResolvedModel(model_dir(tmp_path), "--model", "awq", demo=False)
     user = ["--max-num-seqs", "8"]
-    fitted, args = fit_engine_flags(model, user, env={}, gpu=lambda env: ("NVIDIA GeForce RTX 3060", card(12)))
+    fitted, args = fit_engine_flags(model, user, env={}, gpu=lambda env: ("NVIDIA GeForce RTX 3060", card(12)),
+                                   used=nothing_used)
     assert args[-2:] == user and len(args) > len(user) and "--max-num-seqs" not in args[:-2]
     notes = "\n".join(fitted.notes)
     assert "engine flags for NVIDIA GeForce RTX 3060 (12 GiB): fitted" in notes and "LOCALCHAT_FIT=0 adds none" in notes
@@ -183,12 +217,13 @@ def test_the_launcher_puts_the_fitted_flags_before_the_users_and_prints_why(tmp_
                                       ({"LOCALCHAT_FIT": "0"}, lambda env: ("RTX 4060", card(8)))])
 def test_no_gpu_or_fit_turned_off_adds_nothing(tmp_path, env, gpu):
     model = ResolvedModel(model_dir(tmp_path), "--model", "awq", demo=False)
-    assert fit_engine_flags(model, ["--max-num-seqs", "8"], env=env, gpu=gpu) == (model, ["--max-num-seqs", "8"])
+    assert fit_engine_flags(model, ["--max-num-seqs", "8"], env=env, gpu=gpu, used=nothing_used) == \
+        (model, ["--max-num-seqs", "8"])
 
 
 def test_the_demo_model_gets_nothing(tmp_path):
     demo = ResolvedModel(tmp_path / "smollm2.gguf", "built-in demo", "SmolLM2", demo=True)
-    assert fit_engine_flags(demo, [], env={}, gpu=lambda env: ("RTX 4060", card(8))) == (demo, [])
+    assert fit_engine_flags(demo, [], env={}, gpu=lambda env: ("RTX 4060", card(8)), used=nothing_used) == (demo, [])
 
 
 def test_the_engines_parser_takes_the_fitted_flags():
