@@ -288,30 +288,30 @@ def gpu_memory(env=os.environ, count: int = 1) -> tuple[str, int] | None:
     LOCALCHAT_GPU_MEMORY_GIB overrides it (choose as for cards of that size)."""
     if env.get("LOCALCHAT_GPU_MEMORY_GIB"):
         return "LOCALCHAT_GPU_MEMORY_GIB", int(float(env["LOCALCHAT_GPU_MEMORY_GIB"]) * GiB)
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"), count)
+    return _query_gpus("memory.total", env, count)
 
 
 def gpu_memory_used(env=os.environ) -> int | None:
     """Bytes already in use on the GPU the engine will use (by a desktop, another engine, ...), from nvidia-smi;
     None without one, and under LOCALCHAT_GPU_MEMORY_GIB (a card of that size, as if empty)."""
+    if env.get("LOCALCHAT_GPU_MEMORY_GIB"):
+        return None
+    gpu = _query_gpus("memory.used", env)
+    return None if gpu is None else gpu[1]
+
+
+def _query_gpus(field: str, env, count: int = 1) -> tuple[str, int] | None:
+    """(name, `field` in bytes) of the GPU(s) the engine will use, as parse_nvidia_smi picks them; None without
+    nvidia-smi or when it fails."""
     smi = shutil.which("nvidia-smi")
-    if env.get("LOCALCHAT_GPU_MEMORY_GIB") or smi is None:
+    if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=name,memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run([smi, f"--query-gpu=name,{field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    gpu = parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"))
-    return None if gpu is None else gpu[1]
+    return parse_nvidia_smi(out, env.get("CUDA_VISIBLE_DEVICES"), count)
 
 
 def parse_nvidia_smi(out: str, visible: str | None, count: int = 1) -> tuple[str, int] | None:
