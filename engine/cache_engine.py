@@ -13,6 +13,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import get_tp_size
+from engine.ops.kv_cache import FP8_KV_DTYPE
 
 
 class CacheEngine:
@@ -55,6 +56,11 @@ class CacheEngine:
         if self.device.type == "cuda":
             staged = staged.pin_memory()
         _bytes(self.gpu_cache).index_copy_(2, gpu_ids, staged.to(self.device, non_blocking=True))
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto caches K and V in the model dtype; fp8 / fp8_e4m3 in float8_e4m3fn."""
+    return model_dtype if name == "auto" else FP8_KV_DTYPE
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ class KVCachePlan:
         gpu_bytes, cpu_bytes = self.num_gpu_blocks * self.bytes_per_block, self.num_cpu_blocks * self.bytes_per_block
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
-        logger.info("KV cache dtype: %s (--kv-cache-dtype %s), %.1f KiB per token%s", kv_dtype_name(self.dtype),
-                    args.kv_cache_dtype, self.bytes_per_block / bs / 1024,
+        logger.info("KV cache dtype: %s (--kv-cache-dtype %s), %.1f KiB per token%s",
+                    str(self.dtype).removeprefix("torch."), args.kv_cache_dtype, self.bytes_per_block / bs / 1024,
                     " on each rank" if get_tp_size() > 1 else "")
         per_rank = " on each of %d ranks" % get_tp_size() if get_tp_size() > 1 else ""
         logger.info("Total blocks allocated: %d (%.1f MB%s)", self.num_gpu_blocks, gpu_bytes / 2**20, per_rank)
@@ -54,10 +54,6 @@ class KVCachePlan:
         logger.info("CPU swap space: %d blocks (%.2f GiB)", self.num_cpu_blocks, cpu_bytes / GiB)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx", engine.max_model_len,
                     self.num_gpu_blocks * bs / engine.max_model_len)
-
-
-def kv_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def plan_kv_cache(worker, max_len: int) -> KVCachePlan:

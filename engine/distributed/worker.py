@@ -18,7 +18,7 @@ import time
 import torch
 
 from engine.args import EngineArgs
-from engine.cache_engine import CacheEngine
+from engine.cache_engine import CacheEngine, resolve_kv_cache_dtype
 from engine.config import ModelConfig
 from engine.cuda_graphs import cuda_graphs_wanted, enable_cuda_graphs, scratch_blocks_needed
 from engine.kv_sizing import KVCachePlan, plan_kv_cache
@@ -52,7 +52,7 @@ class Worker:
         try:
             self.model = build_model(self.model_config, max_len, self.dtype, self.device, self.args.cpu_embeddings)
             load_weights(self.model, self.args.model, self.args.load_format, self.device,
-                         fp8_kv_cache=self.kv_cache_dtype == torch.float8_e4m3fn)
+                         fp8_kv_cache=self.args.kv_cache_dtype != "auto")
             self.model.decoder.embed_tokens.check_host_lookup(self.device)
         except torch.cuda.OutOfMemoryError as err:
             if self.gpu_memory_limit is None:
@@ -96,11 +96,6 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
         return torch.bfloat16 if config.source_format == "gguf" and _cpu_has_bf16() else torch.float32
     dtype = _DTYPES.get(config.torch_dtype.removeprefix("torch."), torch.bfloat16)
     return torch.bfloat16 if dtype == torch.float32 else dtype
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto caches K and V in the model dtype; fp8 / fp8_e4m3 in float8_e4m3fn."""
-    return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
 def _cpu_has_bf16() -> bool:
