@@ -276,8 +276,7 @@ def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu, used) -> 
         fmt = weight_format(config)
         if isinstance(fmt, str):
             return FitPlan((), None, f"engine flags: not fitted ({fmt})", fits=False)
-        pre = model_path / "preprocessor_config.json"
-        shape = ModelShape.from_config(config, json.loads(pre.read_text()) if pre.is_file() else None)
+        shape = ModelShape.from_model_dir(model_path, config)
         weights = weight_bytes(config, fmt)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as err:
         return FitPlan((), None, f"engine flags: not fitted (config.json unreadable: {err})", fits=False)

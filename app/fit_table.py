@@ -20,8 +20,7 @@ BEGIN, END = "<!-- fit-table: begin (python -m app.fit --table) -->", "<!-- fit-
 
 
 def reference_shape() -> ModelShape:
-    pre = REFERENCE_CONFIG.parent / "preprocessor_config.json"
-    return ModelShape.from_config(json.loads(REFERENCE_CONFIG.read_text()), json.loads(pre.read_text()))
+    return ModelShape.from_model_dir(REFERENCE_CONFIG.parent)
 
 
 def table() -> str:

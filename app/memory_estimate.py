@@ -8,7 +8,9 @@ worst-case step; the CUDA graph pools and the encoder cache then come out of the
 checkpoint for which GPU")."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from app.checkpoints import GB, GiB
 
@@ -58,6 +60,14 @@ class ModelShape:
                        token_pixels=(v["patch_size"] * merge) ** 2,
                        encoder_bytes_per_token=(1 + taps) * v["out_hidden_size"] * 2,
                        max_pixels=processor_max_pixels(preprocessor or {}))
+
+    @classmethod
+    def from_model_dir(cls, path: Path, config: dict | None = None) -> "ModelShape":
+        """From the directory's config.json (or `config`, as read and perhaps amended) and its
+        preprocessor_config.json where there is one."""
+        pre = path / "preprocessor_config.json"
+        return cls.from_config(config if config is not None else json.loads((path / "config.json").read_text()),
+                               json.loads(pre.read_text()) if pre.is_file() else None)
 
     @property
     def kv_bytes_per_token(self) -> int:

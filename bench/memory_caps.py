@@ -161,8 +161,7 @@ def fitted_flags(model: str, cap: float, engine_flags: list[str]):
     method = quantization_flag(engine_flags)
     if "quantization_config" not in config and method in QUANTIZATION_CONFIGS:
         config["quantization_config"] = QUANTIZATION_CONFIGS[method]
-    pre = Path(model) / "preprocessor_config.json"
-    shape = ModelShape.from_config(config, json.loads(pre.read_text()) if pre.is_file() else None)
+    shape = ModelShape.from_model_dir(Path(model), config)
     return fit(int(cap * GiB), weight_bytes(config, weight_format(config)), shape, engine_flags)
 
 
