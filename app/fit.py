@@ -158,8 +158,7 @@ def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target
     """Take the steps in order, each one that helps, until the target fits: (settings, their estimate).
     Each candidate is judged at the context its pool holds (--max-model-len, unless the user gave one): a shorter
     context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/cuda_graphs.py)."""
-    fitted = (lambda s: (s, size(s))) if "max_model_len" in given else \
-        (lambda s: _fit_context(size, s, shape.max_positions))
+    fitted = _fitted(size, given, shape.max_positions)
     base = user
     if steps and "max_pixels" in steps[0] and "max_pixels" not in given:
         base = replace(base, **steps.pop(0))       # whenever the defaults do not fit: the cheapest step
@@ -196,13 +195,18 @@ def _roomier(size, shape: ModelShape, user: EngineSettings, given: set[str], cur
     """--cpu-embeddings, when the walk stopped short of ROOMY_CONTEXT without it and it gives more context."""
     if shape.tied or cur.cpu_embeddings or "cpu_embeddings" in given or est.context >= ROOMY_CONTEXT:
         return cur, est
-    cand = replace(cur, cpu_embeddings=True)
-    if "max_model_len" in given:
-        after = size(cand)
-    else:
-        cand, after = _fit_context(size, replace(cand, max_model_len=user.max_model_len), shape.max_positions)
+    cand, after = _fitted(size, given, shape.max_positions)(
+        replace(cur, cpu_embeddings=True, max_model_len=user.max_model_len))
     ok = after.headroom_short == 0 and after.context > est.context
     return (cand, after) if ok else (cur, est)
+
+
+def _fitted(size, given: set[str], max_positions: int):
+    """settings -> (settings, estimate) at the context the pool holds: --max-model-len fitted, unless the user
+    gave one."""
+    if "max_model_len" in given:
+        return lambda s: (s, size(s))
+    return lambda s: _fit_context(size, s, max_positions)
 
 
 def _fit_context(size, cur: EngineSettings, max_positions: int):
