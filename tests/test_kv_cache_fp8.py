@@ -16,9 +16,10 @@ from engine import LLM, SamplingParams
 from engine.args import EngineArgs, add_cli_args
 from engine.cache_engine import CacheEngine
 from engine.errors import ModelLoadError
-from engine.ops.attention import AttentionMetadata, paged_attention_ref
+from engine.ops.attention import paged_attention_ref
 from engine.ops.kv_cache import FP8_KV_DTYPE, store_kvcache_ref
 from engine_helpers import make_llm
+from paged_batches import make_batch
 from test_engine_parity import CONVERSATIONS, IMAGE_CONVERSATIONS
 
 FP8 = FP8_KV_DTYPE
@@ -38,36 +39,11 @@ def test_store_rounds_to_nearest_e4m3_and_saturates_at_448():
 
 
 # ---- attention reads the rounded values, and nothing else changes ------------------------------------------------
-def paged_batch(gen, decode_ctx, prefills, hq, hk, d, block_size, dtype):
-    """q, float caches behind shuffled block tables, and metadata: decodes (0 = padding), then prefill chunks
-    (q_len, context) whose queries are the context's last q_len tokens."""
-    seqs = [(1, c) for c in decode_ctx] + list(prefills)
-    nblocks = [-(-c // block_size) for _, c in seqs]
-    num_blocks = sum(nblocks) + 2
-    k_cache = torch.randn(num_blocks, block_size, hk, d, generator=gen) * 3
-    v_cache = torch.randn(num_blocks, block_size, hk, d, generator=gen) * 3
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seqs), max(nblocks) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(nblocks):
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    qsl = [0]
-    for q_len, _ in seqs:
-        qsl.append(qsl[-1] + q_len)
-    q = (torch.randn(qsl[-1], hq, d, generator=gen) * 2).to(dtype)
-    lens = [c for _, c in seqs]
-    md = AttentionMetadata(torch.full((qsl[-1],), -1), torch.tensor(qsl, dtype=torch.int32),
-                           torch.tensor(lens, dtype=torch.int32), tables, len(decode_ctx), len(decode_ctx),
-                           max(q for q, _ in seqs), max(lens), qsl, lens)
-    return q, k_cache, v_cache, md
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_attention_on_fp8_cache_is_attention_on_the_rounded_values(dtype, block_size):
     gen = torch.Generator().manual_seed(7)
-    q, k, v, md = paged_batch(gen, [1, 17, 0, 100], [(40, 40), (9, 70), (1, 5)], 8, 2, 64, block_size, dtype)
+    q, k, v, md = make_batch(gen, [1, 17, 0, 100], [(40, 40), (9, 70), (1, 5)], 8, 2, 64, block_size, dtype, "cpu")
     k8, v8 = k.clamp(-448, 448).to(FP8), v.clamp(-448, 448).to(FP8)
     rounded = (k8.float().to(dtype), v8.float().to(dtype))
     out = paged_attention_ref(q, k8, v8, md, 0.125)

@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 
 from engine.ops.attention import paged_attention_ref  # noqa: E402
 from engine.ops.kv_cache import FP8_KV_DTYPE, store_kvcache_ref, to_kv_cache_dtype  # noqa: E402
+from paged_batches import make_batch, randn  # noqa: E402
 from test_ops_triton import (ATTN_TOL, BF16, F16, F32, as_kv_cache, assert_close, device_cases,  # noqa: E402
-                             fused_qkv, make_batch, randn, rope_cos_sin)
+                             fused_qkv, rope_cos_sin)
 
 FP8 = FP8_KV_DTYPE
 
