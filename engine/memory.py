@@ -118,6 +118,11 @@ def non_torch_bytes(device: torch.device) -> int:
     return max(total - free - torch.cuda.memory_reserved(device), 0)
 
 
+def cuda_index(device: torch.device) -> int:
+    """set_per_process_memory_fraction wants an index, and torch.device("cuda") carries none."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def apply_gpu_memory_limit(limit_gib: float | None, device: torch.device) -> int | None:
     """Cap torch's allocator so that this process stays under `limit_gib` (with what it holds outside torch);
     returns the limit in bytes, or None when there is none (or no GPU: then the KV pool comes from
@@ -132,7 +137,7 @@ def apply_gpu_memory_limit(limit_gib: float | None, device: torch.device) -> int
     total = torch.cuda.mem_get_info(device)[1]
     outside = non_torch_bytes(device)
     check_limit(limit, total, outside)
-    torch.cuda.set_per_process_memory_fraction(allocator_fraction(limit, outside, total), device)
+    torch.cuda.set_per_process_memory_fraction(allocator_fraction(limit, outside, total), cuda_index(device))
     logger.info("GPU memory limit: %.2f GiB of %.2f GiB (torch's allocator capped at %.2f GiB; %.2f GiB held "
                 "outside it)", limit / GiB, total / GiB, (limit - outside) / GiB, outside / GiB)
     return limit
@@ -186,7 +191,7 @@ def profile_cuda(run_worst_case_step, weights_bytes: int, gpu_memory_utilization
     outside = non_torch_bytes(device)
     if limit is not None:
         # What is held outside torch may have grown (cuBLAS, Triton modules): keep the allocator's cap in step.
-        torch.cuda.set_per_process_memory_fraction(allocator_fraction(limit, outside, total), device)
+        torch.cuda.set_per_process_memory_fraction(allocator_fraction(limit, outside, total), cuda_index(device))
     else:
         reserve_bytes = 0
     budget = kv_budget(usable_bytes(total, gpu_memory_utilization, limit), weights_bytes, peak, outside,

@@ -11,6 +11,7 @@ CPU side (the flag on the CPU, tied embeddings, two ranks over gloo): tests/test
 from __future__ import annotations
 
 import gc
+import importlib
 
 import pytest
 import torch
@@ -94,8 +95,9 @@ def test_kernel_on_a_host_table_replays_from_a_cuda_graph(table_8b):
 
 def test_without_triton_the_lookup_runs_on_the_host(table_8b, monkeypatch):
     """ENGINE_DISABLE_TRITON=1: the op gathers on the host and copies the rows to the ids' device (eager only)."""
-    import engine.ops.embedding as op
     from engine.model.vocab_parallel_embedding import host_table
+
+    op = importlib.import_module("engine.ops.embedding")   # `import ... as` finds engine.ops' function of that name
 
     monkeypatch.setattr(op, "use_triton", lambda t: False)
     host = host_table(VOCAB_8B, HIDDEN_8B, torch.bfloat16)

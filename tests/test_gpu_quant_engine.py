@@ -1,6 +1,7 @@
 """On a CUDA GPU (pytest -m gpu): a quantized checkpoint served through the Triton kernels, eager and under CUDA
 graphs, computes what the CPU engine computes from the same checkpoint with the torch references. bf16 on the GPU
-against fp32 on the CPU: the same first tokens and close first log-probs, for text, one and two images."""
+against fp32 on the CPU: close log-probs and the same tokens for the first two steps (up to a near tie), for text,
+one and two images."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine_helpers import make_llm
 from quant_checkpoints import write_quantized
-from test_gpu_engine import assert_close_logprobs, outputs
+from test_gpu_engine import assert_same_until_near_tie, outputs
 from test_quant_formats import VL_SPECS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,6 +30,5 @@ def test_gpu_quantized_matches_cpu_references(quantized, eager):
               if hasattr(m, "quant_method") and not isinstance(m.quant_method, UnquantizedLinearMethod)]
     assert layers and all(p.is_cuda for m in layers for p in m.parameters()), "quantized layers on the GPU"
     for batched in (False, True):
-        for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm, batched), cpu_reference):
-            assert tokens[:2] == ref_tokens[:2]
-            assert_close_logprobs(lps[:1], ref_lps[:1], atol=0.15)
+        for got, ref in zip(outputs(llm, batched), cpu_reference):
+            assert_same_until_near_tie(got, ref, atol=0.15, steps=2)

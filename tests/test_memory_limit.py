@@ -114,7 +114,9 @@ class FakeAllocator:
         self.reserved -= n
 
     def install(self, monkeypatch) -> None:
-        def set_fraction(f, device=None):
+        def set_fraction(f, device):
+            # torch raises for a torch.device without an index ("cuda"); an int always names one
+            assert isinstance(device, int), f"set_per_process_memory_fraction needs a device index, got {device!r}"
             self.fraction = f
         counters = {"mem_get_info": lambda device=None: (self.total - self.other - self.reserved, self.total),
                     "memory_reserved": lambda device=None: self.reserved,
@@ -123,7 +125,7 @@ class FakeAllocator:
                     "max_memory_allocated": lambda device=None: self.peak,
                     "reset_peak_memory_stats": lambda device=None: setattr(self, "peak", self.reserved),
                     "synchronize": lambda device=None: None, "empty_cache": lambda: None,
-                    "set_per_process_memory_fraction": set_fraction}
+                    "set_per_process_memory_fraction": set_fraction, "current_device": lambda: 0}
         for name, fn in counters.items():
             monkeypatch.setattr(torch.cuda, name, fn)
 

@@ -253,6 +253,12 @@ def test_paged_attention_mixed(device, dtype, hq, hk, d, block_size, gen):
     check_paged(*make_batch(gen, decodes, prefills, hq, hk, d, block_size, dtype, device), dtype)
 
 
+@pytest.mark.parametrize("device,dtype", device_cases([F32], [BF16]))
+def test_paged_attention_head_dim_below_16(device, dtype, gen):
+    """Head size 8 (the tiny test Llamas): tl.dot needs K >= 16, so the kernels pad the head and mask it."""
+    check_paged(*make_batch(gen, [5, 40], [(30, 30), (7, 50)], 6, 2, 8, 16, dtype, device), dtype)
+
+
 @pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [BF16, F16]))
 @pytest.mark.parametrize("splits", [None, 1, 2, 16])
 @pytest.mark.parametrize("block_size", [16, 32])

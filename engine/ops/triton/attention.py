@@ -278,7 +278,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; the d mask pads
     prec = dot_precision(q.dtype)
     qk_scale = scale * LOG2E
     bt = md.block_tables
