@@ -140,9 +140,12 @@ for s in $STAGES; do
     memcaps)
       # Issue 14's image chat under GPU memory caps, each cap with the flags the launcher fits to such a card
       # (app/fit.py), once per weight format (MEMCAPS_QUANTS), dummy weights at the 8B shapes.
-      for q in ${MEMCAPS_QUANTS:-awq fp8}; do
-        stage "image chat under memory caps ${MEMCAPS_CAPS:-8 12 16 24} GiB, weights: $q"
-        timeout "${MEMCAPS_T:-280}" python3 bench/memory_caps.py --caps ${MEMCAPS_CAPS:-8 12 16 24} --quantization $q \
+      # An entry QUANT:CAPS (e.g. "awq:8,12 fp8:16") gives that format its own caps.
+      for entry in ${MEMCAPS_QUANTS:-awq fp8}; do
+        q=${entry%%:*}; caps=${MEMCAPS_CAPS:-8 12 16 24}
+        [ "$q" != "$entry" ] && caps=$(echo "${entry#*:}" | tr , ' ')
+        stage "image chat under memory caps $caps GiB, weights: $q"
+        timeout "${MEMCAPS_T:-280}" python3 bench/memory_caps.py --caps $caps --quantization $q \
           --repeats 2 --out "$OUT/memcaps_$q.json" --log-dir /tmp/memcaps_$q > "$OUT/memcaps_$q.txt" 2>&1
         echo "rc=$?"; mkdir -p "$OUT/memcaps_$q" && cp /tmp/memcaps_$q/*.log "$OUT/memcaps_$q/" 2>/dev/null
         grep -v -E '^(INFO|WARNING)' "$OUT/memcaps_$q.txt" | grep -v '^{' | tail -14
