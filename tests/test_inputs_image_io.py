@@ -25,13 +25,25 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height but whose pixel data is garbage: only a header-first check passes
     it to the pixel limit instead of failing (or exploding) in the decoder."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"garbage") + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", b"garbage") + png_chunk(b"IEND", b"")
+
+
+def png_rgb16(width: int, height: int, seed: int = 0) -> bytes:
+    """A 16-bit RGB PNG (Pillow cannot write one): rows of random samples, filter type 0."""
+    import numpy as np
+    samples = np.random.default_rng(seed).integers(0, 1 << 16, (height, width * 3)).astype(">u2").tobytes()
+    rows = b"".join(b"\0" + samples[y * width * 6:(y + 1) * width * 6] for y in range(height))
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(rows))
+            + png_chunk(b"IEND", b""))
 
 
 RED = Image.new("RGB", (48, 32), (255, 0, 0))
@@ -176,6 +188,22 @@ def test_pngs_decode_to_the_rgb_pixels_transformers_sees(image, save_args):
     expected = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
     out = load_image(data)
     assert out.mode == "RGB" and out.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("data, by_libspng", [
+    (encode(noise_rgb(20, 10)), True), (encode(noise_rgb(20, 10).convert("RGBA")), True),
+    (encode(noise_rgb(20, 10), transparency=(0, 0, 0)), False), (encode(noise_rgb(20, 10).convert("L")), False),
+    (encode(noise_rgb(20, 10).convert("P")), False), (png_rgb16(20, 10), False),
+    (encode(noise_rgb(20, 10), "BMP"), False),
+], ids=["rgb", "rgba", "rgb-trns", "grey", "palette", "rgb-16-bit", "bmp"])
+def test_8_bit_rgb_and_rgba_pngs_take_libspng_and_give_pillows_pixels(data, by_libspng, monkeypatch):
+    import engine.inputs.image_io as image_io
+    calls = []
+    real_load = image_io.pyspng.load
+    monkeypatch.setattr(image_io.pyspng, "load", lambda *a, **k: calls.append(1) or real_load(*a, **k))
+    out = load_image(data)
+    assert bool(calls) == by_libspng
+    assert out.mode == "RGB" and out.tobytes() == to_rgb(Image.open(io.BytesIO(data))).tobytes()
 
 
 def test_corrupt_plain_rgb_png_is_an_image_error():

@@ -17,7 +17,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pybase64
+import pyspng
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError, ServerBusyError
@@ -97,6 +99,9 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
             check_pixels(image.width, image.height, max_pixels, param)
             if on_size is not None:
                 on_size(image.width, image.height)
+            pixels = _spng_pixels(data, image)
+            if pixels is not None:
+                return to_rgb(Image.fromarray(pixels))
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except (ImageError, PayloadTooLargeError, ServerBusyError):
@@ -108,6 +113,21 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt files
         raise ImageError(f"could not decode image: {e}", param=param) from e
     return to_rgb(image)
+
+
+def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
+    """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (a screenshot in about 60% of Pillow's time):
+    the same values Pillow gives, since PNG is lossless. None for every other image, which Pillow decodes:
+    palettes, grey, 16 bits, a tRNS colour key, an eXIf orientation, or bytes libspng refuses (Pillow then says
+    what is wrong with them)."""
+    if (header.format != "PNG" or header.mode not in ("RGB", "RGBA") or header.tile[0].args != header.mode
+            or "transparency" in header.info or b"eXIf" in data):
+        return None
+    try:
+        pixels = pyspng.load(data, format=header.mode)
+    except Exception:  # noqa: BLE001 - libspng's errors are plain RuntimeErrors without a kind
+        return None
+    return pixels if pixels.shape == (header.height, header.width, len(header.mode)) else None
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:
