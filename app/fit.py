@@ -94,7 +94,8 @@ def user_settings(args: list[str]) -> tuple[EngineSettings, set[str], str | None
 def _steps(shape: ModelShape) -> list[dict]:
     """Setting changes in the order they cost a user least: smaller worst-case images, the embedding table in
     host memory (a little PCIe traffic), an fp8 KV cache, smaller steps (prompt chunks and requests per step, each
-    with a smaller image cache), no CUDA graphs.
+    with a smaller image cache), no CUDA graphs (only when the minimum context needs it: eager decode steps are
+    ~10x slower).
     The fp8 cache costs some accuracy (K and V rounded to 3 mantissa bits) but doubles the pool at once, which is
     what vLLM users on such cards do; the smaller steps that follow cost speed on every long prompt and batch, and
     each frees far less (a 1024-token step instead of 8192 saves ~0.8 GB, the fp8 cache 72 KiB per token)."""
@@ -159,6 +160,7 @@ def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target
     Each candidate is judged at the context its pool holds (--max-model-len, unless the user gave one): a shorter
     context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/cuda_graphs.py)."""
     fitted = _fitted(size, given, shape.max_positions)
+    floor = min(MIN_CONTEXT, target)
     base = user
     if steps and "max_pixels" in steps[0] and "max_pixels" not in given:
         base = replace(base, **steps.pop(0))       # whenever the defaults do not fit: the cheapest step
@@ -173,6 +175,9 @@ def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target
                 break
             change = {k: v for k, v in step.items() if k not in given and getattr(base, k) != v}
             if not change:
+                continue
+            if "enforce_eager" in change and _score(est, floor)[:2] == (True, floor):
+                left.append(step)   # eager steps decode ~10x slower (BENCHMARKS.md): only for the minimum context
                 continue
             cand, after = fitted(replace(base, **change))
             # A step is kept when it frees memory (monotone, unlike the pool, which loses the graphs' scratch

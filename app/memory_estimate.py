@@ -25,6 +25,7 @@ SAMPLER_BYTES_PER_LOGIT = 30
 # engine/cuda_graphs.py: prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are not
 # captured when the pool holds fewer than twice that.
 GRAPH_SCRATCH_TOKENS = 4096
+LIMIT_SLACK_BYTES = 256 << 20        # engine/memory.py: set aside under --gpu-memory-limit for the allocator
 PROCESSOR_MAX_PIXELS = 16_777_216    # engine/inputs/image_processor.py's default (4096x4096)
 
 
@@ -162,7 +163,7 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, oth
     encoder = s.encoder_cache_size * shape.encoder_bytes_per_token
     graph_bytes = 0 if s.enforce_eager else CUDA_GRAPH_BYTES
     if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
-        usable, reserve = int(s.gpu_memory_limit * GiB), graph_bytes + encoder
+        usable, reserve = int(s.gpu_memory_limit * GiB), graph_bytes + encoder + LIMIT_SLACK_BYTES
     else:
         usable, reserve = int(s.gpu_memory_utilization * total), 0
     kv = usable - on_gpu - NON_TORCH_BYTES - others - max(decoder, sampler, vision) - reserve

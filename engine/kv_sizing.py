@@ -10,8 +10,9 @@ from engine.cache_engine import CacheEngine
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.memory import (GiB, MemoryProfile, check_weights_fit, cpu_kv_budget, encoder_cache_bytes,
-                           no_kv_room_message, non_torch_bytes, profile_cuda, steps_out_of_memory)
+from engine.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, check_weights_fit, cpu_kv_budget,
+                           encoder_cache_bytes, no_kv_room_message, non_torch_bytes, profile_cuda,
+                           steps_out_of_memory)
 
 logger = init_logger(__name__)
 
@@ -47,7 +48,7 @@ class KVCachePlan:
             p = self.profile
             cap = "" if p.limit_bytes is None else (
                 f"; limit {p.limit_bytes / 1e9:.2f} GB ({p.limit_bytes / GiB:.2f} GiB): outside torch "
-                f"{p.non_torch_bytes / 1e9:.2f} GB, CUDA graphs + encoder cache {p.reserve_bytes / 1e9:.2f} GB")
+                f"{p.non_torch_bytes / 1e9:.2f} GB, CUDA graphs + encoder cache + slack {p.reserve_bytes / 1e9:.2f} GB")
             logger.info("Memory profile: weights %.2f GB, activation peak %.2f GB, KV cache %.2f GB of %.2f GB "
                         "total%s", p.weights_bytes / 1e9, p.activation_peak_bytes / 1e9, gpu_bytes / 1e9,
                         p.total_bytes / 1e9, cap)
@@ -114,11 +115,12 @@ def _profile(worker, max_len: int) -> MemoryProfile:
 
 def _limit_reserve(worker, max_len: int, scratch: CacheEngine) -> int:
     """Under a limit, what the utilization's headroom holds otherwise: the CUDA graph pools (when graphs will
-    be captured) and a full encoder cache."""
+    be captured), a full encoder cache and the allocator's slack (LIMIT_SLACK_BYTES)."""
     from engine.cuda_graphs import cuda_graphs_wanted
 
     graphs = _graph_pool_bytes(worker, max_len, scratch) if cuda_graphs_wanted(worker.args, worker.device) else 0
-    return graphs + encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype)
+    return graphs + encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype) + \
+        LIMIT_SLACK_BYTES
 
 
 @torch.inference_mode()

@@ -18,6 +18,10 @@ from engine.logger import init_logger
 
 logger = init_logger(__name__)
 GiB = 1 << 30
+# Under a limit, room the profile does not see: blocks the caching allocator keeps split after the profiled step,
+# so that a step's large transient tensor (a 4-bit layer's 192 MiB dequantized weight) needs a fresh segment. On
+# an H200 capped at 8 GiB such a step failed with 256 MiB reserved but free and 0.12 GiB left under the cap.
+LIMIT_SLACK_BYTES = 256 << 20
 # Fixes on a limit that cannot be met, in the order a user would try them.
 LIMIT_HINTS = ("use a quantized checkpoint (README: 'Which checkpoint for which GPU')",
                "lower --max-num-batched-tokens, --max-num-seqs or --mm-processor-kwargs '{\"max_pixels\": ...}'",
@@ -29,7 +33,7 @@ class MemoryProfile:
     weights_bytes: int
     activation_peak_bytes: int
     non_torch_bytes: int        # held outside torch's allocator: CUDA context, libraries (other processes too)
-    reserve_bytes: int          # set aside under a limit: CUDA graph pools + encoder cache (0 otherwise)
+    reserve_bytes: int          # set aside under a limit: CUDA graph pools + encoder cache + slack (0 otherwise)
     kv_budget_bytes: int        # may be <= 0: nothing left for the KV pool
     total_bytes: int            # the device's memory
     limit_bytes: int | None = None
@@ -44,7 +48,7 @@ class MemoryProfile:
         cap = (f"limit {self.limit_bytes / GiB:.2f} GiB (--gpu-memory-limit) of {self.total_bytes / GiB:.2f} GiB"
                if self.limit_bytes is not None else f"{self.total_bytes / GiB:.2f} GiB total")
         return (f"weights {self.weights_bytes / GiB:.2f} GiB, activation peak {self.activation_peak_bytes / GiB:.2f}"
-                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, graphs + encoder cache "
+                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, graphs + encoder cache + slack "
                 f"{self.reserve_bytes / GiB:.2f} GiB, KV cache {max(self.kv_budget_bytes, 0) / GiB:.2f} GiB; {cap}")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
 from app.fit import IMAGE_CAP_PIXELS, MIN_CONTEXT, ROOMY_CONTEXT, TARGET_CONTEXT, fit, fit_for_launch, user_settings
-from app.memory_estimate import CUDA_GRAPH_BYTES, NON_TORCH_BYTES, EngineSettings, estimate
+from app.memory_estimate import CUDA_GRAPH_BYTES, LIMIT_SLACK_BYTES, NON_TORCH_BYTES, EngineSettings, estimate
 from app.fit_table import readme_table, reference_shape, table
 from app.launcher import fit_engine_flags
 from app.models import ResolvedModel
@@ -56,7 +56,7 @@ def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():
     e = estimate(card(141), W4, SHAPE, EngineSettings(gpu_memory_limit=12))
     assert e.usable == card(12)
     assert e.kv_bytes == (card(12) - e.weights - NON_TORCH_BYTES - e.activation_peak - CUDA_GRAPH_BYTES
-                          - e.encoder_cache)
+                          - e.encoder_cache - LIMIT_SLACK_BYTES)
 
 
 def test_smaller_images_steps_and_embeddings_in_host_memory_each_free_memory():
@@ -89,7 +89,16 @@ def test_without_defaults_that_fit_the_cheapest_steps_come_first():
     assert flags.index("--cpu-embeddings") < flags.index("--kv-cache-dtype") < flags.index("--max-num-batched-tokens")
     assert flags_of(twelve)["--kv-cache-dtype"] == "fp8" and "--enforce-eager" not in flags
     eight = fit(card(8), W4, SHAPE)
-    assert list(flags_of(eight))[-1] == "--enforce-eager"           # the last resort, and last in the list
+    assert eight.fits and "--enforce-eager" not in flags_of(eight)    # the minimum context fits with CUDA graphs
+
+
+def test_cuda_graphs_go_only_when_the_minimum_context_needs_it():
+    """Eager decode steps are ~10x slower: --enforce-eager is the last resort, for MIN_CONTEXT, not the target."""
+    eight = fit(card(8), W4, SHAPE)
+    assert MIN_CONTEXT <= eight.estimate.context < TARGET_CONTEXT and eight.estimate.graphs
+    eager = fit(int(7.875 * GiB), W4, SHAPE)        # with graphs, the other steps leave < MIN_CONTEXT here
+    assert list(flags_of(eager))[-1] == "--enforce-eager" and eager.fits      # the last resort, last in the list
+    assert eager.estimate.context >= MIN_CONTEXT and not eager.estimate.graphs
 
 
 def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_bytes():
@@ -102,11 +111,11 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_bytes():
     assert "72 KiB per token instead of 144" in reason and "accuracy" in reason
 
 
-def test_the_fp8_kv_cache_takes_an_8_gib_card_to_the_target_context():
+def test_the_fp8_kv_cache_gives_an_8_gib_card_more_context():
     plan = fit(card(8), W4, SHAPE)
-    assert flags_of(plan)["--kv-cache-dtype"] == "fp8" and plan.estimate.context >= TARGET_CONTEXT
+    assert flags_of(plan)["--kv-cache-dtype"] == "fp8" and plan.estimate.context >= MIN_CONTEXT
     kept = fit(card(8), W4, SHAPE, ["--kv-cache-dtype", "auto"])     # the user's choice stands
-    assert "--kv-cache-dtype" not in kept.args() and kept.fits and kept.estimate.context < TARGET_CONTEXT
+    assert "--kv-cache-dtype" not in kept.args() and kept.fits and kept.estimate.context < plan.estimate.context
 
 
 def test_once_at_work_the_fit_also_takes_the_free_step_for_a_roomier_context():
@@ -228,14 +237,19 @@ def test_the_demo_model_gets_nothing(tmp_path):
 
 def test_the_engines_parser_takes_the_fitted_flags():
     from engine.server.cli import parse_args
-    plan = fit(card(8), W4, SHAPE)         # every kind of flag
-    args, _ = parse_args(["--model", "m", *plan.args()])
-    flags = flags_of(plan)
-    assert len(flags) == 8
-    assert args.mm_processor_kwargs == {"max_pixels": IMAGE_CAP_PIXELS} and args.enforce_eager and args.cpu_embeddings
+    steps = fit(card(8), W4, SHAPE)                                        # smaller steps and image cache
+    eager = fit(int(7.875 * GiB), W4, SHAPE)                               # no CUDA graphs
+    assert set(flags_of(steps)) | set(flags_of(eager)) == {
+        "--max-model-len", "--mm-processor-kwargs", "--cpu-embeddings", "--kv-cache-dtype",
+        "--max-num-batched-tokens", "--max-num-seqs", "--encoder-cache-size", "--enforce-eager"}
+    args, _ = parse_args(["--model", "m", *steps.args()])
+    flags = flags_of(steps)
+    assert args.mm_processor_kwargs == {"max_pixels": IMAGE_CAP_PIXELS} and args.cpu_embeddings
     assert args.max_model_len == int(flags["--max-model-len"]) and args.kv_cache_dtype == flags["--kv-cache-dtype"]
     assert args.max_num_batched_tokens == int(flags["--max-num-batched-tokens"])
     assert args.encoder_cache_size == int(flags["--encoder-cache-size"])
+    args, _ = parse_args(["--model", "m", *eager.args()])
+    assert args.enforce_eager
 
 
 # ---- the README ----------------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ import torch
 from engine.args import EngineArgs, add_cli_args
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.memory import (GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit, check_limit,
-                           check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message, profile_cuda,
-                           usable_bytes, weights_out_of_memory)
+from engine.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit,
+                           check_limit, check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message,
+                           profile_cuda, usable_bytes, weights_out_of_memory)
 from engine_helpers import make_llm
 
 REFERENCE_8B = Path(__file__).resolve().parent.parent / "bench" / "model_configs" / "qwen3-vl-8b-instruct"
@@ -59,7 +59,7 @@ def test_no_room_for_kv_names_every_number_and_the_fixes():
                       total_bytes=140 * GiB, limit_bytes=8 * GiB)
     msg = no_kv_room_message(p, bytes_per_block=2_359_296, block_size=16)
     for part in ("--gpu-memory-limit", "2.2 MiB", "weights 6.50 GiB", "activation peak 1.25 GiB",
-                 "outside torch 0.50 GiB", "graphs + encoder cache 1.00 GiB", "KV cache 0.00 GiB",
+                 "outside torch 0.50 GiB", "graphs + encoder cache + slack 1.00 GiB", "KV cache 0.00 GiB",
                  "limit 8.00 GiB", "--max-num-batched-tokens", "max_pixels", "--enforce-eager"):
         assert part in msg, part
 
@@ -204,8 +204,8 @@ def test_a_limit_larger_than_the_card_is_refused_before_loading(monkeypatch):
 
 def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch):
     """The profile's steps on a real (tiny, CPU) model. The simulated counters see none of its memory, so what
-    they report is the fixed part: the reserve is a full encoder cache (no graphs off CUDA), and the graph-pool
-    estimate is every graph's output plus the vision graph's static inputs."""
+    they report is the fixed part: the reserve is a full encoder cache and the allocator's slack (no graphs off
+    CUDA), and the graph-pool estimate is every graph's output plus the vision graph's static inputs."""
     from engine.cache_engine import CacheEngine
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
     from engine.kv_sizing import _graph_pool_bytes, _largest_image, _profile
@@ -218,8 +218,8 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     engine.gpu_memory_limit = 4 * GiB
     p = _profile(engine, 2048)
     cache = encoder_cache_bytes(cfg, engine.args.encoder_cache_size, engine.dtype)
-    assert p.reserve_bytes == cache > 0
-    assert p.kv_budget_bytes == 4 * GiB - GiB - GiB // 2 - cache
+    assert p.reserve_bytes == cache + LIMIT_SLACK_BYTES and cache > 0
+    assert p.kv_budget_bytes == 4 * GiB - GiB - GiB // 2 - cache - LIMIT_SLACK_BYTES
 
     scratch = CacheEngine(cfg, 2048 // 16, 0, 16, engine.dtype, engine.device)
     pixels, _ = _largest_image(engine, 2048, 16384)
