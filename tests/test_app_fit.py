@@ -52,6 +52,17 @@ def test_the_sum_uses_the_readmes_figures():
     assert e.graphs and e.pool_tokens == e.kv_bytes // (16 * SHAPE.kv_bytes_per_token) * 16 - 4096
 
 
+def test_the_engine_constants_the_sum_mirrors_are_the_engines():
+    """app/ cannot import the engine (torch): the figures it copies are checked against the engine here."""
+    import app.memory_estimate as est
+    from engine.cuda_graphs import scratch_blocks_needed
+    from engine.inputs.image_processor import ImageProcessor
+    from engine.memory import LIMIT_SLACK_BYTES as engine_slack
+    assert est.LIMIT_SLACK_BYTES == engine_slack
+    assert est.GRAPH_SCRATCH_TOKENS == scratch_blocks_needed(16) * 16
+    assert est.PROCESSOR_MAX_PIXELS == ImageProcessor().max_pixels
+
+
 def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():
     e = estimate(card(141), W4, SHAPE, EngineSettings(gpu_memory_limit=12))
     assert e.usable == card(12)
