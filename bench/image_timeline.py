@@ -99,7 +99,7 @@ def install_probes() -> None:
     probe(processor.InputProcessor, "process_chat", "process_chat")
     probe(processor.InputProcessor, "_load_image", "image_load (worker)")
     probe(processor, "fetch_image_bytes", "base64")
-    probe(processor, "load_image", "decode")
+    probe(processor, "decode_image", "decode")
     probe(ImageProcessor, "resize", "resize")
     probe(ChatTemplate, "render", "render")
     probe(processor.InputProcessor, "_encode", "tokenize")

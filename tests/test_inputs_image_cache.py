@@ -20,8 +20,8 @@ def pixels(n: int, value: int = 0) -> ProcessedImage:
 def test_same_bytes_decode_once_and_give_the_same_image(qwen3_vl_dir, monkeypatch):
     proc = make_processor(qwen3_vl_dir)
     calls = []
-    real = processor_module.load_image
-    monkeypatch.setattr(processor_module, "load_image", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = processor_module.decode_image
+    monkeypatch.setattr(processor_module, "decode_image", lambda *a, **k: calls.append(1) or real(*a, **k))
     turn1 = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is it?"}]}]
     turn2 = turn1 + [{"role": "assistant", "content": "Noise."},
                      {"role": "user", "content": [image_part(B), {"type": "text", "text": "And this?"}]}]

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
-from engine.inputs.image_io import decode_data_url, fetch_image_bytes, load_image, to_rgb
+from engine.inputs.image_io import decode_data_url, decode_image, fetch_image_bytes, load_image, to_rgb
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
@@ -168,12 +168,25 @@ def noise_rgb(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def test_an_exif_chunk_after_the_image_data_is_still_seen():
-    data = encode(noise_rgb(20, 10))
+@pytest.mark.parametrize("where", ["before the image data", "after the image data"])
+def test_an_exif_chunk_before_or_after_the_image_data_is_seen(where):
     exif = ROTATE_90.tobytes()
-    chunk = struct.pack(">I", len(exif)) + b"eXIf" + exif + struct.pack(">I", zlib.crc32(b"eXIf" + exif))
-    late_exif = data[:-12] + chunk + data[-12:]   # just before IEND
-    assert load_image(late_exif).size == (10, 20)   # rotated, as the EXIF orientation says
+    if where == "before the image data":
+        data = encode(noise_rgb(20, 10), exif=exif)   # Pillow writes eXIf before IDAT
+    else:
+        data = encode(noise_rgb(20, 10))
+        data = data[:-12] + png_chunk(b"eXIf", exif) + data[-12:]   # just before IEND
+    assert load_image(data).size == (10, 20)          # rotated, as the EXIF orientation says
+    assert decode_image(data).size == (10, 20)        # by Pillow: libspng does not read EXIF
+
+
+def test_an_exif_chunk_after_thousands_of_small_data_chunks_is_seen():
+    data = encode(noise_rgb(64, 32))
+    stream = data[41:41 + struct.unpack(">I", data[33:37])[0]]      # the one IDAT's payload, after the IHDR
+    assert len(stream) > 4096                                       # more one-byte chunks than are walked
+    tiny = b"".join(png_chunk(b"IDAT", stream[i:i + 1]) for i in range(len(stream)))
+    data = data[:33] + tiny + png_chunk(b"eXIf", ROTATE_90.tobytes()) + png_chunk(b"IEND", b"")
+    assert load_image(data).size == (32, 64)
 
 
 @pytest.mark.parametrize("image, save_args", [
@@ -204,6 +217,16 @@ def test_8_bit_rgb_and_rgba_pngs_take_libspng_and_give_pillows_pixels(data, by_l
     out = load_image(data)
     assert bool(calls) == by_libspng
     assert out.mode == "RGB" and out.tobytes() == to_rgb(Image.open(io.BytesIO(data))).tobytes()
+
+
+def test_decode_image_gives_an_8_bit_rgb_png_as_libspngs_array_and_any_other_image_as_pil():
+    import numpy as np
+    image = noise_rgb(20, 10)
+    pixels = decode_image(encode(image))
+    assert isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.shape == (10, 20, 3)
+    assert pixels.tobytes() == image.tobytes()
+    for other in (encode(image.convert("RGBA")), encode(image, "JPEG")):
+        assert isinstance(decode_image(other), Image.Image) and decode_image(other).mode == "RGB"
 
 
 def test_corrupt_plain_rgb_png_is_an_image_error():

@@ -55,6 +55,18 @@ def test_pixel_values_and_grid_match_transformers(name):
     assert torch.equal(ours, ref_pixels)
 
 
+@pytest.mark.parametrize("name", ["exact multiple of 32", "rounded to multiples of 32"])
+def test_rgb_pixels_as_an_array_give_what_their_pil_image_gives(name):
+    """decode_image hands the processor an 8-bit RGB PNG as libspng's uint8 [H, W, 3] array; an array already on
+    the patch grid is taken as it is, any other is resized through Pillow like the image."""
+    import numpy as np
+    image = noise(*SIZES[name])
+    processor = ImageProcessor.from_config(QWEN3_VL_CONFIG)
+    raw, grid = processor.resize(np.asarray(image))
+    ref_raw, ref_grid = processor.resize(image)
+    assert grid == ref_grid and torch.equal(raw, ref_raw)
+
+
 @pytest.mark.parametrize("size", [(1200, 900), (640, 4000), (513, 511)])
 def test_max_pixels_cap_scales_down_like_transformers(size):
     image = noise(*size, seed=1)

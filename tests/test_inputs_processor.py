@@ -242,13 +242,13 @@ def test_a_chats_images_load_on_the_executor_while_the_prompt_renders(qwen3_vl_d
 
     from engine.inputs import processor as processor_module
     proc = make_processor(qwen3_vl_dir)
-    started, threads, real_load = threading.Event(), [], processor_module.load_image
+    started, threads, real_load = threading.Event(), [], processor_module.decode_image
 
     def load(*a, **k):
         threads.append(threading.current_thread().name)
         started.set()
         return real_load(*a, **k)
-    monkeypatch.setattr(processor_module, "load_image", load)
+    monkeypatch.setattr(processor_module, "decode_image", load)
     real_render = proc.chat_template.render
     # the template waits until the image has started loading elsewhere: the two overlap
     monkeypatch.setattr(proc.chat_template, "render", lambda *a, **k: started.wait(10) and real_render(*a, **k))

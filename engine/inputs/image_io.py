@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import binascii
 import io
+import struct
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,6 +29,7 @@ DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 DEFAULT_FETCH_TIMEOUT_S = 10.0
 # The formats browsers and cameras produce; Pillow's rarer decoders stay out of reach of request bodies.
+_MAX_CHUNKS_WALKED = 4096                 # PNG encoders write IDAT chunks of 8 KB and more
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
 
 
@@ -89,6 +91,15 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
                param: str | None = None, on_size: Callable[[int, int], None] | None = None) -> Image.Image:
     """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos).
     on_size(width, height) runs once the header is read and checked, before any pixel is decoded."""
+    image = decode_image(data, max_bytes, max_pixels, param, on_size)
+    return Image.fromarray(image) if isinstance(image, np.ndarray) else image
+
+
+def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 param: str | None = None, on_size: Callable[[int, int], None] | None = None
+                 ) -> Image.Image | np.ndarray:
+    """load_image, but an 8-bit RGB PNG comes back as libspng decoded it, uint8 [H, W, 3]: the image processor
+    takes the array as it is, where a PIL image would cost two copies of the pixels."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -101,7 +112,7 @@ def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels
                 on_size(image.width, image.height)
             pixels = _spng_pixels(data, image)
             if pixels is not None:
-                return to_rgb(Image.fromarray(pixels))
+                return pixels if image.mode == "RGB" else to_rgb(Image.fromarray(pixels))
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
     except (ImageError, PayloadTooLargeError, ServerBusyError):
@@ -121,13 +132,30 @@ def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
     palettes, grey, 16 bits, a tRNS colour key, an eXIf orientation, or bytes libspng refuses (Pillow then says
     what is wrong with them)."""
     if (header.format != "PNG" or header.mode not in ("RGB", "RGBA") or header.tile[0].args != header.mode
-            or "transparency" in header.info or b"eXIf" in data):
+            or "transparency" in header.info or _has_exif(data, header)):
         return None
     try:
         pixels = pyspng.load(data, format=header.mode)
     except Exception:  # noqa: BLE001 - libspng's errors are plain RuntimeErrors without a kind
         return None
     return pixels if pixels.shape == (header.height, header.width, len(header.mode)) else None
+
+
+def _has_exif(data: bytes, header: Image.Image) -> bool:
+    """Whether the PNG has an eXIf chunk: before the image data Pillow's header parse has read it; after it, the
+    chunk headers from the first IDAT on tell, without a search through megabytes of compressed pixels (unless
+    the file cuts its data into a great many chunks)."""
+    if "exif" in header.info:
+        return True
+    pos = header.tile[0].offset - 8        # the first IDAT chunk's length field
+    for _ in range(_MAX_CHUNKS_WALKED):
+        if pos + 8 > len(data):
+            return False
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind in (b"eXIf", b"IEND"):
+            return kind == b"eXIf"
+        pos += length + 12                 # length, type, data, CRC
+    return data.find(b"eXIf", pos) >= 0
 
 
 def check_pixels(width: int, height: int, max_pixels: int, param: str | None = None) -> None:

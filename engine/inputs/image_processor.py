@@ -129,10 +129,14 @@ class ImageProcessor:
         raw, grid = self.resize(image)
         return self.to_pixel_values(raw), grid
 
-    def resize(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The image in RGB, resized to the patch grid, as uint8 [H, W, 3], and grid_thw (1, h, w)."""
-        height, width = self.resized_size(image.height, image.width)
-        image = to_rgb(image)
+    def resize(self, image: Image.Image | np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The image in RGB (or RGB pixels as uint8 [H, W, 3]), resized to the patch grid, as uint8 [H, W, 3],
+        and grid_thw (1, h, w)."""
+        grid_size = self.resized_size(*image_hw(image))
+        height, width = grid_size
+        if isinstance(image, np.ndarray) and image.shape[:2] == grid_size:
+            return torch.from_numpy(image), (1, height // self.patch_size, width // self.patch_size)
+        image = to_rgb(Image.fromarray(image) if isinstance(image, np.ndarray) else image)
         if (width, height) != image.size:
             image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
         return torch.from_numpy(np.array(image)), (1, height // self.patch_size, width // self.patch_size)
@@ -142,6 +146,10 @@ class ImageProcessor:
         one kernel on the GPU)."""
         table = _value_table(self.rescale_factor, self.image_mean, self.image_std, raw.device)
         return ops.patchify(raw, table, self.patch_size, self.merge_size, self.temporal_patch_size, dtype)
+
+
+def image_hw(image: Image.Image | np.ndarray) -> tuple[int, int]:
+    return image.shape[:2] if isinstance(image, np.ndarray) else (image.height, image.width)
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from blake3 import blake3
 from PIL import Image
@@ -25,8 +26,8 @@ from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
-                                    fetch_image_bytes, load_image)
-from engine.inputs.image_processor import ImageProcessor
+                                    decode_image, fetch_image_bytes)
+from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mrope import get_mrope_positions
 from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
@@ -285,22 +286,23 @@ class InputProcessor:
             pixels.add(width * height)
             held.enter_context(self.pixel_budget.hold(width * height, ref.param))
         with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
-            image = self.image_cache.get_or_process(data, lambda: self._process_image(load_image(
+            image = self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
                 data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param))
         if not decoded:
             pixels.add(image.source_pixels)
         return image
 
-    def _process_image(self, image: Image.Image, param: str) -> ProcessedImage:
+    def _process_image(self, image: Image.Image | np.ndarray, param: str) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the
         patch grid, and its content hash."""
-        check_pixels(image.width, image.height, self.limits.max_image_pixels, param)
+        height, width = image_hw(image)
+        check_pixels(width, height, self.limits.max_image_pixels, param)
         try:
             raw, grid = self.image_processor.resize(image)
         except ImageError as e:
             raise ImageError(e.message, param=param) from e
         return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw),
-                              source_pixels=image.width * image.height)
+                              source_pixels=width * height)
 
     def _check_image_count(self, n: int, param: str) -> None:
         if n > self.limits.limit_images_per_prompt:
