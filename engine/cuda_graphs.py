@@ -25,8 +25,8 @@ from engine.transfer import to_device
 
 logger = init_logger(__name__)
 # Every 64 tokens up to 2048: padding (computed, then dropped) stays under 64 rows, 6% of a 1024-token prefill.
-# A 1024x1024 image is 1024 tokens plus its question; with 128-token steps past 1024 it ran in the 1152 bucket,
-# 10% wasted GEMM work (~2 ms on an H200).
+# A 1024x1024 image is 1024 tokens plus its question; with 128-token steps past 1024 it would run in the 1152
+# bucket: 10% wasted GEMM work.
 PREFILL_BUCKETS = tuple(range(64, 2049, 64))
 
 

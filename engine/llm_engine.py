@@ -111,7 +111,7 @@ class LLMEngine:
         self._next_id = 0
         self._inflight: InflightStep | None = None      # the launched step not yet read (see PendingTokens)
         # The start-up objects (modules, tokenizer, config: ~350k) would otherwise be scanned by every full
-        # collection; one took 88 ms on a 2-core CPU, a stall for every running stream. vLLM freezes them too.
+        # collection, a stall for every running stream. vLLM freezes them too.
         gc.collect()
         gc.freeze()
 

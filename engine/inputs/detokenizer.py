@@ -22,8 +22,8 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # Fast tokenizers: call the Rust backend directly. transformers' decode() adds ~5 us of argument
-        # handling per call around the same backend call, which at batch 256 is over a millisecond a step.
+        # Fast tokenizers: call the Rust backend directly. transformers' decode() adds argument handling per
+        # call around the same backend call, paid once per running request every step.
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._num_context = len(self._ids)
