@@ -29,8 +29,8 @@ DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 DEFAULT_FETCH_TIMEOUT_S = 10.0
 # The formats browsers and cameras produce; Pillow's rarer decoders stay out of reach of request bodies.
-_MAX_CHUNKS_WALKED = 4096                 # PNG encoders write IDAT chunks of 8 KB and more
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes MPO (phone photos)
+_MAX_CHUNKS_WALKED = 4096                 # PNG encoders write IDAT chunks of 8 KB and more
 
 
 def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
