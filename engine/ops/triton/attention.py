@@ -232,12 +232,11 @@ def _decode_config(dtype: torch.dtype, device: torch.device):
 
 def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device, num_query_tokens: int | None = None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). D=128: 128x128 tiles, 8 warps (two warpgroups for Hopper's
-    wgmma), 3 stages (~224 KB of shared memory): on the H200 sweep (bench_ops --sweep-tiles) 1.51 ms for an
-    8192-token causal prefill against 1.73 ms with the previous 128x64. A prefill of at most
-    SHORT_PREFILL_TOKENS query tokens (`num_query_tokens`) has too few 128-row blocks to fill 132 SMs evenly: a
-    1067-token prompt (one image + a question) takes 46 us per layer in 64x64 tiles, 4 warps, 2 stages against
-    55 us (bench/image_gpu_parts.py). A head split in two (vision, 64 + 16) runs best at 128x64 with 4 warps
-    (251 us against 307 us for 4096 patches).
+    wgmma), 3 stages, 161 KB of shared memory compiled for sm90 (tests/portable_compile.py): the fastest for a
+    long causal prefill on the H200 sweep (bench_ops --sweep-tiles; docs/perf-log.md). A prefill of at most
+    SHORT_PREFILL_TOKENS query tokens (`num_query_tokens`) has too few 128-row blocks to fill 132 SMs evenly
+    (one image and a question): 64x64 tiles, 4 warps, 2 stages measured faster there
+    (bench/image_gpu_parts.py). A head split in two (vision, 64 + 16) runs best at 128x64 with 4 warps.
     fp32 (tests only) runs tl.dot on FMAs: 32x32 tiles, unpipelined, is the spill-free point there."""
     if dtype == torch.float32 and device.type == "cuda":
         return 32, 32, 8, 1
@@ -245,7 +244,7 @@ def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device, 
         return 64, 32, 4, 2
     if head_dim_padded == 128:
         if _shared_memory(device) < 224 * 1024:
-            return 128, 64, 8, 3       # ~98 KB: fits sm_80/86/89
+            return 128, 64, 8, 3       # 64 KB compiled for sm80/86/89: fits their 163 / 99 / 99 KB
         if num_query_tokens is not None and num_query_tokens <= SHORT_PREFILL_TOKENS:
             return 64, 64, 4, 2
         return 128, 128, 8, 3
