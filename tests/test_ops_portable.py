@@ -4,9 +4,8 @@ The engine is measured on an H200 (sm90), but users have A100s (sm80), RTX 30 (s
 a tile tuned on Hopper can need more shared memory than the 99 KB one program gets on a consumer card, and an
 FP8 type compiles only where the hardware has it. tests/portable_compile.py compiles each kernel the engine
 launches at Qwen3-VL-8B's shapes for one architecture, without a GPU (Triton ships ptxas), choosing paths and
-tiles through the engine's own dispatch. Needs triton (not installed by ./run_tests.sh): run with an environment
-that has it, e.g. `python -m pytest tests/test_ops_portable.py` there; the first run compiles ~140 kernels per
-architecture (minutes on 2 cores), later ones read Triton's cache.
+tiles through the engine's own dispatch. ./run_tests.sh installs triton (the test extras) on Linux x86-64, where
+its wheel carries ptxas; elsewhere the test is skipped.
 """
 from __future__ import annotations
 

@@ -28,10 +28,18 @@ F16, BF16 = torch.float16, torch.bfloat16
 TOL = {BF16: 1e-2, F16: 3e-3}
 SHAPES_8B = [(4096, 4096), (4096, 1024), (4096, 6144), (4096, 24576), (12288, 4096)]
 
-interp = pytest.mark.triton_interpret(
-    pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run in Triton's interpreter"))
-gpu = pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA, TRITON_INTERPRET unset"))
-DEVICES = [pytest.param("cpu", marks=interp, id="interp"), pytest.param("cuda", marks=gpu, id="cuda")]
+# Lists of marks: a mark called with another mark takes it as an argument instead of applying it.
+INTERP_MARKS = [pytest.mark.triton_interpret,
+                pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run in Triton's interpreter")]
+GPU_MARKS = [pytest.mark.gpu,
+             pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA, TRITON_INTERPRET unset")]
+DEVICES = [pytest.param("cpu", marks=INTERP_MARKS, id="interp"), pytest.param("cuda", marks=GPU_MARKS, id="cuda")]
+
+
+def gpu(fn):
+    for mark in GPU_MARKS:
+        fn = mark(fn)
+    return fn
 
 
 def random_weights(K, N, group, bits, dtype, device, symmetric=False):
