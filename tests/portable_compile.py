@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from paged_batches import make_batch  # noqa: E402  (tests/, this script's folder)
 
 # Shared memory one program may opt in to, and SM counts (A100, RTX 3090, RTX 4090, H100/H200).
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -85,40 +86,24 @@ def pose_as(capability: int) -> None:
     F.linear = lambda x, w, b=None: torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype)
 
 
-def metadata(query_lens: list[int], context_lens: list[int], decodes: int, block_size: int = 16):
-    from engine.ops.attention import AttentionMetadata
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    blocks = max(-(-c // block_size) for c in context_lens)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(starts[-1]), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_tables=torch.zeros(len(query_lens), blocks, dtype=torch.int32), num_decodes=decodes,
-        num_decode_tokens=decodes, max_query_len=max(query_lens), max_seq_len=max(context_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=list(context_lens))
-
-
 def launch_everything(capability: int) -> None:
     """Each op at the decoder's and the ViT's shapes, for the token counts whose paths and tiles differ."""
     from engine.ops.triton import wna16, wna16_fused
     activation, attention, embedding, kv_cache, norm, pixels, quant, rotary = (op(n) for n in OP_MODULES)
 
-    batches = {"decode 8": ([1] * 8, [4000] * 8, 8), "decode 256": ([1] * 256, [600] * 256, 256),
-               "image prefill": ([1067], [1067], 0), "long prefill": ([8192], [8192], 0),
-               "mixed": ([1] * 4 + [512], [900] * 4 + [512], 4)}
+    gen = torch.Generator().manual_seed(0)
+    batches = {"decode 8": ([4000] * 8, []), "decode 256": ([64] * 256, []), "image prefill": ([], [(1067, 1067)]),
+               "long prefill": ([], [(8192, 8192)]), "mixed": ([900] * 4, [(512, 512)])}
     for kv_dtype in (BF16, torch.float8_e4m3fn):
-        k_cache = torch.zeros(600, 16, 8, 128, dtype=kv_dtype)
-        v_cache = torch.zeros_like(k_cache)
-        for query_lens, context_lens, decodes in batches.values():
-            tokens = sum(query_lens)
-            q, k = torch.zeros(tokens, 32, 128, dtype=BF16), torch.zeros(tokens, 8, 128, dtype=BF16)
-            cos = sin = torch.zeros(tokens, 64)
-            slots = torch.arange(tokens)
-            q = rotary.rope_and_store_kv(q, k, k, cos, sin, k_cache, v_cache, slots, torch.ones(128, dtype=BF16),
-                                         torch.ones(128, dtype=BF16), 1e-6)
-            kv_cache.store_kvcache(k, k, k_cache, v_cache, slots)
-            attention.paged_attention(q, k_cache, v_cache, metadata(query_lens, context_lens, decodes), 0.088)
+        for decode_ctx, prefills in batches.values():
+            q, k_cache, v_cache, md = make_batch(gen, decode_ctx, prefills, 32, 8, 128, 16, BF16, "cpu")
+            k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+            k = torch.zeros(q.shape[0], 8, 128, dtype=BF16)
+            cos = sin = torch.zeros(q.shape[0], 64)
+            q = rotary.rope_and_store_kv(q, k, k, cos, sin, k_cache, v_cache, md.slot_mapping,
+                                         torch.ones(128, dtype=BF16), torch.ones(128, dtype=BF16), 1e-6)
+            kv_cache.store_kvcache(k, k, k_cache, v_cache, md.slot_mapping)
+            attention.paged_attention(q, k_cache, v_cache, md, 0.088)
     for bounds in ([0, 4096], [0, 1024, 2048]):                   # the ViT: 16 heads of 72, one or two images
         qkv = torch.zeros(bounds[-1], 3, 16, 72, dtype=BF16)
         q, k, v = rotary.vision_qkv_rope(qkv, torch.zeros(bounds[-1], 36), torch.zeros(bounds[-1], 36))

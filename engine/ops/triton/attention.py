@@ -260,6 +260,12 @@ def _shared_memory(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head as the kernels tile it: a power of two, and at least 16 because tl.dot needs K >= 16 (the
+    kernels' d mask keeps the padding out)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32 on the GPU
 
@@ -277,7 +283,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; the d mask pads
+    block_d = padded_head_dim(head_dim)
     prec = dot_precision(q.dtype)
     qk_scale = scale * LOG2E
     bt = md.block_tables

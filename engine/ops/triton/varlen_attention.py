@@ -162,7 +162,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_segments <= 0 or max_seqlen <= 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; the d mask pads
+    block_d = paged.padded_head_dim(head_dim)
     split = _head_split(head_dim)
     block_m, block_n, warps, stages = paged.tile_config(sum(split) if split else block_d, q.dtype, q.device)
     grid = (triton.cdiv(max_seqlen, block_m), num_segments, num_heads)
