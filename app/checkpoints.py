@@ -50,6 +50,11 @@ class WeightFormat:
         """Higher is closer to the original weights: the order of preference when several fit."""
         return self.bits
 
+    @property
+    def integer(self) -> bool:
+        """Integer weight groups (AWQ, GPTQ, compressed-tensors int4/int8): the engine's 4/8-bit kernels."""
+        return self.bits < 16 and not self.name.startswith("fp8")
+
 
 BF16 = WeightFormat("bf16", 16)
 

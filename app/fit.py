@@ -191,7 +191,10 @@ def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target
 
     # A step that frees nothing at its turn may free room once later steps have made some (an fp8 cache doubles
     # the tokens of a pool that is empty until smaller steps shrink the activation peak): a second turn, in order.
-    walk(walk(steps))
+    # No CUDA graphs only after both turns: the minimum context may fit once the second turn is done.
+    last = [step for step in steps if "enforce_eager" in step]
+    walk(walk([step for step in steps if step not in last]))
+    walk(last)
     return cur, est
 
 

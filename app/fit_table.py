@@ -30,7 +30,7 @@ def table() -> str:
     for gib in CARDS_GIB:
         for kind, fmt in KINDS:
             weights = weight_bytes(config, fmt)
-            plan = fit(gib * GiB, weights, shape)
+            plan = fit(gib * GiB, weights, shape.with_format(fmt))
             e = plan.estimate
             if not plan.fits:
                 rows.append(f"| {gib} GiB | {kind} | does not fit: weights {weights / GB:.2f} GB, KV pool "
@@ -38,7 +38,8 @@ def table() -> str:
                 continue
             flags = f"`{shlex.join(plan.args())}`" if plan.flags else "none (the defaults fit)"
             pool_gb = e.pool_tokens * e.kv_bytes_per_token / GB
-            rows.append(f"| {gib} GiB | {kind} | {flags} | ~{e.pool_tokens:,} tokens ({pool_gb:.2f} GB) | "
+            graphs = "" if e.prefill_graphs or not e.graphs else "; prefill CUDA graphs left out"
+            rows.append(f"| {gib} GiB | {kind} | {flags} | ~{e.pool_tokens:,} tokens ({pool_gb:.2f} GB{graphs}) | "
                         f"{e.context:,}{'' if plan.flags else ' (KV pool)'} |")
     return "\n".join(rows + [END])
 

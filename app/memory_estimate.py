@@ -5,27 +5,45 @@ The engine sizes its KV pool (engine/memory.py, engine/kv_sizing.py) as gpu_memo
 minus the weights (with the rotary tables), the memory held outside torch and the activation peak of a profiled
 worst-case step; the CUDA graph pools and the encoder cache then come out of the utilization's headroom (under
 --gpu-memory-limit: out of the limit). estimate() makes the same sum with the figures of the README ("Which
-checkpoint for which GPU")."""
+checkpoint for which GPU").
+
+The worst-case step has three phases: the decoder on max_num_batched_tokens tokens, the sampling of max_num_seqs
+rows, the largest image through the vision encoder. Without a limit the engine profiles torch's allocated peak,
+the largest phase. Under a limit it profiles the allocator's reserved peak, and each phase's freed blocks stay
+reserved while the next allocates its own: the phases add up. Both logged H200 profiles under a limit match the
+sum (FP8 at 16 GiB: 2.37 GB logged, 2.38 computed; 4-bit at 8 GiB with 1024-token steps: 0.56 logged, 0.55
+computed with the dequantized weight below; the largest phase alone would be 1.17 and 0.31)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.checkpoints import GB, GiB
+from app.checkpoints import GB, GiB, WeightFormat, weight_format
 
 # Figures of the README (measured on the H200, or derived from its logged memory profile):
 NON_TORCH_BYTES = int(0.73 * GB)     # CUDA context and libraries
 DECODER_PEAK_PER_TOKEN = 0.9 * GB / 8192   # activation peak of a prefill step, per batched token
 CUDA_GRAPH_BYTES = int(0.55 * GiB)   # the graph pools ("Captured CUDA graphs ... using")
-# Computed from engine/sampler.py (not measured): per row and vocabulary entry, the worst-case step's top-p
-# sampling holds fp32 logits, their temperature-scaled copy, the sorted values, the int64 order, the cumulative
-# softmax, a mask and the masked and scattered copies at once: ~30 bytes.
+# Computed from engine/sampler.py: per row and vocabulary entry, the worst-case step's top-p sampling holds fp32
+# logits, their temperature-scaled copy, the sorted values, the int64 order, the cumulative softmax, a mask and the
+# masked and scattered copies at once: ~30 bytes (half of the FP8 profile's sum below, which it matches).
 SAMPLER_BYTES_PER_LOGIT = 30
 # engine/cuda_graphs.py: prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are not
-# captured when the pool holds fewer than twice that.
+# captured when the pool holds fewer than twice that (the decode graphs, which need none, still are).
 GRAPH_SCRATCH_TOKENS = 4096
+GRAPH_PREFILL_TOKENS = 2048          # the largest prefill bucket
+MAX_GRAPH_PATCHES = 16384            # engine/vision_graphs.py: the largest image the vision graphs take
 LIMIT_SLACK_BYTES = 256 << 20        # engine/memory.py: set aside under --gpu-memory-limit for the allocator
+# Under a limit the engine sets its own measure of the graph pools aside (engine/kv_sizing.py: the reserved peak
+# of each pool's largest step, plus every graph's output and the vision graph's inputs). For the 2048-token prefill
+# step this figure makes the sum match the one logged profile: 0.82 GB for FP8 at 16 GiB (graphs + encoder cache
+# 1.36 GB, less the 0.54 GB encoder cache) = 0.35 + 0.30 of outputs + 0.18 for the vision graph.
+GRAPH_PREFILL_STEP_BYTES = int(0.35 * GB)
+# engine/ops/triton/wna16.py: integer-format linears on more tokens than this are dequantized to bf16 whole, then
+# multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at the 8B) is live beside the
+# activations, in the profiled step and in the 2048-token graph the engine measures under a limit.
+DEQUANT_ABOVE_TOKENS = 64
 PROCESSOR_MAX_PIXELS = 16_777_216    # engine/inputs/image_processor.py's default (4096x4096)
 
 
@@ -43,21 +61,30 @@ class ModelShape:
     patch_pixels: int = 256          # pixels per vision patch
     token_pixels: int = 1024         # pixels per LLM token (a 2x2 block of patches)
     encoder_bytes_per_token: int = 0  # a cached image token: the merger's row and the deepstack rows, bf16
+    vit_input_bytes_per_patch: int = 0  # a vision graph's static inputs: a patch's pixels and position row, bf16
     max_pixels: int = PROCESSOR_MAX_PIXELS
+    largest_linear: int = 0          # weights of the decoder's largest fused linear layer (gate_up)
+    integer_weights: bool = False    # AWQ / GPTQ / compressed-tensors int: dequantized for prefill-sized steps
 
     @classmethod
     def from_config(cls, config: dict, preprocessor: dict | None = None) -> "ModelShape":
         t = config.get("text_config", config)
         heads = t["num_attention_heads"]
-        shape = cls(layers=t["num_hidden_layers"], kv_heads=t.get("num_key_value_heads", heads),
-                    head_dim=t.get("head_dim") or t["hidden_size"] // heads, hidden=t["hidden_size"],
+        kv_heads, hidden, inter = t.get("num_key_value_heads", heads), t["hidden_size"], t["intermediate_size"]
+        head_dim = t.get("head_dim") or hidden // heads
+        fmt = weight_format(config)
+        shape = cls(layers=t["num_hidden_layers"], kv_heads=kv_heads, head_dim=head_dim, hidden=hidden,
                     vocab=t["vocab_size"], max_positions=int(t.get("max_position_embeddings", 4096)),
-                    tied=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))))
+                    tied=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+                    largest_linear=hidden * max((heads + 2 * kv_heads) * head_dim, 2 * inter),
+                    integer_weights=isinstance(fmt, WeightFormat) and fmt.integer)
         v = config.get("vision_config")
         if not v:
             return shape
         taps, merge = len(v.get("deepstack_visual_indexes", [])), v["spatial_merge_size"]
+        patch_dim = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
         return replace(shape, vit_bytes_per_patch=vit_bytes_per_patch(v), patch_pixels=v["patch_size"] ** 2,
+                       vit_input_bytes_per_patch=(patch_dim + v["hidden_size"]) * 2,
                        token_pixels=(v["patch_size"] * merge) ** 2,
                        encoder_bytes_per_token=(1 + taps) * v["out_hidden_size"] * 2,
                        max_pixels=processor_max_pixels(preprocessor or {}))
@@ -69,6 +96,14 @@ class ModelShape:
         pre = path / "preprocessor_config.json"
         return cls.from_config(config if config is not None else json.loads((path / "config.json").read_text()),
                                json.loads(pre.read_text()) if pre.is_file() else None)
+
+    def with_format(self, fmt: WeightFormat) -> "ModelShape":
+        """The same model with its decoder's linear layers stored as `fmt`."""
+        return replace(self, integer_weights=fmt.integer)
+
+    def dequant_bytes(self, tokens: int) -> int:
+        """The bf16 weight a step of `tokens` tokens dequantizes whole (0 where the kernels read packed weights)."""
+        return 2 * self.largest_linear if self.integer_weights and tokens > DEQUANT_ABOVE_TOKENS else 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -125,21 +160,19 @@ class MemoryEstimate:
     """Where a card's memory goes under some settings (bytes), and the KV pool that leaves (tokens)."""
     usable: int
     weights: int                 # on the GPU, rotary tables included
-    decoder_peak: int
+    decoder_peak: int            # the three phases of the profiled worst-case step
     sampler_peak: int
     vision_peak: int
+    activation_peak: int         # the largest phase; under --gpu-memory-limit their sum
     encoder_cache: int
     kv_bytes: int
     kv_bytes_per_token: int      # in the KV cache dtype
     pool_tokens: int             # after the CUDA graphs' scratch blocks
     max_len: int
-    graphs: bool                 # the engine captures CUDA graphs
+    graphs: bool                 # the engine captures CUDA graphs (the decode graphs at least)
+    prefill_graphs: bool         # ... and the prefill graphs, whose scratch blocks the pool spares
     headroom_short: int          # what the graphs and the encoder cache lack in the utilization's headroom
     headroom: int | None = None  # the utilization's headroom (None under --gpu-memory-limit: all reserved)
-
-    @property
-    def activation_peak(self) -> int:
-        return max(self.decoder_peak, self.sampler_peak, self.vision_peak)
 
     @property
     def context(self) -> int:
@@ -157,22 +190,57 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, oth
     rows = min(s.max_num_seqs, tokens)
     vision = 0
     if shape.vision:          # the largest image a request may carry, through the ViT beside the step's logits
-        pixels = min(s.max_pixels or shape.max_pixels, max_len * shape.token_pixels)
-        vision = pixels // shape.patch_pixels * shape.vit_bytes_per_patch + rows * shape.vocab * 4
-    decoder, sampler = int(tokens * DECODER_PEAK_PER_TOKEN), rows * shape.vocab * SAMPLER_BYTES_PER_LOGIT
+        vision = _image_patches(shape, s, max_len) * shape.vit_bytes_per_patch + rows * shape.vocab * 4
+    decoder = int(tokens * DECODER_PEAK_PER_TOKEN) + shape.dequant_bytes(tokens)
+    sampler = rows * shape.vocab * SAMPLER_BYTES_PER_LOGIT
     encoder = s.encoder_cache_size * shape.encoder_bytes_per_token
-    graph_bytes = 0 if s.enforce_eager else CUDA_GRAPH_BYTES
-    if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
-        usable, reserve = int(s.gpu_memory_limit * GiB), graph_bytes + encoder + LIMIT_SLACK_BYTES
-    else:
-        usable, reserve = int(s.gpu_memory_utilization * total), 0
-    kv = usable - on_gpu - NON_TORCH_BYTES - others - max(decoder, sampler, vision) - reserve
     per_token = shape.kv_bytes_per_token_as(s.kv_cache_dtype)
-    blocks = max(kv, 0) // (per_token * s.block_size)
     scratch = GRAPH_SCRATCH_TOKENS // s.block_size
-    graphs = not s.enforce_eager and blocks > 2 * scratch
-    pool = (blocks - scratch if graphs else blocks) * s.block_size
+    graphs = not s.enforce_eager
+    if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
+        usable, activation = int(s.gpu_memory_limit * GiB), decoder + sampler + vision
+        kv = usable - on_gpu - NON_TORCH_BYTES - others - activation - encoder - LIMIT_SLACK_BYTES
+        pools = graph_pools(shape, s, max_len, prefill=True) if graphs else 0
+        if graphs and (kv - pools) // (per_token * s.block_size) <= 2 * scratch:
+            pools = graph_pools(shape, s, max_len, prefill=False)      # too small for the prefill graphs
+        kv -= pools
+    else:
+        usable, activation = int(s.gpu_memory_utilization * total), max(decoder, sampler, vision)
+        kv = usable - on_gpu - NON_TORCH_BYTES - others - activation
+    blocks = max(kv, 0) // (per_token * s.block_size)
+    prefill_graphs = graphs and blocks > 2 * scratch
+    pool = (blocks - scratch if prefill_graphs else blocks) * s.block_size
     short = 0 if s.gpu_memory_limit is not None else \
-        max(0, encoder + (graph_bytes if graphs else 0) - (total - usable))
-    return MemoryEstimate(usable, on_gpu, decoder, sampler, vision, encoder, kv, per_token, pool, max_len, graphs,
-                          short, None if s.gpu_memory_limit is not None else total - usable)
+        max(0, encoder + (CUDA_GRAPH_BYTES if graphs else 0) - (total - usable))
+    return MemoryEstimate(usable, on_gpu, decoder, sampler, vision, activation, encoder, kv, per_token, pool,
+                          max_len, graphs, prefill_graphs, short,
+                          None if s.gpu_memory_limit is not None else total - usable)
+
+
+def _image_patches(shape: ModelShape, s: EngineSettings, max_len: int, max_patches: int | None = None) -> int:
+    """Vision patches of the largest image a request may carry (within max_patches)."""
+    patches = min(s.max_pixels or shape.max_pixels, max_len * shape.token_pixels) // shape.patch_pixels
+    return patches if max_patches is None else min(patches, max_patches)
+
+
+def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: bool) -> int:
+    """What the engine sets aside for the CUDA graph pools under a limit (engine/kv_sizing.py): the largest
+    decoder graph's step (the 2048-token prefill bucket, or without prefill graphs the largest decode batch, at
+    the prefill step's bytes per token), every graph's output row, and the vision graph's largest image."""
+    rows = sum(batch_size_ladder(s.max_num_seqs))
+    if prefill:
+        step = GRAPH_PREFILL_STEP_BYTES + shape.dequant_bytes(GRAPH_PREFILL_TOKENS)
+        rows += sum(range(64, GRAPH_PREFILL_TOKENS + 1, 64))
+    else:
+        step = s.max_num_seqs * GRAPH_PREFILL_STEP_BYTES // GRAPH_PREFILL_TOKENS + shape.dequant_bytes(s.max_num_seqs)
+    vision = 0
+    if shape.vision:
+        patches = _image_patches(shape, s, max_len, MAX_GRAPH_PATCHES)
+        vision = patches * (shape.vit_bytes_per_patch + shape.vit_input_bytes_per_patch)
+    return step + rows * shape.hidden * 2 + vision
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    """engine/cuda_graphs.py's decode batch sizes: one graph each."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
+    return [n for n in sizes if n < max_num_seqs] + [max_num_seqs]

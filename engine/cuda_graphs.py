@@ -5,7 +5,8 @@ launch instead of hundreds (on the device machine's CPU a Triton launch costs ~5
   seq_len 0 and slot -1: they write no KV and read none.
 - Single-sequence prefill chunks (the time to first token of one prompt): one graph per token-count bucket.
   The bucket's unused tail rows form a second, dummy sequence whose K/V go to scratch blocks outside the
-  pool, so the attention kernel's launch grid (fixed by the bucket) is valid for any real length.
+  pool, so the attention kernel's launch grid (fixed by the bucket) is valid for any real length. A pool too
+  small to spare those blocks (small cards) gets the decode graphs alone.
   For a multimodal model the prefill graphs also take image rows, in the dense form (a row mask, embeds and
   deepstack rows per token; all-false / zero for text), so a chunk holding an image replays too.
 All run on static buffers that each step's inputs are copied into.
@@ -42,8 +43,28 @@ def cuda_graphs_wanted(args, device: torch.device) -> bool:
 
 
 def scratch_blocks_needed(block_size: int) -> int:
-    """KV blocks kept out of the pool: the dummy sequence's region, and a second one for the capture check."""
+    """KV blocks the prefill graphs keep out of the pool: the dummy sequence's region, and a second one for the
+    capture check."""
     return 2 * -(-PREFILL_BUCKETS[-1] // block_size)
+
+
+def prefill_scratch_blocks(num_gpu_blocks: int, block_size: int) -> int:
+    """The scratch blocks the prefill graphs take out of a profiled pool of num_gpu_blocks, or 0 where they would
+    take half of it or more: then only the decode graphs are captured (they need none), since eager decode steps
+    are ~10x slower and an eager prefill chunk only pays its launches once."""
+    need = scratch_blocks_needed(block_size)
+    return need if num_gpu_blocks > 2 * need else 0
+
+
+def padded_decode_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """A decode graph's metadata: one query row per sequence, block tables as wide as the longest context. The
+    host-side lengths are placeholders (the kernels read the device tensors, which each replay refills)."""
+    bs = seq_lens.shape[0]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+        num_decodes=bs, num_decode_tokens=bs, max_query_len=1, max_seq_len=block_tables.shape[1] * block_size,
+        query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[0] * bs)
 
 
 class CUDAGraphRunner:
@@ -68,32 +89,31 @@ class CUDAGraphRunner:
         # prefill: row 0 the real sequence, row 1 the dummy one
         self.pf_seq_lens = torch.zeros(2, dtype=torch.int32, device=device)
         self.pf_qsl = torch.zeros(3, dtype=torch.int32, device=device)
+        self.prefill = bool(scratch_blocks)      # no scratch blocks: decode graphs only
         self.pf_tables = torch.zeros(2, max(self.max_blocks, len(scratch_blocks)), dtype=torch.int32, device=device)
         half = len(scratch_blocks) // 2
         self.dummy_blocks, self.check_blocks = scratch_blocks[:half], scratch_blocks[half:]
         self.pf_tables[1, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
         self.dummy_slots = self._slots(self.dummy_blocks)
         self.check_slots = self._slots(self.check_blocks)
-        self.mm = (DenseMultimodalEmbeds.zeros(model, PREFILL_BUCKETS[-1], device) if model.config.is_multimodal
-                   else None)
+        self.mm = (DenseMultimodalEmbeds.zeros(model, PREFILL_BUCKETS[-1], device)
+                   if model.config.is_multimodal and self.prefill else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         j = torch.arange(len(blocks) * self.block_size)
-        return (torch.tensor(blocks)[j // self.block_size] * self.block_size + j % self.block_size).to(self.device)
+        return (torch.tensor(blocks, dtype=torch.int64)[j // self.block_size] * self.block_size
+                + j % self.block_size).to(self.device)
 
     def _positions(self, n: int) -> torch.Tensor:
         return self.positions[:, :n] if self.mrope else self.positions[:n]
 
     # ---- forward passes over the static buffers ------------------------------------------------------------
     def _decode_forward(self, bs: int) -> torch.Tensor:
-        md = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs,
-            num_decode_tokens=bs, max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[0] * bs)
+        md = padded_decode_metadata(self.slot_mapping[:bs], self.query_start_loc[:bs + 1], self.seq_lens[:bs],
+                                    self.block_tables[:bs], self.block_size)
         return self.model(self.input_ids[:bs], self._positions(bs), self.kv_caches, md)
 
     def _prefill_forward(self, bucket: int) -> torch.Tensor:
@@ -132,18 +152,22 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         before = torch.cuda.mem_get_info()[0]
         check_table = torch.tensor(self.check_blocks, dtype=torch.int32, device=self.device)
-        for bucket in reversed(PREFILL_BUCKETS):      # largest first, so smaller graphs fit in its pool
+        for bucket in reversed(PREFILL_BUCKETS if self.prefill else ()):   # largest first: the rest fit its pool
             n = bucket // 2
             self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
             self._capture(("prefill", bucket), lambda b=bucket: self._prefill_forward(b))
         for bs in reversed(self.sizes):
             self._capture(("decode", bs), lambda b=bs: self._decode_forward(b))
         torch.cuda.synchronize()
-        self._check_prefill(check_table)
-        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) and %d prefill sizes (up to %d "
-                    "tokens) in %.1f s, using %.2f GiB", len(self.sizes), self.max_bs,
-                    sum(1 for k in self.graphs if k[0] == "prefill"), PREFILL_BUCKETS[-1],
-                    time.perf_counter() - start, (before - torch.cuda.mem_get_info()[0]) / 2**30)
+        if self.prefill:
+            self._check_prefill(check_table)
+            prefill = f"{sum(1 for k in self.graphs if k[0] == 'prefill')} prefill sizes (up to " \
+                      f"{PREFILL_BUCKETS[-1]} tokens)"
+        else:
+            prefill = "no prefill sizes (the KV pool cannot spare their scratch blocks: prefill chunks run eagerly)"
+        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) and %s in %.1f s, using %.2f GiB",
+                    len(self.sizes), self.max_bs, prefill, time.perf_counter() - start,
+                    (before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def _check_prefill(self, check_table: torch.Tensor) -> None:
         """Replay one prefill graph and run the same padded batch eagerly (same shapes, so the same kernels):

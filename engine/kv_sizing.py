@@ -1,12 +1,13 @@
 """Deciding the KV pool size at start-up (GPU pool and CPU swap pool) and logging it the way vLLM users know."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 import torch
 
 from engine.cache_engine import CacheEngine
+from engine.cuda_graphs import scratch_blocks_needed
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
@@ -66,7 +67,7 @@ def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
     if args.num_gpu_blocks_override:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     elif worker.device.type == "cuda":
-        profile = _profile(worker, max_len)
+        profile = _profile(worker, max_len, per_block)
         num_gpu = max(profile.kv_budget_bytes, 0) // per_block
         source = "gpu_memory_utilization" if profile.limit_bytes is None else "gpu_memory_limit"
     else:
@@ -75,6 +76,8 @@ def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
     swap_gib = args.swap_space if args.swap_space is not None else (4.0 if worker.device.type == "cuda" else 1.0)
     swap_bytes = min(int(swap_gib * GiB), psutil.virtual_memory().available // 2)
     num_gpu, num_cpu = _smallest_over_ranks(int(num_gpu), swap_bytes // per_block)
+    if profile is not None:     # prefill graphs only where every rank set their pool aside
+        profile = replace(profile, prefill_graphs=all(all_gather_object(profile.prefill_graphs)))
     if num_gpu < 1:
         if profile is not None:
             raise ModelLoadError(no_kv_room_message(profile, per_block, args.block_size))
@@ -90,7 +93,7 @@ def _smallest_over_ranks(num_gpu: int, num_cpu: int) -> tuple[int, int]:
     return min(c[0] for c in counts), min(c[1] for c in counts)
 
 
-def _profile(worker, max_len: int) -> MemoryProfile:
+def _profile(worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
     """The memory profile on CUDA: weights as loaded, then the profiled steps (and, under a limit, the reserve)."""
     args, dev, limit = worker.args, worker.device, worker.gpu_memory_limit
     weights = torch.cuda.memory_allocated(dev)
@@ -101,7 +104,7 @@ def _profile(worker, max_len: int) -> MemoryProfile:
         # The profiled steps write their K/V here, outside the measured peaks: at run time the pool holds them.
         scratch = CacheEngine(worker.model_config, -(-tokens // args.block_size), 0, args.block_size,
                               worker.kv_cache_dtype, dev)
-        reserve = 0 if limit is None else _limit_reserve(worker, max_len, scratch)
+        reserve, decode_only = (0, 0) if limit is None else _limit_reserves(worker, max_len, scratch)
     except torch.cuda.OutOfMemoryError as err:
         if limit is None:
             raise
@@ -110,31 +113,44 @@ def _profile(worker, max_len: int) -> MemoryProfile:
                            args.gpu_memory_utilization, dev, limit, reserve)
     del scratch
     torch.cuda.empty_cache()        # its freed segment would otherwise stay reserved beside the pool
+    if limit is not None and profile.kv_budget_bytes // bytes_per_block <= 2 * scratch_blocks_needed(args.block_size):
+        # The pool could not spare the prefill graphs' scratch blocks (cuda_graphs.prefill_scratch_blocks): the
+        # decode graphs alone, and only their pool set aside.
+        profile = replace(profile, reserve_bytes=decode_only, prefill_graphs=False,
+                          kv_budget_bytes=profile.kv_budget_bytes + profile.reserve_bytes - decode_only)
     return profile
 
 
-def _limit_reserve(worker, max_len: int, scratch: CacheEngine) -> int:
+def _limit_reserves(worker, max_len: int, scratch: CacheEngine) -> tuple[int, int]:
     """Under a limit, what the utilization's headroom holds otherwise: the CUDA graph pools (when graphs will
-    be captured), a full encoder cache and the allocator's slack (LIMIT_SLACK_BYTES)."""
+    be captured), a full encoder cache and the allocator's slack (LIMIT_SLACK_BYTES); with the prefill graphs,
+    and with the decode graphs alone."""
     from engine.cuda_graphs import cuda_graphs_wanted
 
-    graphs = _graph_pool_bytes(worker, max_len, scratch) if cuda_graphs_wanted(worker.args, worker.device) else 0
-    return graphs + encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype) + \
+    fixed = encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype) + \
         LIMIT_SLACK_BYTES
+    if not cuda_graphs_wanted(worker.args, worker.device):
+        return fixed, fixed
+    return (fixed + _graph_pool_bytes(worker, max_len, scratch, prefill=True),
+            fixed + _graph_pool_bytes(worker, max_len, scratch, prefill=False))
 
 
 @torch.inference_mode()
-def _graph_pool_bytes(worker, max_len: int, scratch: CacheEngine) -> int:
+def _graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefill: bool) -> int:
     """The graphs' private pools, measured on eager runs of their largest shapes. Decoder graphs share one pool,
-    captured largest bucket first: its transient peak, plus every graph's output (each stays alive). Vision graphs
-    share another: the ViT's peak on the largest image a graph takes, plus that graph's static inputs."""
+    captured largest first (the 2048-token prefill bucket, or without prefill graphs the largest decode batch):
+    its transient peak, plus every graph's output (each stays alive). Vision graphs share another: the ViT's peak
+    on the largest image a graph takes, plus that graph's static inputs."""
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
     from engine.vision_graphs import MAX_GRAPH_PATCHES
 
     cfg, dev = worker.model_config, worker.device
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
-    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(worker.args.max_num_seqs))) * cfg.hidden_size * itemsize
-    total = _peak_bytes(lambda: _prefill_forward(worker, min(PREFILL_BUCKETS[-1], max_len), scratch), dev) + outputs
+    ladder = batch_size_ladder(worker.args.max_num_seqs)
+    rows = sum(ladder) + (sum(PREFILL_BUCKETS) if prefill else 0)
+    largest = (lambda: _prefill_forward(worker, min(PREFILL_BUCKETS[-1], max_len), scratch)) if prefill else \
+        (lambda: _padded_decode_forward(worker, ladder[-1], max_len, scratch))
+    total = _peak_bytes(largest, dev) + rows * cfg.hidden_size * itemsize
     image = _largest_image(worker, max_len, MAX_GRAPH_PATCHES)
     if image is not None:
         pixels, grid = image
@@ -196,6 +212,20 @@ def _worst_case_step(worker, tokens: int, max_len: int, scratch: CacheEngine) ->
         # The largest image a request may carry is encoded in one piece (chunked prefill splits only its
         # placeholder tokens): profile the vision encoder on it.
         worker.model.encode_images(*image)
+
+
+def _padded_decode_forward(worker, rows: int, max_len: int, scratch: CacheEngine) -> torch.Tensor:
+    """A decode step of `rows` rows as a decode graph runs its padding rows (no K/V read or written), with block
+    tables as wide as max_len."""
+    from engine.cuda_graphs import padded_decode_metadata
+
+    cfg, dev, bs = worker.model_config, worker.device, worker.args.block_size
+    md = padded_decode_metadata(torch.full((rows,), -1, dtype=torch.int64, device=dev),
+                                torch.arange(rows + 1, dtype=torch.int32, device=dev),
+                                torch.zeros(rows, dtype=torch.int32, device=dev),
+                                torch.zeros(rows, -(-max_len // bs), dtype=torch.int32, device=dev), bs)
+    positions = torch.zeros((3, rows) if cfg.mrope_section is not None else (rows,), dtype=torch.int64, device=dev)
+    return worker.model(torch.zeros(rows, dtype=torch.int64, device=dev), positions, scratch.layer_caches(), md)
 
 
 def _prefill_forward(worker, tokens: int, scratch: CacheEngine) -> torch.Tensor:

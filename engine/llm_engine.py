@@ -103,7 +103,7 @@ class LLMEngine:
             load_progress.report("capturing CUDA graphs", 0.9)
             worker.capture_cuda_graphs()
         elif self.device.type == "cuda":
-            logger.info("CUDA graphs off (--enforce-eager, no Triton, or a KV pool too small): eager steps")
+            logger.info("CUDA graphs off (--enforce-eager, or no Triton): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)

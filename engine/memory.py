@@ -37,6 +37,7 @@ class MemoryProfile:
     kv_budget_bytes: int        # may be <= 0: nothing left for the KV pool
     total_bytes: int            # the device's memory
     limit_bytes: int | None = None
+    prefill_graphs: bool = True  # False: under a limit, the pool cannot spare their scratch (decode graphs only)
 
     @property
     def usable_bytes(self) -> int:
@@ -48,7 +49,7 @@ class MemoryProfile:
         cap = (f"limit {self.limit_bytes / GiB:.2f} GiB (--gpu-memory-limit) of {self.total_bytes / GiB:.2f} GiB"
                if self.limit_bytes is not None else f"{self.total_bytes / GiB:.2f} GiB total")
         return (f"weights {self.weights_bytes / GiB:.2f} GiB, activation peak {self.activation_peak_bytes / GiB:.2f}"
-                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, graphs + encoder cache + slack "
+                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, graphs{'' if self.prefill_graphs else ' (decode only)'} + encoder cache + slack "
                 f"{self.reserve_bytes / GiB:.2f} GiB, KV cache {max(self.kv_budget_bytes, 0) / GiB:.2f} GiB; {cap}")
 
 

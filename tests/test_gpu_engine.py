@@ -74,6 +74,21 @@ def test_gpu_fp32_matches_cpu(qwen3_vl_dir, cpu_reference, eager):
             assert_close_logprobs(lps, ref_lps, atol=1e-3)
 
 
+def test_a_pool_too_small_for_the_prefill_scratch_keeps_the_decode_graphs(qwen3_vl_dir, cpu_reference, monkeypatch):
+    """Where the KV pool cannot spare the prefill graphs' scratch blocks (a small card), only the decode graphs are
+    captured: prefill chunks run eagerly, decode steps replay, and the tokens are the CPU engine's."""
+    from engine.distributed import worker
+    monkeypatch.setattr(worker, "prefill_scratch_blocks", lambda num_gpu_blocks, block_size: 0)
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32")
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not llm.engine.scratch_blocks
+    assert {k[0] for k in graphs.graphs} == {"decode"}
+    for batched in (False, True):
+        for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm, batched), cpu_reference):
+            assert tokens == ref_tokens
+            assert_close_logprobs(lps, ref_lps, atol=1e-3)
+
+
 def test_gpu_bf16_is_close_to_fp32(qwen3_vl_dir, cpu_reference):
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16")
     for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm), cpu_reference):

@@ -205,7 +205,8 @@ def test_a_limit_larger_than_the_card_is_refused_before_loading(monkeypatch):
 def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch):
     """The profile's steps on a real (tiny, CPU) model. The simulated counters see none of its memory, so what
     they report is the fixed part: the reserve is a full encoder cache and the allocator's slack (no graphs off
-    CUDA), and the graph-pool estimate is every graph's output plus the vision graph's static inputs."""
+    CUDA), and the graph-pool estimate is every graph's output plus the vision graph's static inputs, with the
+    prefill graphs or without them (their largest step, a padded decode batch, runs too)."""
     from engine.cache_engine import CacheEngine
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
     from engine.kv_sizing import _graph_pool_bytes, _largest_image, _profile
@@ -216,17 +217,59 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     fake.install(monkeypatch)
     fake.alloc(GiB)                                           # the "weights"
     engine.gpu_memory_limit = 4 * GiB
-    p = _profile(engine, 2048)
+    p = _profile(engine, 2048, bytes_per_block=16 * 1024)
     cache = encoder_cache_bytes(cfg, engine.args.encoder_cache_size, engine.dtype)
-    assert p.reserve_bytes == cache + LIMIT_SLACK_BYTES and cache > 0
+    assert p.reserve_bytes == cache + LIMIT_SLACK_BYTES and cache > 0 and p.prefill_graphs
     assert p.kv_budget_bytes == 4 * GiB - GiB - GiB // 2 - cache - LIMIT_SLACK_BYTES
 
     scratch = CacheEngine(cfg, 2048 // 16, 0, 16, engine.dtype, engine.device)
     pixels, _ = _largest_image(engine, 2048, 16384)
     itemsize = torch.tensor([], dtype=engine.dtype).element_size()
-    outputs = (sum(PREFILL_BUCKETS) + sum(batch_size_ladder(8))) * cfg.hidden_size * itemsize
+    decode_outputs = sum(batch_size_ladder(8)) * cfg.hidden_size * itemsize
     static = pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize
-    assert _graph_pool_bytes(engine, 2048, scratch) == outputs + static
+    assert _graph_pool_bytes(engine, 2048, scratch, prefill=True) == \
+        decode_outputs + sum(PREFILL_BUCKETS) * cfg.hidden_size * itemsize + static
+    assert _graph_pool_bytes(engine, 2048, scratch, prefill=False) == decode_outputs + static
+
+
+@pytest.mark.parametrize("spare_blocks, prefill_graphs", [(512, False), (513, True)])
+def test_under_a_limit_a_pool_too_small_for_the_prefill_scratch_sets_aside_the_decode_graphs_alone(
+        qwen3_vl_dir, monkeypatch, spare_blocks, prefill_graphs):
+    """The prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are dropped where that
+    is half the pool or more; the decode graphs need none and stay (eager decode steps are ~10x slower). Under a
+    limit the profile then sets aside the decode graphs' pool alone, and the KV pool gets the difference."""
+    import engine.cuda_graphs as cuda_graphs
+    from engine.kv_sizing import _profile
+
+    llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
+    worker, cfg = llm.engine.worker, llm.engine.model_config
+    monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
+    assert cuda_graphs.scratch_blocks_needed(16) == 256
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    fake.alloc(GiB)                                           # the "weights"
+    per_block = 16 * 1024
+    itemsize = torch.tensor([], dtype=worker.dtype).element_size()
+    prefill_pool = sum(cuda_graphs.PREFILL_BUCKETS) * cfg.hidden_size * itemsize   # the prefill graphs' outputs
+    worker.gpu_memory_limit = 4 * GiB
+    roomy = _profile(worker, 2048, per_block)
+    # The limit that leaves `spare_blocks` blocks of pool once the prefill graphs' pool is set aside:
+    worker.gpu_memory_limit = 4 * GiB - roomy.kv_budget_bytes + spare_blocks * per_block
+    p = _profile(worker, 2048, per_block)
+    assert p.prefill_graphs == prefill_graphs
+    if prefill_graphs:
+        assert (p.reserve_bytes, p.kv_budget_bytes) == (roomy.reserve_bytes, spare_blocks * per_block)
+    else:
+        assert p.reserve_bytes == roomy.reserve_bytes - prefill_pool
+        assert p.kv_budget_bytes == spare_blocks * per_block + prefill_pool
+        assert "graphs (decode only) + encoder cache" in p.describe()
+
+
+def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size():
+    from engine.cuda_graphs import prefill_scratch_blocks
+    assert prefill_scratch_blocks(512, 16) == 0          # 2 x 2048 tokens would be half of this pool
+    assert prefill_scratch_blocks(513, 16) == 256
+    assert prefill_scratch_blocks(10_000, 32) == 128
 
 
 # ---- on the CPU, the limit does not apply --------------------------------------------------------------------

@@ -20,7 +20,8 @@ import torch
 from engine.args import EngineArgs
 from engine.cache_engine import CacheEngine, resolve_kv_cache_dtype
 from engine.config import ModelConfig
-from engine.cuda_graphs import cuda_graphs_wanted, enable_cuda_graphs, scratch_blocks_needed
+from engine.cuda_graphs import (cuda_graphs_wanted, enable_cuda_graphs, prefill_scratch_blocks,
+                                 scratch_blocks_needed)
 from engine.kv_sizing import KVCachePlan, plan_kv_cache
 from engine.logger import init_logger
 from engine.memory import apply_gpu_memory_limit, weights_out_of_memory
@@ -65,14 +66,15 @@ class Worker:
         plan = plan_kv_cache(self, max_len)
         self.num_gpu_blocks, self.num_cpu_blocks = plan.num_gpu_blocks, plan.num_cpu_blocks
         self.use_graphs = cuda_graphs_wanted(args, self.device)
-        # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool.
-        # (Taken from the profiled budget; an explicit num_gpu_blocks_override gets them on top.)
-        num_scratch = scratch_blocks_needed(args.block_size) if self.use_graphs else 0
-        if num_scratch and not args.num_gpu_blocks_override:
-            if self.num_gpu_blocks > 2 * num_scratch:
-                self.num_gpu_blocks -= num_scratch
-            else:
-                self.use_graphs, num_scratch = False, 0
+        # Prefill CUDA graphs write their padding rows' K/V to scratch blocks kept outside the pool: taken from
+        # the profiled budget (none where the pool is too small, or under a limit that set no pool aside for
+        # them: decode graphs only); an explicit num_gpu_blocks_override gets them on top.
+        num_scratch = 0
+        if self.use_graphs and args.num_gpu_blocks_override:
+            num_scratch = scratch_blocks_needed(args.block_size)
+        elif self.use_graphs and (plan.profile is None or plan.profile.prefill_graphs):
+            num_scratch = prefill_scratch_blocks(self.num_gpu_blocks, args.block_size)
+            self.num_gpu_blocks -= num_scratch
         self.scratch_blocks = list(range(self.num_gpu_blocks, self.num_gpu_blocks + num_scratch))
         self.max_model_len = min(max_len, self.num_gpu_blocks * args.block_size)
         self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
