@@ -92,6 +92,15 @@ def _fp8(cfg=None):
     return lambda x, *a: tf.fp8_block_linear(x, *a, config=cfg(x) if cfg else None)
 
 
+def _fp8_fused(x, *args):
+    """fp8_block_linear under ENGINE_FP8_KERNELS=fused (up to 16 tokens: one launch, x quantized in the K loop)."""
+    os.environ["ENGINE_FP8_KERNELS"] = "fused"
+    try:
+        return tf.fp8_block_linear(x, *args)
+    finally:
+        os.environ["ENGINE_FP8_KERNELS"] = "old"
+
+
 def _w4_dequant(x):
     return tw.Wna16Config("dequant", block_n=128, block_kp=8) if x.shape[0] > 1 else None
 
@@ -112,7 +121,9 @@ KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP 
     "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (H200: cuBLAS W8A8)
     "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
     "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
+    "fp8-fused": (make_fp8, _fp8_fused, "0", "fp8", FP8_RATE),             # ENGINE_FP8_KERNELS=fused (M <= 16)
 }
+FUSED_ONLY_UP_TO = {"fp8-fused": 16}     # beyond: the automatic path again, timed already
 def _w4_best(x, qweight, *rest):
     cfg = BEST_GEMV.get((x.shape[1], qweight.shape[1])) if x.shape[0] == 1 else None
     return tw.wna16_linear(x, qweight, *rest, config=cfg)
@@ -127,7 +138,7 @@ DECODER_ONLY = {  # one-token variants timed on the whole decoder only
     "w4-best": (make_w4, _w4_best, None, "w4g128", BF16_RATE),   # the sweep's fastest GEMV config per shape
     "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-best", "w4-dq", "fp8", "fp8-mixed", "fp8-wo"]
+DECODER_KINDS = ["bf16", "w4g128", "w4-best", "w4-dq", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo"]
 
 
 def set_env(env):
@@ -233,7 +244,7 @@ def main():
     for M in ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
         for name, K, N in LAYER:
             for kind in KINDS:
-                if kind == "w4-dq" and M == 1:
+                if (kind == "w4-dq" and M == 1) or M > FUSED_ONLY_UP_TO.get(kind, M):
                     continue
                 r = bench_shape(kind, K, N, M) | {"layer": name}
                 rows.append(r)
@@ -244,7 +255,8 @@ def main():
     dec = {}
     for M in (1, 64, 256):
         for kind in DECODER_KINDS:
-            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_GEMV)):
+            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_GEMV)) or \
+                    M > FUSED_ONLY_UP_TO.get(kind, M):
                 continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)
             print(f"decoder linears, 36 layers, {kind:7s} M={M:4d}: {dec[f'{kind} M={M}']:.3f} ms/step", flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def pose_as(capability: int) -> None:
 
 def launch_everything(capability: int) -> None:
     """Each op at the decoder's and the ViT's shapes, for the token counts whose paths and tiles differ."""
-    from engine.ops.triton import wna16, wna16_fused
+    from engine.ops.triton import fp8_block, wna16, wna16_fused
     activation, attention, embedding, kv_cache, norm, pixels, quant, rotary = (op(n) for n in OP_MODULES)
 
     gen = torch.Generator().manual_seed(0)
@@ -129,6 +130,10 @@ def launch_everything(capability: int) -> None:
                 wna16.wna16_linear(x, qweight, scales, zeros, 128, 4, config=fused)
             weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
+            if capability >= 89 and tokens <= fp8_block.FUSED_MAX_M:   # opt-in today (ENGINE_FP8_KERNELS=fused)
+                os.environ["ENGINE_FP8_KERNELS"] = "fused"
+                quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
+                del os.environ["ENGINE_FP8_KERNELS"]
 
 
 def main(capability: int) -> dict:

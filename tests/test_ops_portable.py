@@ -28,7 +28,7 @@ EVERYWHERE = {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_va
               "_rms_norm_kernel", "_silu_and_mul_kernel", "_patchify_kernel", "_embedding_kernel",
               "_wna16_gemv_kernel", "_wna16_dot_kernel", "_wna16_dequant_kernel", "_wna16_gemm_kernel",
               "_fp8_gemv_kernel", "_splitk_reduce_kernel"}
-FP8_TENSOR_CORES = {"_w8a8_block_kernel", "_act_quant_kernel"}     # sm89+: activations quantized to e4m3
+FP8_TENSOR_CORES = {"_w8a8_block_kernel", "_act_quant_kernel", "_w8a8_fused_kernel"}   # sm89+: e4m3 activations
 WEIGHT_ONLY_FP8 = {"_fp8_dequant_kernel"}                           # sm80/86: e4m3 decoded with integer ops
 
 

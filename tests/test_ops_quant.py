@@ -247,7 +247,7 @@ def _check_fp8(wo, w8a8, dtype, weight_only: bool):
 def _runs_w8a8(M: int, N: int, K: int, block=(128, 128)) -> bool:
     from engine.ops.triton import fp8_block as tf
     x = torch.empty(M, K, device="cuda", dtype=BF16)
-    return tf.choose_config(x, N, K, block).path in ("cublas", "w8a8")
+    return tf.choose_config(x, N, K, block).path in ("cublas", "w8a8", "fused")
 
 
 @pytest.mark.parametrize("M", BATCHES)
@@ -284,6 +284,40 @@ def test_fp8_triton_w8a8_kernel(gen, M):
             _check_fp8(wo, w8a8, BF16, weight_only=False)
 
 
+@pytest.mark.parametrize("M", [1, 2, 7, 16])
+@gpu_test
+def test_fp8_fused_kernel_under_its_switch(gen, M, monkeypatch):
+    """ENGINE_FP8_KERNELS=fused: up to 16 tokens in one launch that quantizes x in its K loop and splits K; the
+    same W8A8 product as the two-launch path, bias or not, at the 8B shapes and an odd one."""
+    from engine.ops.triton import fp8_block as tf
+    from engine.ops.triton import splitk
+    monkeypatch.setenv("ENGINE_FP8_KERNELS", "fused")
+    for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (384, 200)):
+        x = torch.empty(M, K, device="cuda", dtype=BF16)
+        cfg = tf.choose_config(x, N, K, (128, 128))
+        assert cfg.path == "fused" and (cfg.split_k > 1 or N >= 24576 or K < 1024), (K, N, cfg)
+        for bias in (False, True):
+            wo, w8a8 = _fp8_case(gen, M, K, N, BF16, bias=bias)
+            _check_fp8(wo, w8a8, BF16, weight_only=False)
+    assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0     # every tile's counter reset
+
+
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+@gpu_test
+def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch):
+    from engine.ops.triton import fp8_block as tf
+    from engine.ops.triton import splitk
+    cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
+    for serial in (True, False):
+        if not serial:       # no counters: the partials are summed by a second kernel
+            monkeypatch.setattr(tf, "split_locks", lambda device: None)
+        for M in (1, 5, 16):
+            wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
+            _check_fp8(wo, w8a8, BF16, weight_only=False)
+    monkeypatch.undo()
+    assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("path", ["gemv", "dot", "dequant"])
 @gpu_test
 def test_fp8_weight_only_without_fp8_tensor_cores(gen, path, monkeypatch):
@@ -309,11 +343,12 @@ def test_fp8_activation_quant_kernel(gen):
     assert (q[37:].float() == 0).all() and torch.isfinite(s[37:]).all()   # padding rows: zeros
 
 
-@pytest.mark.parametrize("op", ["wna16", "fp8", "fp8-weight-only"])
+@pytest.mark.parametrize("op", ["wna16", "fp8", "fp8-weight-only", "fp8-fused"])
 @pytest.mark.parametrize("M", [1, 16, 300])
 @gpu_test
 def test_cuda_graph_capture(gen, op, M, monkeypatch):
     monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1" if op == "fp8-weight-only" else "0")
+    monkeypatch.setenv("ENGINE_FP8_KERNELS", "fused" if op == "fp8-fused" else "old")
     K, N = 4096, 1024
     if op == "wna16":
         qweight, scales, zeros, _ = random_wna16(K, N, 128, 4, BF16, device="cuda")
@@ -337,7 +372,7 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
     x.copy_(torch.randn(M, K, device="cuda", dtype=BF16))       # new input, same buffers
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, ref_fn(x)) < (6e-2 if op == "fp8" else TOL[BF16])
+    assert rel_err(y, ref_fn(x)) < (6e-2 if op in ("fp8", "fp8-fused") else TOL[BF16])
 
 
 # ---------------------------------------------------------------- CPU: the kernels in Triton's interpreter
@@ -368,3 +403,28 @@ def test_fp8_weight_only_paths_in_the_interpreter(gen, path, monkeypatch):
             cfg = tf.Fp8Config(path, block_m=16, block_n=16, block_k=32, split_k=split)
             wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, config=cfg, device="cpu")
             assert wo < TOL[F16], (split, bias, K, N, block)
+
+
+@pytest.mark.parametrize("split,serial", [(1, True), (2, True), (4, True), (4, False)])
+@interpreter_test
+def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, monkeypatch):
+    """The one-launch W8A8 kernel: x quantized per token and 128-group inside the K loop, K split in ranges summed
+    by the tile's last program (serial) or by a second kernel. The interpreter rounds to e4m3 its own way (not
+    always to nearest), so the reference takes x quantized by the interpreter's per_token_group_quant kernel: the
+    same rounding; what is checked is the kernel's indexing, scales and split-K sums."""
+    from engine.ops.triton import fp8_block as tf
+    from engine.ops.triton import splitk
+    if not serial:
+        monkeypatch.setattr(tf, "split_locks", lambda device: None)
+    for M, K, N in ((1, 512, 256), (5, 512, 200), (16, 1024, 128)):
+        w, s = random_fp8(N, K, (128, 128), device="cpu")
+        x = torch.randn(M, K, generator=gen).to(BF16)
+        b = torch.randn(N, generator=gen).to(BF16)
+        cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
+        y = tf.fp8_block_linear(x, w, s, (128, 128), b, config=cfg)
+        xq, xs = tf.per_token_group_quant(x, 128)
+        xd = (xq.float().reshape(M, -1, 128) * xs.reshape(M, -1, 1)).reshape(M, K)
+        ref = xd @ dequantize_fp8_block(w, s, (128, 128)).T + b.float()
+        assert rel_err(y, ref) < TOL[BF16], (M, K, N)
+    locks = splitk._LOCKS.get(torch.device("cpu"))
+    assert locks is None or int(locks.abs().sum()) == 0

@@ -20,6 +20,7 @@ from engine.model.linear import ColumnParallelLinear  # noqa: E402
 from engine.model.quantization.config import QuantizationConfig, WNA16Scheme  # noqa: E402
 from engine.model.quantization.weights import WNA16Weights  # noqa: E402
 from engine.ops.quant import pack_int32, wna16_linear_ref  # noqa: E402
+from engine.ops.triton import splitk  # noqa: E402
 from engine.ops.triton import wna16 as tw  # noqa: E402
 from engine.ops.triton import wna16_fused as tf  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # (conftest patches the interpreter)
@@ -141,7 +142,7 @@ def test_default_one_token_gemv_fills_the_gpu_at_the_8b_shapes():
     for K, N in SHAPES_8B:
         cfg = tf.default_config(1, N, K, 4, 128)
         programs = -(-N // cfg.block_n) * cfg.split_k
-        assert cfg.path == "gemv" and (programs >= 2 * tf.SMS or cfg.split_k == 32), (K, N, cfg)
+        assert cfg.path == "gemv" and (programs >= 2 * splitk.SMS or cfg.split_k == 32), (K, N, cfg)
         assert cfg.block_n % (128 * cfg.num_warps) == 0            # a packed tile's rows stay in one thread
 
 
@@ -179,7 +180,7 @@ def test_split_counters_are_reset_for_the_next_launch(device):
     cfg = tf.FusedConfig("gemv", block_n=32, block_k=64, split_k=4, num_warps=1)
     for _ in range(2):
         assert check(device, 2, 512, 64, 64, 4, F16, cfg) < TOL[F16]
-    assert int(tf._LOCKS[torch.device(device) if device == "cpu" else torch.device("cuda", 0)].abs().sum()) == 0
+    assert int(splitk._LOCKS[torch.device(device) if device == "cpu" else torch.device("cuda", 0)].abs().sum()) == 0
 
 
 # ---------------------------------------------------------------- GPU: the 8B shapes, graphs, the A/B switch

@@ -3,7 +3,9 @@
 Two families of paths (QUANT_CONTRACT.md), chosen per call by fp8_block_linear below:
 - W8A8, on GPUs with FP8 tensor cores (sm89+): activations quantized to e4m3 per token and group of bk
   (`per_token_group_quant`), then a block-scaled GEMM: cuBLAS through torch._scaled_mm where it takes block
-  scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`.
+  scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`. With
+  ENGINE_FP8_KERNELS=fused, up to FUSED_MAX_M tokens run `_w8a8_fused_kernel` instead: one launch that quantizes
+  its rows of x in the K loop (the same e4m3 values and scales) and splits K to fill the GPU (not yet measured).
 - weight-only: the weight dequantized in registers and multiplied in x.dtype: a GEMV for one token, a tiled
   dot kernel for small M, dequantize-then-cuBLAS for large M. This is the path of sm80/86 (no FP8 tensor
   cores: e4m3 bytes are decoded with integer ops there) and of ENGINE_FP8_WEIGHT_ONLY=1.
@@ -19,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, store_output,
-                                     tile_offsets)
+from engine.ops.triton.splitk import (LOCK_SLOTS, fit_split, grouped_tile, partial_buffer, reduce_partials,
+                                     split_for, split_locks, splitk_epilogue, store_output, tile_offsets)
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -92,6 +94,41 @@ def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, s
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, stride_xm,
+                       stride_bn, stride_bsn, stride_bsk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr):
+    # Program (tile, K range): each K step is one scale block; the tile's rows of x are quantized there as
+    # _act_quant_kernel does (scale = amax / 448, q = x / scale in e4m3), so no quantized copy of x is written or
+    # read, and the weights stream on the FP8 tensor cores. Split-K partials end in splitk_epilogue.
+    tile = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_begin = tl.multiple_of(pid_k * K_SPLIT, BK_BLK)    # K_SPLIT is whole scale blocks: aligned loads
+    offs_k = k_begin + tl.arange(0, BK_BLK)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    bs_ptrs = bs_ptr + (offs_n // BN_BLK) * stride_bsn + (k_begin // BK_BLK) * stride_bsk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(k_begin, k_begin + K_SPLIT, BK_BLK):
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+        a = tl.clamp(x / a_s[:, None], -FP8_MAX, FP8_MAX).to(b_ptr.dtype.element_ty)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        b_s = tl.load(bs_ptrs, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        x_ptrs += BK_BLK
+        b_ptrs += BK_BLK
+        bs_ptrs += stride_bsk
+    splitk_epilogue(acc, offs_m, offs_n, M, N, N, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k, SPLIT, SERIAL,
+                    HAS_BIAS)
 
 
 @triton.jit
@@ -172,7 +209,7 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stri
 
 @dataclass(frozen=True)
 class Fp8Config:
-    path: str            # "cublas" / "w8a8" (W8A8), "gemv" / "dot" / "dequant" (weight-only)
+    path: str            # "cublas" / "w8a8" / "fused" (W8A8), "gemv" / "dot" / "dequant" (weight-only)
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -188,7 +225,15 @@ W8A8_TRITON_MIN_M = 2    # where cuBLAS has no block scales (sm89), one token go
 CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
 WO_DEQUANT_MIN_M = 2     # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (the dot kernel is slower)
 
+FUSED_MAX_M = 16         # ENGINE_FP8_KERNELS=fused: _w8a8_fused_kernel's one row tile
+
 _cublas_refused: set[torch.dtype] = set()
+
+
+def fused_kernels_enabled() -> bool:
+    """ENGINE_FP8_KERNELS=fused sends W8A8 steps of up to FUSED_MAX_M tokens to _w8a8_fused_kernel; read per
+    call, for A/B measurements in one process."""
+    return os.environ.get("ENGINE_FP8_KERNELS", "old") == "fused"
 
 
 def weight_only_forced() -> bool:
@@ -212,6 +257,12 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
     # One token with K <= 4096: the Triton kernel streams the weights faster than cuBLAS (it needs no padded
     # rows); for larger K (down_proj) its grid, which has no split-K, is too small and cuBLAS wins.
     one_token_triton = M == 1 and K <= 4096
+    if w8a8 and M <= FUSED_MAX_M and fused_kernels_enabled():
+        # 128 columns per program halve the in-loop quantization per weight against 64 (3.8 instructions per
+        # weight on sm90, 2.6 on sm89, in the SASS); split-K fills the GPU, each range at least 4 scale blocks.
+        split = split_for(triton.cdiv(N, 128), K // bk, cap=max(1, min(16, K // bk // 4)))
+        return Fp8Config("fused", block_m=16, block_n=128, split_k=split, num_warps=4,
+                         num_stages=4 if hopper else 3)
     if w8a8 and not one_token_triton and _cublas_blockwise_ok(x, N, K, block_size):
         return Fp8Config("cublas")
     if w8a8 and (M >= W8A8_TRITON_MIN_M or one_token_triton):
@@ -277,6 +328,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         cfg = choose_config(x2, N, K, block_size)   # refused: _cublas_refused now holds this case
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else out
+    if cfg.path == "fused":
+        return _fused_w8a8(x2, weight, weight_scale_inv, block_size, bias, out, cfg).reshape(*lead, N)
     if cfg.path == "w8a8":
         xq, xs = per_token_group_quant(x2, bk)
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
@@ -314,6 +367,26 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                                  BLOCK_M=cfg.block_m, **common)
     reduce_partials(dst, bias, out)
     return out.reshape(*lead, N)
+
+
+def _fused_w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int],
+                bias: torch.Tensor | None, out: torch.Tensor, cfg: Fp8Config) -> torch.Tensor:
+    """out = x2 @ W^T (+ bias) in one launch of _w8a8_fused_kernel (K a multiple of the scale block)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    bn, bk = block_size
+    split = fit_split(K // bk, cfg.split_k)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    locks = split_locks(out.device) if split > 1 and tiles <= LOCK_SLOTS else None
+    ws = partial_buffer(out, split)
+    _w8a8_fused_kernel[(tiles, split)](
+        x2, weight, weight_scale_inv, bias if bias is not None else out, out, ws, locks if locks is not None else ws,
+        M, N, K // split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
+        BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, SERIAL=locks is not None,
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if locks is None:
+        reduce_partials(ws, bias, out)
+    return out
 
 
 def _cublas_w8a8(x2, weight, weight_scale_inv, bk, bias):

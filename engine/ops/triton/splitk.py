@@ -3,7 +3,9 @@
 With few output tiles (one token, a narrow projection) the grid also splits K into `split` ranges, so that more
 programs stream the weight at once. Each program of a split launch stores its float32 sums in a [split, M, N]
 buffer and reduce_partials adds the ranges and the bias into the output; with split 1 the kernel writes the
-output itself. A kernel ends with store_output either way.
+output itself. A kernel ends with store_output either way, or with splitk_epilogue, whose SERIAL form lets the
+last program of each tile (an atomic counter per tile, in split_locks) sum the ranges in split order: one launch
+instead of two, and the same result whichever split finishes first.
 """
 from __future__ import annotations
 
@@ -59,6 +61,44 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def splitk_epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k,
+                    SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] float32 -> out (one split), or the split's partial (store_output); SERIAL: the tile's last
+    split also sums the partials in split order into out."""
+    n_mask = offs_n < N
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]    # out is contiguous: stride_om == N
+    MN = M.to(tl.int64) * N
+    if SPLIT == 1:
+        store_output(out_ptr, bias_ptr, acc, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
+    else:
+        store_output(ws_ptr, bias_ptr, acc, out_off, pid_k * MN, offs_n, n_mask, mask, HAS_BIAS, True)
+        if SERIAL:
+            # Every thread's partial is issued before the counter moves (barrier, then a release at GPU scope);
+            # the last split reads the others' partials from L2 (.cg) after its acquire.
+            tl.debug_barrier()
+            done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:
+                total = tl.zeros_like(acc)
+                for s in tl.static_range(SPLIT):
+                    total += tl.load(ws_ptr + s * MN + out_off, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(lock_ptr + tile, 0)       # ready for the next launch (and graph replay)
+                store_output(out_ptr, bias_ptr, total, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
+
+
+SMS = 132                   # programs to fill at least twice (H200; more SMs only lengthen the tail a little)
+
+
+def split_for(programs: int, steps: int, cap: int) -> int:
+    """The split (a power of two, at most cap, dividing the K steps) that gives `programs` output tiles at least
+    two waves of programs."""
+    split = 1
+    while programs * split < 2 * SMS and split < cap and steps % (split * 2) == 0:
+        split *= 2
+    return split
+
+
 def fit_split(steps: int, split: int) -> int:
     """The largest split <= `split` (a power of two) that divides the K steps: every range is whole steps."""
     while steps % split:
@@ -79,3 +119,20 @@ def reduce_partials(dst: torch.Tensor, bias: torch.Tensor | None, out: torch.Ten
     _splitk_reduce_kernel[(triton.cdiv(mn, block),)](dst, bias if bias is not None else out, out, mn, out.shape[-1],
                                                      SPLIT=dst.shape[0], BLOCK=block, HAS_BIAS=bias is not None,
                                                      num_warps=4)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+LOCK_SLOTS = 1 << 16
+
+
+def split_locks(device: torch.device) -> torch.Tensor | None:
+    """The per-device split-K counters (zero between launches: each tile's last program resets its own). Shared by
+    every launch on the device, which the engine issues on one stream (a second stream running these kernels at
+    the same time would need its own). Not allocated inside a graph capture (the memory would belong to the
+    graph's pool): a capture before any eager call sums its partials in a second kernel."""
+    t = _LOCKS.get(device)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return t

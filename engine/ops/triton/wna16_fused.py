@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import fit_split, grouped_tile, partial_buffer, reduce_partials, store_output
+from engine.ops.triton.splitk import (LOCK_SLOTS, fit_split, grouped_tile, partial_buffer, reduce_partials,
+                                     split_for, split_locks, splitk_epilogue)
 
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
@@ -113,32 +114,6 @@ def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
     return acc + (t - X_scaled - z * X) * s
 
 
-@triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k,
-              SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] float32 -> out (one split), or the split's partial (splitk.store_output); SERIAL: the tile's
-    last split also sums the partials in split order into out."""
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    out_off = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]    # out is contiguous: stride_om == N
-    MN = M.to(tl.int64) * N
-    if SPLIT == 1:
-        store_output(out_ptr, bias_ptr, acc, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
-    else:
-        store_output(ws_ptr, bias_ptr, acc, out_off, pid_k * MN, offs_n, n_mask, mask, HAS_BIAS, True)
-        if SERIAL:
-            # Every thread's partial is issued before the counter moves (barrier, then a release at GPU scope);
-            # the last split reads the others' partials from L2 (.cg) after its acquire.
-            tl.debug_barrier()
-            done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:
-                total = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT):
-                    total += tl.load(ws_ptr + s * MN + out_off, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(lock_ptr + tile, 0)       # ready for the next launch (and graph replay)
-                store_output(out_ptr, bias_ptr, total, out_off, 0, offs_n, n_mask, mask, HAS_BIAS, False)
-
-
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
 def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, one,
                        stride_xm, stride_qk, stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
@@ -171,7 +146,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         x_step = tl.load(x_row + (k0 - k_begin) + tl.arange(0, BLOCK_K)).to(tl.float32)
         acc = _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS)
         x_ptrs += BLOCK_K
-    _epilogue(acc, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    splitk_epilogue(acc, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr,
               pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
@@ -238,7 +213,7 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
     else:
         res = acc
     # The tile's lock: program_id(0) numbers the tiles once each (grouped_tile only reorders them).
-    _epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tl.program_id(0),
+    splitk_epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, ws_ptr, lock_ptr, tl.program_id(0),
               pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
@@ -259,7 +234,6 @@ class FusedConfig:
 GEMV_MAX_M = 8              # the gemv takes up to 8 tokens (one program per token); by default it runs 1
 # Tokens from which dequantize-then-cuBLAS replaces the gemm (prefill); `choose_config` returns None there.
 DEQUANT_MIN_M = 1024
-SMS = 132                   # programs to fill at least twice (H200; more SMs only lengthen the tail a little)
 
 # 4-bit group-128 configs per (N, K, M bucket), measured on the GPU: `python bench/tune_wna16.py` prints this
 # table. Shapes and buckets not listed take `default_config`.
@@ -269,13 +243,6 @@ TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {}
 def m_bucket(M: int) -> int:
     """The power of two >= M, at most DEQUANT_MIN_M."""
     return min(triton.next_power_of_2(M), DEQUANT_MIN_M)
-
-
-def _split_for(programs: int, steps: int, cap: int) -> int:
-    split = 1
-    while programs * split < 2 * SMS and split < cap and steps % (split * 2) == 0:
-        split *= 2
-    return split
 
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig:
@@ -288,19 +255,19 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: b
     pack = 32 // bits
     if M == 1:
         block_k = _fit_block_k(4 * pack, group_size, pack)
-        split = _split_for(triton.cdiv(N, 512), K // block_k, cap=32)
+        split = split_for(triton.cdiv(N, 512), K // block_k, cap=32)
         return FusedConfig("gemv", block_n=512, block_k=block_k, split_k=split, num_warps=2)
     block_k = _fit_block_k(128 if M <= 64 else 64, group_size, pack)
     if M <= 32:
         block_m = 16 if M <= 16 else 32
-        split = _split_for(triton.cdiv(N, 128), K // block_k, cap=8)
+        split = split_for(triton.cdiv(N, 128), K // block_k, cap=8)
         return FusedConfig("gemm", block_n=128, block_k=block_k, split_k=split, block_m=block_m, num_warps=4,
                            num_stages=4, swap_ab=True)
     if not hopper:
         return FusedConfig("gemm", block_n=128, block_k=_fit_block_k(64, group_size, pack),
                            block_m=64 if M <= 64 else 128, num_warps=8, num_stages=2)
     if M <= 64:
-        split = _split_for(triton.cdiv(N, 128), K // block_k, cap=4)
+        split = split_for(triton.cdiv(N, 128), K // block_k, cap=4)
         return FusedConfig("gemm", block_n=128, block_k=block_k, split_k=split, block_m=64, num_warps=4,
                            num_stages=3)
     if M <= 128:
@@ -342,23 +309,6 @@ def _fit_block_k(block_k: int, group_size: int, pack: int) -> int:
     return bk
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-LOCK_SLOTS = 1 << 16
-
-
-def _locks(device: torch.device) -> torch.Tensor | None:
-    """The per-device split-K counters (zero between launches: each tile's last program resets its own). Shared by
-    every launch on the device, which the engine issues on one stream (a second stream running these kernels at
-    the same time would need its own). Not allocated inside a graph capture (the memory would belong to the
-    graph's pool): a capture before any eager call sums its partials in a second kernel."""
-    t = _LOCKS.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-    return t
-
-
 def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bits: int, bias: torch.Tensor | None, out: torch.Tensor,
                  cfg: FusedConfig) -> torch.Tensor:
@@ -378,7 +328,7 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"the gemm path needs a K step of at least 16 (group size {group_size})")
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (tiles, split)
-    locks = _locks(out.device) if split > 1 and cfg.serial and tiles <= LOCK_SLOTS else None
+    locks = split_locks(out.device) if split > 1 and cfg.serial and tiles <= LOCK_SLOTS else None
     ws = partial_buffer(out, split)
     bias_arg = bias if bias is not None else out
     common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
