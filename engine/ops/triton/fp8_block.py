@@ -6,8 +6,8 @@ Two families of paths (QUANT_CONTRACT.md), chosen per call by fp8_block_linear b
   scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`. With
   ENGINE_FP8_KERNELS=fused, up to FUSED_MAX_M tokens run `_w8a8_fused_kernel` instead: one launch that quantizes
   its rows of x in the K loop (the same e4m3 values and scales) and splits K to fill the GPU (not yet measured).
-- weight-only: the weight dequantized in registers and multiplied in x.dtype: a GEMV for one token, a tiled
-  dot kernel for small M, dequantize-then-cuBLAS for large M. This is the path of sm80/86 (no FP8 tensor
+- weight-only: a GEMV for one token (the weight dequantized in registers, multiplied in float32), and
+  dequantize-then-cuBLAS for more tokens. This is the path of sm80/86 (no FP8 tensor
   cores: e4m3 bytes are decoded with integer ops there) and of ENGINE_FP8_WEIGHT_ONLY=1.
 Everything captures in CUDA graphs (no host syncs).
 """
@@ -168,31 +168,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, K_SPLIT, str
                  PARTIAL)
 
 
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
-def _fp8_wo_dot_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                       stride_sn, stride_sk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr,
-                       NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    # Weight-only tile [BM, BN]: each [BN, BK] weight tile is dequantized to x.dtype in registers and fed to
-    # the tensor cores with x's [BM, BK] tile.
-    dtype = x_ptr.dtype.element_ty
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m, offs_n, m_mask, n_mask = tile_offsets(tl.program_id(0), pid_n, M, N, BLOCK_M, BLOCK_N)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_begin = pid_k * K_SPLIT
-    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        w, offs_k, k_mask = _weight_tile(w_rows, ws_ptr, pid_n * BLOCK_N, k0, offs_n, n_mask, K, stride_sn,
-                                         stride_sk, BN_BLK, BK_BLK, BLOCK_K, UNIFORM, NATIVE)
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w.to(dtype)), acc)
-    out_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    store_output(out_ptr, bias_ptr, acc, out_off, pid_k * M * N, offs_n, n_mask, m_mask[:, None] & n_mask[None, :],
-                 HAS_BIAS, PARTIAL)
-
-
 @triton.jit
 def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr,
                         BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -209,7 +184,7 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stri
 
 @dataclass(frozen=True)
 class Fp8Config:
-    path: str            # "cublas" / "w8a8" / "fused" (W8A8), "gemv" / "dot" / "dequant" (weight-only)
+    path: str            # "cublas" / "w8a8" / "fused" (W8A8), "gemv" / "dequant" (weight-only)
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -223,7 +198,6 @@ class Fp8Config:
 W8A8_MIN_M = 1           # cuBLAS's block-scaled GEMM streams FP8 weights faster than the weight-only GEMV
 W8A8_TRITON_MIN_M = 2    # where cuBLAS has no block scales (sm89), one token goes to the weight-only GEMV
 CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
-WO_DEQUANT_MIN_M = 2     # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (the dot kernel is slower)
 
 FUSED_MAX_M = 16         # ENGINE_FP8_KERNELS=fused: _w8a8_fused_kernel's one row tile
 
@@ -272,20 +246,13 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
             return Fp8Config("w8a8", block_m=64, block_n=64 if hopper else 128, num_warps=4,
                              num_stages=4 if hopper else 3)
         return Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
-    if M == 1:
-        cfg = Fp8Config("gemv", block_n=16, block_k=128, num_warps=4, num_stages=4)
-        programs = triton.cdiv(N, cfg.block_n)
-    elif M < WO_DEQUANT_MIN_M:
-        cfg = Fp8Config("dot", block_m=16 if M <= 16 else (32 if M <= 32 else 64), block_n=64, block_k=128,
-                        num_warps=4, num_stages=3)
-        programs = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    else:
+    if M > 1:   # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (measured faster than a dot kernel)
         return Fp8Config("dequant", block_n=32, block_k=128, num_warps=4)
-    steps = triton.cdiv(K, cfg.block_k)
+    programs, steps = triton.cdiv(N, 16), triton.cdiv(K, 128)
     split = 1
     while programs * split < 256 and steps % (split * 2) == 0 and split < 8:
         split *= 2
-    return Fp8Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return Fp8Config("gemv", block_n=16, block_k=128, split_k=split, num_warps=4, num_stages=4)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,15 +323,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     dst = partial_buffer(out, split)
     common = dict(BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native,
                   HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.path == "gemv":
-        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
-            x2, w, weight_scale_inv, bias_arg, dst, N, K, k_split, weight.stride(0), weight_scale_inv.stride(0),
-            weight_scale_inv.stride(1), **common)
-    else:
-        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
-        _fp8_wo_dot_kernel[grid](x2, w, weight_scale_inv, bias_arg, dst, M, N, K, k_split, x2.stride(0),
-                                 weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-                                 BLOCK_M=cfg.block_m, **common)
+    if M != 1:
+        raise ValueError("the gemv path takes one token")
+    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+        x2, w, weight_scale_inv, bias_arg, dst, N, K, k_split, weight.stride(0), weight_scale_inv.stride(0),
+        weight_scale_inv.stride(1), **common)
     reduce_partials(dst, bias, out)
     return out.reshape(*lead, N)
 
