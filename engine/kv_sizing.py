@@ -131,32 +131,39 @@ def _limit_reserves(worker, max_len: int, scratch: CacheEngine) -> tuple[int, in
         LIMIT_SLACK_BYTES
     if not cuda_graphs_wanted(worker.args, worker.device):
         return fixed, fixed
-    return (fixed + _graph_pool_bytes(worker, max_len, scratch, prefill=True),
-            fixed + _graph_pool_bytes(worker, max_len, scratch, prefill=False))
+    fixed += _vision_graph_pool_bytes(worker, max_len)
+    return (fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=True),
+            fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=False))
 
 
 @torch.inference_mode()
-def _graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefill: bool) -> int:
-    """The graphs' private pools, measured on eager runs of their largest shapes. Decoder graphs share one pool,
+def _decoder_graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefill: bool) -> int:
+    """The decoder graphs' private pool, measured on an eager run of its largest shape: the graphs share it,
     captured largest first (the 2048-token prefill bucket, or without prefill graphs the largest decode batch):
-    its transient peak, plus every graph's output (each stays alive). Vision graphs share another: the ViT's peak
-    on the largest image a graph takes, plus that graph's static inputs."""
+    that step's transient peak, plus every graph's output (each stays alive)."""
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.vision_graphs import MAX_GRAPH_PATCHES
 
-    cfg, dev = worker.model_config, worker.device
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
     ladder = batch_size_ladder(worker.args.max_num_seqs)
     rows = sum(ladder) + (sum(PREFILL_BUCKETS) if prefill else 0)
     largest = (lambda: _prefill_forward(worker, min(PREFILL_BUCKETS[-1], max_len), scratch)) if prefill else \
         (lambda: _padded_decode_forward(worker, ladder[-1], max_len, scratch))
-    total = _peak_bytes(largest, dev) + rows * cfg.hidden_size * itemsize
+    return _peak_bytes(largest, worker.device) + rows * worker.model_config.hidden_size * itemsize
+
+
+@torch.inference_mode()
+def _vision_graph_pool_bytes(worker, max_len: int) -> int:
+    """The vision graphs' pool: the ViT's peak on the largest image a graph takes, plus that graph's static
+    inputs (0 for a text-only model)."""
+    from engine.vision_graphs import MAX_GRAPH_PATCHES
+
     image = _largest_image(worker, max_len, MAX_GRAPH_PATCHES)
-    if image is not None:
-        pixels, grid = image
-        total += _peak_bytes(lambda: worker.model.encode_images(pixels, grid), dev)
-        total += pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize   # static inputs
-    return total
+    if image is None:
+        return 0
+    pixels, grid = image
+    itemsize = torch.tensor([], dtype=worker.dtype).element_size()
+    static = pixels.shape[0] * (pixels.shape[1] + worker.model_config.vision.hidden_size) * itemsize
+    return _peak_bytes(lambda: worker.model.encode_images(pixels, grid), worker.device) + static
 
 
 def _peak_bytes(fn, device: torch.device) -> int:

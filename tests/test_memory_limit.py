@@ -209,7 +209,7 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     prefill graphs or without them (their largest step, a padded decode batch, runs too)."""
     from engine.cache_engine import CacheEngine
     from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.kv_sizing import _graph_pool_bytes, _largest_image, _profile
+    from engine.kv_sizing import _decoder_graph_pool_bytes, _largest_image, _profile, _vision_graph_pool_bytes
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
     engine, cfg = llm.engine.worker, llm.engine.model_config     # rank 0's Worker: what kv_sizing sizes
@@ -227,9 +227,10 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     itemsize = torch.tensor([], dtype=engine.dtype).element_size()
     decode_outputs = sum(batch_size_ladder(8)) * cfg.hidden_size * itemsize
     static = pixels.shape[0] * (pixels.shape[1] + cfg.vision.hidden_size) * itemsize
-    assert _graph_pool_bytes(engine, 2048, scratch, prefill=True) == \
-        decode_outputs + sum(PREFILL_BUCKETS) * cfg.hidden_size * itemsize + static
-    assert _graph_pool_bytes(engine, 2048, scratch, prefill=False) == decode_outputs + static
+    assert _decoder_graph_pool_bytes(engine, 2048, scratch, prefill=True) == \
+        decode_outputs + sum(PREFILL_BUCKETS) * cfg.hidden_size * itemsize
+    assert _decoder_graph_pool_bytes(engine, 2048, scratch, prefill=False) == decode_outputs
+    assert _vision_graph_pool_bytes(engine, 2048) == static
 
 
 @pytest.mark.parametrize("spare_blocks, prefill_graphs", [(512, False), (513, True)])
