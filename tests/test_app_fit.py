@@ -90,6 +90,23 @@ def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():
     assert idle.activation_peak == max(idle.decoder_peak, idle.sampler_peak, idle.vision_peak)
 
 
+def test_under_a_limit_a_pool_too_small_for_the_prefill_graphs_sets_aside_the_decode_graphs_alone():
+    """As the engine does (engine/kv_sizing.py): where the prefill graphs' pool would leave 8192 tokens or fewer,
+    only the decode graphs' (much smaller) pool comes out of the limit, and the prefill graphs are left out."""
+    flags = ["--mm-processor-kwargs", '{"max_pixels": 1048576}', "--cpu-embeddings", "--kv-cache-dtype", "fp8",
+             "--max-num-batched-tokens", "1024", "--max-num-seqs", "16", "--encoder-cache-size", "1024",
+             "--max-model-len", "8192"]
+    roomy = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "8", *flags])[0])
+    tight = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "7.875", *flags])[0])
+    assert roomy.prefill_graphs and not tight.prefill_graphs and tight.graphs
+    settings = user_settings(flags)[0]
+    decode_only = graph_pools(SHAPE4, settings, 8192, prefill=False)
+    assert decode_only < graph_pools(SHAPE4, settings, 8192, prefill=True) // 4
+    assert tight.kv_bytes == (card(7.875) - tight.weights - NON_TORCH_BYTES - tight.activation_peak - decode_only
+                              - tight.encoder_cache - LIMIT_SLACK_BYTES)
+    assert tight.pool_tokens > roomy.pool_tokens       # no scratch blocks, a smaller graph pool
+
+
 def test_the_sum_matches_the_h200_profiles_logged_under_a_limit():
     """bench/results/h200_memcaps_{fp816,awq8}_5c5d2ba.json: the engine's logged memory profile under
     --gpu-memory-limit with the flags of that run (before the allocator slack existed: it is added back here).
