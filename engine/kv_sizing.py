@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from engine.cache_engine import CacheEngine
-from engine.cuda_graphs import scratch_blocks_needed
+from engine.cuda_graphs import PREFILL_BUCKETS, scratch_blocks_needed
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
@@ -100,9 +100,11 @@ def _profile(worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
     if limit is not None:
         check_weights_fit(limit, weights, non_torch_bytes(dev))
     tokens = min(args.batched_tokens_budget, max_len)
+    # Under a limit the largest prefill graph's step is measured too: it writes up to PREFILL_BUCKETS[-1] tokens.
+    scratch_tokens = tokens if limit is None else max(tokens, min(PREFILL_BUCKETS[-1], max_len))
     try:
         # The profiled steps write their K/V here, outside the measured peaks: at run time the pool holds them.
-        scratch = CacheEngine(worker.model_config, -(-tokens // args.block_size), 0, args.block_size,
+        scratch = CacheEngine(worker.model_config, -(-scratch_tokens // args.block_size), 0, args.block_size,
                               worker.kv_cache_dtype, dev)
         reserve, decode_only = (0, 0) if limit is None else _limit_reserves(worker, max_len, scratch)
     except torch.cuda.OutOfMemoryError as err:
@@ -141,7 +143,7 @@ def _decoder_graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefil
     """The decoder graphs' private pool, measured on an eager run of its largest shape: the graphs share it,
     captured largest first (the 2048-token prefill bucket, or without prefill graphs the largest decode batch):
     that step's transient peak, plus every graph's output (each stays alive)."""
-    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.cuda_graphs import batch_size_ladder
 
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
     ladder = batch_size_ladder(worker.args.max_num_seqs)

@@ -79,7 +79,8 @@ def test_a_pool_too_small_for_the_prefill_scratch_keeps_the_decode_graphs(qwen3_
     captured: prefill chunks run eagerly, decode steps replay, and the tokens are the CPU engine's."""
     from engine.distributed import worker
     monkeypatch.setattr(worker, "prefill_scratch_blocks", lambda num_gpu_blocks, block_size: 0)
-    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32")
+    monkeypatch.setattr(worker, "scratch_blocks_needed", lambda block_size: 0)   # make_llm's fixed pool size
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=False)
     graphs = llm.engine.runner.graphs
     assert graphs is not None and not llm.engine.scratch_blocks
     assert {k[0] for k in graphs.graphs} == {"decode"}

@@ -266,6 +266,22 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_scratch_sets_aside_the_d
         assert "graphs (decode only) + encoder cache" in p.describe()
 
 
+def test_under_a_limit_the_profile_measures_the_largest_prefill_graph_with_small_steps(qwen3_vl_dir, monkeypatch):
+    """With --max-num-batched-tokens under the largest prefill bucket (2048), the profile's scratch KV cache still
+    holds that bucket's tokens: the graph-pool measure writes them (an 8 GiB H100 run read out of bounds)."""
+    import engine.cuda_graphs as cuda_graphs
+    from engine.kv_sizing import _profile
+
+    llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8, max_num_batched_tokens=256)
+    worker = llm.engine.worker
+    monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    fake.alloc(GiB)
+    worker.gpu_memory_limit = 4 * GiB
+    assert _profile(worker, 2048, bytes_per_block=16 * 1024).prefill_graphs
+
+
 def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size():
     from engine.cuda_graphs import prefill_scratch_blocks
     assert prefill_scratch_blocks(512, 16) == 0          # 2 x 2048 tokens would be half of this pool
