@@ -196,19 +196,21 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, oth
     encoder = s.encoder_cache_size * shape.encoder_bytes_per_token
     per_token = shape.kv_bytes_per_token_as(s.kv_cache_dtype)
     scratch = GRAPH_SCRATCH_TOKENS // s.block_size
-    graphs = not s.enforce_eager
+    graphs = prefill_graphs = not s.enforce_eager
     if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
         usable, activation = int(s.gpu_memory_limit * GiB), decoder + sampler + vision
         kv = usable - on_gpu - NON_TORCH_BYTES - others - activation - encoder - LIMIT_SLACK_BYTES
         pools = graph_pools(shape, s, max_len, prefill=True) if graphs else 0
         if graphs and (kv - pools) // (per_token * s.block_size) <= 2 * scratch:
-            pools = graph_pools(shape, s, max_len, prefill=False)      # too small for the prefill graphs
+            # Too small for the prefill graphs: the engine sets aside the decode graphs' pool alone and then
+            # leaves the prefill graphs out, however large the pool that gives.
+            pools, prefill_graphs = graph_pools(shape, s, max_len, prefill=False), False
         kv -= pools
     else:
         usable, activation = int(s.gpu_memory_utilization * total), max(decoder, sampler, vision)
         kv = usable - on_gpu - NON_TORCH_BYTES - others - activation
     blocks = max(kv, 0) // (per_token * s.block_size)
-    prefill_graphs = graphs and blocks > 2 * scratch
+    prefill_graphs = prefill_graphs and blocks > 2 * scratch
     pool = (blocks - scratch if prefill_graphs else blocks) * s.block_size
     short = 0 if s.gpu_memory_limit is not None else \
         max(0, encoder + (CUDA_GRAPH_BYTES if graphs else 0) - (total - usable))

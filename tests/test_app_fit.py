@@ -96,7 +96,7 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_graphs_sets_aside_the_de
     flags = ["--mm-processor-kwargs", '{"max_pixels": 1048576}', "--cpu-embeddings", "--kv-cache-dtype", "fp8",
              "--max-num-batched-tokens", "1024", "--max-num-seqs", "16", "--encoder-cache-size", "1024",
              "--max-model-len", "8192"]
-    roomy = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "8", *flags])[0])
+    roomy = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "8.75", *flags])[0])
     tight = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "7.875", *flags])[0])
     assert roomy.prefill_graphs and not tight.prefill_graphs and tight.graphs
     settings = user_settings(flags)[0]
@@ -105,6 +105,11 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_graphs_sets_aside_the_de
     assert tight.kv_bytes == (card(7.875) - tight.weights - NON_TORCH_BYTES - tight.activation_peak - decode_only
                               - tight.encoder_cache - LIMIT_SLACK_BYTES)
     assert tight.pool_tokens > roomy.pool_tokens       # no scratch blocks, a smaller graph pool
+    # A little more room: the decode graphs' pool alone leaves more than twice the scratch, and still the prefill
+    # graphs stay out (the engine decided on the pool with theirs), so no scratch comes off the pool.
+    wider = estimate(card(141), W4, SHAPE4, user_settings(["--gpu-memory-limit", "8", *flags])[0])
+    blocks = wider.kv_bytes // (wider.kv_bytes_per_token * 16)
+    assert blocks > 2 * 256 and not wider.prefill_graphs and wider.pool_tokens == blocks * 16
 
 
 def test_the_sum_matches_the_h200_profiles_logged_under_a_limit():
