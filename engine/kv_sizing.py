@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from engine.cache_engine import CacheEngine
-from engine.cuda_graphs import PREFILL_BUCKETS, scratch_blocks_needed
+from engine.cuda_graphs import PREFILL_BUCKETS, prefill_scratch_blocks
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
@@ -115,9 +115,10 @@ def _profile(worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
                            args.gpu_memory_utilization, dev, limit, reserve)
     del scratch
     torch.cuda.empty_cache()        # its freed segment would otherwise stay reserved beside the pool
-    if limit is not None and profile.kv_budget_bytes // bytes_per_block <= 2 * scratch_blocks_needed(args.block_size):
-        # The pool could not spare the prefill graphs' scratch blocks (cuda_graphs.prefill_scratch_blocks): the
-        # decode graphs alone, and only their pool set aside.
+    if limit is not None and not prefill_scratch_blocks(max(profile.kv_budget_bytes, 0) // bytes_per_block,
+                                                        args.block_size):
+        # The pool could not spare the prefill graphs' scratch blocks: the decode graphs alone, and only their
+        # pool set aside.
         profile = replace(profile, reserve_bytes=decode_only, prefill_graphs=False,
                           kv_budget_bytes=profile.kv_budget_bytes + profile.reserve_bytes - decode_only)
     return profile
