@@ -38,6 +38,7 @@ FLOOR_BW, FLOOR_FLOPS = 4.8e12, 785e12
 GEMV_BUCKETS = (1, 2, 4, 8)
 GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)
 AB_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOP = 5
 
 
 def candidates(bucket: int) -> list[tf.FusedConfig]:
@@ -50,7 +51,7 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
         for warps in (1, 2, 4):
             for cols, bks in ((128, (64,)), (256, (32, 64)), (512, (16, 32))):
                 for bk in bks:
-                    for split in (4, 8, 16, 32):
+                    for split in (1, 2, 4, 8, 16, 32):
                         out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
                                                   num_warps=warps))
     if bucket == 1:
@@ -117,7 +118,7 @@ def configs_for(K, N, M):
     """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
     twins."""
     out = list(dict.fromkeys(candidates(M) + [tf.default_config(M, N, K, 4, 128)]))
-    return out + [replace(c, serial=False) for c in out if c.serial and c.path == "gemv" and c.split_k == 8]
+    return out + [replace(c, serial=False) for c in out if c.serial and c.path == "gemv" and c.split_k > 1]
 
 
 def sweep(shapes, buckets, jobs):
@@ -150,6 +151,8 @@ def sweep(shapes, buckets, jobs):
             pass_over_serial = statistics.median([p / s for s, p in pairs]) if pairs else float("nan")
             res.sort(key=lambda r: r[0])
             best[(N, K, M)] = res[0]
+            for ms, cfg in res[:TOP]:
+                print(f"  top {name:8s} M={M:4d} {ms * 1e3:7.1f} us {row(K, N, M, ms)['TB/s']:.2f} TB/s  {cfg}")
             second = res[1][0] if len(res) > 1 else float("nan")
             print(f"sweep {name:8s} M={M:4d} best {res[0][0] * 1e3:7.1f} us  2nd {second * 1e3:7.1f}  "
                   f"default {default * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  {res[0][1]}", flush=True)
@@ -209,6 +212,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=12, help="compile processes (1: compile while timing)")
     ap.add_argument("--quick", action="store_true", help="buckets 1, 8, 64, 256 only")
+    ap.add_argument("--buckets", type=int, nargs="+", help="M buckets to sweep (default: all, or --quick's)")
+    ap.add_argument("--top", type=int, default=5, help="configs printed per shape and bucket, fastest first")
     ap.add_argument("--no-sweep", action="store_true", help="only the A/B tables (the committed table)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -216,7 +221,9 @@ def main():
     shapes = LAYER
     result = {}
     if not args.no_sweep:
-        buckets = (1, 8, 64, 256) if args.quick else GEMV_BUCKETS + GEMM_BUCKETS
+        global TOP
+        TOP = args.top
+        buckets = args.buckets or ((1, 8, 64, 256) if args.quick else GEMV_BUCKETS + GEMM_BUCKETS)
         best = sweep(shapes, buckets, args.jobs)
         print_table(best)
         tf.TUNED_W4G128.update({k: cfg for k, (_, cfg) in best.items()})   # the A/B below runs the tuned table
