@@ -51,10 +51,18 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
         for warps in (1, 2, 4):
             for cols, bks in ((128, (64,)), (256, (32, 64)), (512, (16, 32))):
                 for bk in bks:
-                    for split in (1, 2, 4, 8, 16, 32):
+                    for split in (1, 4, 16, 32):
                         out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
                                                   num_warps=warps))
     if bucket == 1:
+        # The older module's GEMV (rows over the warps, one reduction at the end) with the fields-as-floats
+        # arithmetic, and its earlier default without.
+        out.append(tw.Wna16Config("gemv", block_n=32, block_kp=128, split_k=2, num_warps=8))
+        for bn, bkp in ((32, 64), (32, 128), (64, 64)):
+            for split in (1, 2, 4):
+                for warps in (4, 8):
+                    out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps,
+                                              fields=True))
         return out
     if bucket <= 32:
         for bm in sorted({16, max(16, bucket)}):
@@ -118,7 +126,8 @@ def configs_for(K, N, M):
     """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
     twins."""
     out = list(dict.fromkeys(candidates(M) + [tf.default_config(M, N, K, 4, 128)]))
-    return out + [replace(c, serial=False) for c in out if c.serial and c.path == "gemv" and c.split_k > 1]
+    return out + [replace(c, serial=False) for c in out
+                  if isinstance(c, tf.FusedConfig) and c.serial and c.path == "gemv" and c.split_k > 1]
 
 
 def sweep(shapes, buckets, jobs):
@@ -147,10 +156,11 @@ def sweep(shapes, buckets, jobs):
             # The two split-K reductions on the same config (serial: one launch; pass: a second kernel), median
             # of the time ratios over the split-8 GEMV configs.
             pairs = [(times[c], times[replace(c, serial=False)]) for c in times
-                     if c.serial and c.split_k == 8 and replace(c, serial=False) in times]
+                     if isinstance(c, tf.FusedConfig) and c.serial and c.split_k == 8
+                     and replace(c, serial=False) in times]
             pass_over_serial = statistics.median([p / s for s, p in pairs]) if pairs else float("nan")
             res.sort(key=lambda r: r[0])
-            best[(N, K, M)] = res[0]
+            best[(N, K, M)] = next(r for r in res if isinstance(r[1], tf.FusedConfig))
             for ms, cfg in res[:TOP]:
                 print(f"  top {name:8s} M={M:4d} {ms * 1e3:7.1f} us {row(K, N, M, ms)['TB/s']:.2f} TB/s  {cfg}")
             second = res[1][0] if len(res) > 1 else float("nan")

@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine.ops.triton import wna16 as tw  # noqa: E402
 from engine.ops.triton import wna16_fused as tf  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -28,6 +29,9 @@ ALIGNED = ("N", "stride_xm", "stride_qk", "stride_sg", "stride_om")   # multiple
 
 GEMV = [dict(BLOCK_N=512, BLOCK_KP=4, num_warps=2), dict(BLOCK_N=256, BLOCK_KP=8, num_warps=2),
         dict(BLOCK_N=512, BLOCK_KP=4, num_warps=1), dict(BLOCK_N=1024, BLOCK_KP=2, num_warps=2)]
+# wna16's GEMV (rows over the warps, one reduction at the end), with and without the fields-as-floats arithmetic.
+OLD_GEMV = [dict(BLOCK_N=32, BLOCK_KP=128, num_warps=8), dict(BLOCK_N=32, BLOCK_KP=64, num_warps=8),
+            dict(BLOCK_N=64, BLOCK_KP=64, num_warps=8)]
 GEMM = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, num_warps=4, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SWAP_AB=False, num_warps=4, num_stages=4),
@@ -89,6 +93,14 @@ def main():
         consts = common | {k: v for k, v in c.items() if k != "num_warps"}
         report(f"sm{args.cap} gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", tf._wna16_gemv_kernel,
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
+    for c in OLD_GEMV:
+        w = c["num_warps"]
+        for fields in (False, True):
+            consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "PARTIAL": True, "FIELDS": fields} | \
+                {k: v for k, v in c.items() if k != "num_warps"}
+            report(f"sm{args.cap} wna16 gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w} fields={fields}",
+                   tw._wna16_gemv_kernel, consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap,
+                   args.dtype)
     for c in GEMM:
         w, st = c["num_warps"], c["num_stages"]
         consts = common | {"SPLIT": 1, "SERIAL": False, "GROUP_M": 8} | \

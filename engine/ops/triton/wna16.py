@@ -21,7 +21,7 @@ An integer q < 2**23 becomes a float with one OR and one subtract (the bits of f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -55,13 +55,41 @@ def _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK: tl.con
     return s, z
 
 
-@triton.jit(do_not_specialize=["K_SPLIT"])
-def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLIT, stride_qk, stride_sg,
+@triton.jit
+def _field_product(q, j: tl.constexpr, xj, BITS: tl.constexpr, one):
+    """(c + q_j) * x_j for plane j of packed tile q, as one LOP3 and one multiply: wna16_fused._raw puts the field
+    at mantissa bits [P, P + BITS) of 1.0f, 1 + q * 2**(P - 23), and x_j comes scaled by c = 2**(23 - P).
+    4-bit nibbles 2i and 2i + 1 share one shift (P = 15 and 19: c = 256 and 16); 8-bit fields sit at P = 15."""
+    if BITS == 4:
+        if j < 4:
+            src = q << (15 - 4 * (j - j % 2))
+        else:
+            src = q >> (4 * (j - j % 2) - 15)
+        if j % 2 == 0:
+            cx = xj * 256.0
+            v = wna16_fused._raw(src, 15, 4, one)
+        else:
+            cx = xj * 16.0
+            v = wna16_fused._raw(src, 19, 4, one)
+    else:
+        if j < 2:
+            src = q << (15 - 8 * j)
+        else:
+            src = q >> (8 * j - 15)
+        cx = xj * 256.0
+        v = wna16_fused._raw(src, 15, 8, one)
+    return v * cx[:, None], cx
+
+
+@triton.jit(do_not_specialize=["K_SPLIT", "one"])
+def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLIT, one, stride_qk, stride_sg,
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                       FIELDS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     # One token. Program (n, s) owns columns [n*BN, (n+1)*BN) over K range [s*K_SPLIT, (s+1)*K_SPLIT).
     # Per element: shift+mask+or, subtract, FMA; the zero point and scale are applied once per packed row
     # to the sums over its PACK bit-planes (sum_j w_j x_j - z * sum_j x_j) * s.
+    # FIELDS: per element one LOP3 and one FMA (and half a shift): the chain sums (c_j + q_j) x_j and the
+    # packed row's sum of c_j x_j comes off with the zero point (_field_product).
     PACK: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KP * PACK
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
@@ -85,11 +113,20 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
         s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
         t = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
         xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
+        xc = tl.zeros([BLOCK_KP], dtype=tl.float32)   # FIELDS: the sum of c_j x_j
         for j in tl.static_range(PACK):
             xj = tl.load(x_ptr + kp * PACK + j).to(tl.float32)
-            t += _dequant_plane(q, j, BITS) * xj[:, None]
+            if FIELDS:
+                p, cx = _field_product(q, j, xj, BITS, one)
+                t += p
+                xc += cx
+            else:
+                t += _dequant_plane(q, j, BITS) * xj[:, None]
             xs += xj
-        acc += (t - xs[:, None] * z) * s
+        if FIELDS:
+            acc += (t - (xc[:, None] + xs[:, None] * z)) * s
+        else:
+            acc += (t - xs[:, None] * z) * s
     store_output(out_ptr, bias_ptr, tl.sum(acc, axis=0), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
                  PARTIAL)
 
@@ -175,6 +212,7 @@ class Wna16Config:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = True
+    fields: bool = False  # gemv: the fields-as-floats arithmetic (_field_product)
 
 
 # Tokens above which dequantize-then-cuBLAS beats the dot kernel (measured, BENCHMARKS.md).
@@ -189,7 +227,8 @@ def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Co
     if M == 1:
         # 32-column strips, K in 2 halves, each program loading its whole [block_kp, 32] tile per step with
         # 8 warps: the GEMV is bound by load latency, so the more independent loads in flight the better.
-        return Wna16Config("gemv", block_n=32, block_kp=128 if N <= 8192 else 64, split_k=2, num_warps=8)
+        return Wna16Config("gemv", block_n=32, block_kp=128 if N <= 8192 else 64, split_k=2, num_warps=8,
+                           fields=True)
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     cfg = Wna16Config("dot", block_m=block_m, block_n=64, block_kp=128 // pack, num_warps=4, num_stages=3,
                       swap_ab=True)
@@ -198,8 +237,7 @@ def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Co
     split = 1
     while programs * split < 1024 and steps % (split * 2) == 0 and split < 4:
         split *= 2
-    return Wna16Config(cfg.path, cfg.block_m, cfg.block_n, cfg.block_kp, split, cfg.num_warps, cfg.num_stages,
-                       cfg.swap_ab)
+    return replace(cfg, split_k=split)
 
 
 def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
@@ -263,9 +301,10 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dst = partial_buffer(out, split)
     if cfg.path == "gemv":
         grid = (triton.cdiv(N, cfg.block_n), split)
-        _wna16_gemv_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, N, k_split, qweight.stride(0),
-                                 scales.stride(0), BITS=bits, GROUP=group_size, BLOCK_N=cfg.block_n,
-                                 BLOCK_KP=block_kp, HAS_BIAS=bias is not None, PARTIAL=partial,
+        _wna16_gemv_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, N, k_split, wna16_fused.ONE_BITS,
+                                 qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
+                                 BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, FIELDS=cfg.fields,
+                                 HAS_BIAS=bias is not None, PARTIAL=partial,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
