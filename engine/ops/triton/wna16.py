@@ -56,29 +56,52 @@ def _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK: tl.con
 
 
 @triton.jit
-def _field_product(q, j: tl.constexpr, xj, BITS: tl.constexpr, one):
-    """(c + q_j) * x_j for plane j of packed tile q, as one LOP3 and one multiply: wna16_fused._raw puts the field
-    at mantissa bits [P, P + BITS) of 1.0f, 1 + q * 2**(P - 23), and x_j comes scaled by c = 2**(23 - P).
-    4-bit nibbles 2i and 2i + 1 share one shift (P = 15 and 19: c = 256 and 16); 8-bit fields sit at P = 15."""
+def _field(q, j: tl.constexpr, BITS: tl.constexpr, one):
+    """Plane j of packed tile q as v = 1 + q_j / c_j, one LOP3 (wna16_fused._raw: the field at mantissa bits
+    [P, P + BITS) of 1.0f, c_j = 2**(23 - P)). 4-bit nibbles 2i and 2i + 1 share one shift (P = 15 and 19);
+    8-bit fields sit at P = 15."""
     if BITS == 4:
         if j < 4:
             src = q << (15 - 4 * (j - j % 2))
         else:
             src = q >> (4 * (j - j % 2) - 15)
         if j % 2 == 0:
-            cx = xj * 256.0
             v = wna16_fused._raw(src, 15, 4, one)
         else:
-            cx = xj * 16.0
             v = wna16_fused._raw(src, 19, 4, one)
     else:
         if j < 2:
             src = q << (15 - 8 * j)
         else:
             src = q >> (8 * j - 15)
-        cx = xj * 256.0
         v = wna16_fused._raw(src, 15, 8, one)
-    return v * cx[:, None], cx
+    return v
+
+
+@triton.jit
+def _scaled_x(x_rows, j: tl.constexpr, BITS: tl.constexpr):
+    """c_j x_j for plane j (_field's c_j: 16 for odd 4-bit planes, else 256), float32."""
+    xj = tl.load(x_rows + j).to(tl.float32)
+    if BITS == 4 and j % 2 == 1:
+        return xj * 16.0
+    return xj * 256.0
+
+
+@triton.jit
+def _fields_step(acc, q, x_rows, s, z, one, BITS: tl.constexpr):
+    """acc + sum_j (q_j - z) x_j s over the PACK planes of packed tile q (x_rows: the rows' first activations),
+    one LOP3 and one FMA per weight: v_j c_j x_j = c_j x_j + q_j x_j. The chain starts from
+    -(sum_j c_j x_j + z sum_j x_j), so it ends at sum_j (q_j - z) x_j, and one FMA per element applies the scale."""
+    PACK: tl.constexpr = 32 // BITS
+    xs = tl.zeros(x_rows.shape, dtype=tl.float32)
+    xc = tl.zeros(x_rows.shape, dtype=tl.float32)
+    for j in tl.static_range(PACK):
+        xs += tl.load(x_rows + j).to(tl.float32)
+        xc += _scaled_x(x_rows, j, BITS)
+    t = -xs[:, None] * z - xc[:, None]
+    for j in tl.static_range(PACK):
+        t += _field(q, j, BITS, one) * _scaled_x(x_rows, j, BITS)[:, None]
+    return tl.fma(t, s, acc)
 
 
 @triton.jit(do_not_specialize=["K_SPLIT", "one"])
@@ -88,8 +111,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
     # One token. Program (n, s) owns columns [n*BN, (n+1)*BN) over K range [s*K_SPLIT, (s+1)*K_SPLIT).
     # Per element: shift+mask+or, subtract, FMA; the zero point and scale are applied once per packed row
     # to the sums over its PACK bit-planes (sum_j w_j x_j - z * sum_j x_j) * s.
-    # FIELDS: per element one LOP3 and one FMA (and half a shift): the chain sums (c_j + q_j) x_j and the
-    # packed row's sum of c_j x_j comes off with the zero point (_field_product).
+    # FIELDS: per element one LOP3 and one FMA (and half a shift), _fields_step.
     PACK: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = BLOCK_KP * PACK
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
@@ -111,21 +133,15 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
         kp0 = k0 // PACK
         kp = kp0 + tl.arange(0, BLOCK_KP)
         s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
-        t = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
-        xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
-        xc = tl.zeros([BLOCK_KP], dtype=tl.float32)   # FIELDS: the sum of c_j x_j
-        for j in tl.static_range(PACK):
-            xj = tl.load(x_ptr + kp * PACK + j).to(tl.float32)
-            if FIELDS:
-                p, cx = _field_product(q, j, xj, BITS, one)
-                t += p
-                xc += cx
-            else:
-                t += _dequant_plane(q, j, BITS) * xj[:, None]
-            xs += xj
         if FIELDS:
-            acc += (t - (xc[:, None] + xs[:, None] * z)) * s
+            acc = _fields_step(acc, q, x_ptr + kp * PACK, s, z, one, BITS)
         else:
+            t = tl.zeros([BLOCK_KP, BLOCK_N], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_KP], dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + kp * PACK + j).to(tl.float32)
+                t += _dequant_plane(q, j, BITS) * xj[:, None]
+                xs += xj
             acc += (t - xs[:, None] * z) * s
     store_output(out_ptr, bias_ptr, tl.sum(acc, axis=0), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
                  PARTIAL)
@@ -212,7 +228,7 @@ class Wna16Config:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = True
-    fields: bool = False  # gemv: the fields-as-floats arithmetic (_field_product)
+    fields: bool = False  # gemv: the fields-as-floats arithmetic (_fields_step)
 
 
 # Tokens above which dequantize-then-cuBLAS beats the dot kernel (measured, BENCHMARKS.md).
