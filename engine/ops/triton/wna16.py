@@ -56,31 +56,8 @@ def _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK: tl.con
 
 
 @triton.jit
-def _field(q, j: tl.constexpr, BITS: tl.constexpr, one):
-    """Plane j of packed tile q as v = 1 + q_j / c_j, one LOP3 (wna16_fused._raw: the field at mantissa bits
-    [P, P + BITS) of 1.0f, c_j = 2**(23 - P)). 4-bit nibbles 2i and 2i + 1 share one shift (P = 15 and 19);
-    8-bit fields sit at P = 15."""
-    if BITS == 4:
-        if j < 4:
-            src = q << (15 - 4 * (j - j % 2))
-        else:
-            src = q >> (4 * (j - j % 2) - 15)
-        if j % 2 == 0:
-            v = wna16_fused._raw(src, 15, 4, one)
-        else:
-            v = wna16_fused._raw(src, 19, 4, one)
-    else:
-        if j < 2:
-            src = q << (15 - 8 * j)
-        else:
-            src = q >> (8 * j - 15)
-        v = wna16_fused._raw(src, 15, 8, one)
-    return v
-
-
-@triton.jit
 def _scaled_x(x_rows, j: tl.constexpr, BITS: tl.constexpr):
-    """c_j x_j for plane j (_field's c_j: 16 for odd 4-bit planes, else 256), float32."""
+    """c_j x_j for plane j (wna16_fused.gemv_field's c_j: 16 for odd 4-bit planes, else 256), float32."""
     xj = tl.load(x_rows + j).to(tl.float32)
     if BITS == 4 and j % 2 == 1:
         return xj * 16.0
@@ -100,7 +77,7 @@ def _fields_step(acc, q, x_rows, s, z, one, BITS: tl.constexpr):
         xc += _scaled_x(x_rows, j, BITS)
     t = -xs[:, None] * z - xc[:, None]
     for j in tl.static_range(PACK):
-        t += _field(q, j, BITS, one) * _scaled_x(x_rows, j, BITS)[:, None]
+        t += wna16_fused.gemv_field(q, j, BITS, one) * _scaled_x(x_rows, j, BITS)[:, None]
     return tl.fma(t, s, acc)
 
 

@@ -71,6 +71,28 @@ def _plane(q, j: tl.constexpr, BITS: tl.constexpr, s, zs, one):
 
 
 @triton.jit
+def gemv_field(q, j: tl.constexpr, BITS: tl.constexpr, one):
+    """Plane j of packed tile q as v = 1 + q_j / c_j, one LOP3 (_raw, c_j = 2**(23 - P)): 4-bit nibbles 2i and
+    2i + 1 share one shift and land at P = 15 and 19 (c = 256 and 16); 8-bit fields at P = 15 (c = 256)."""
+    if BITS == 4:
+        if j < 4:
+            src = q << (15 - 4 * (j - j % 2))
+        else:
+            src = q >> (4 * (j - j % 2) - 15)
+        if j % 2 == 0:
+            v = _raw(src, 15, 4, one)
+        else:
+            v = _raw(src, 19, 4, one)
+    else:
+        if j < 2:
+            src = q << (15 - 8 * j)
+        else:
+            src = q >> (8 * j - 15)
+        v = _raw(src, 15, 8, one)
+    return v
+
+
+@triton.jit
 def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
     """One group step with the scale and zero point applied once per column. The raw fields
     v = 1 + q * 2**(P - 23) (P = 15 for 4-bit even planes and every 8-bit plane, P = 19 for 4-bit odd planes)
@@ -90,22 +112,10 @@ def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
         X_scaled = X * 256.0
     for j in tl.static_range(32 // BITS):
         xj = tl.load(x_ptrs + j).to(tl.float32)
-        if BITS == 4:
-            # Nibbles 2i and 2i + 1 land at P = 15 and 19 with one shift.
-            if j < 4:
-                src = q << (15 - 4 * (j - j % 2))
-            else:
-                src = q >> (4 * (j - j % 2) - 15)
-            if j % 2 == 0:
-                p = _raw(src, 15, 4, one) * (xj * 256.0)
-            else:
-                p = _raw(src, 19, 4, one) * (xj * 16.0)
+        if BITS == 4 and j % 2 == 1:
+            p = gemv_field(q, j, BITS, one) * (xj * 16.0)
         else:
-            if j < 2:
-                src = q << (15 - 8 * j)
-            else:
-                src = q >> (8 * j - 15)
-            p = _raw(src, 15, 8, one) * (xj * 256.0)
+            p = gemv_field(q, j, BITS, one) * (xj * 256.0)
         if j == 0:
             t = p
         else:
