@@ -218,10 +218,10 @@ def choose_config(M: int, N: int, K: int, bits: int, group_size: int) -> Wna16Co
         return Wna16Config("dequant", block_n=128, block_kp=8, num_warps=4)
     pack = 32 // bits
     if M == 1:
-        # 32-column strips, K in 2 halves, each program loading its whole [block_kp, 32] tile per step with
-        # 8 warps: the GEMV is bound by load latency, so the more independent loads in flight the better.
-        return Wna16Config("gemv", block_n=32, block_kp=128 if N <= 8192 else 64, split_k=2, num_warps=8,
-                           fields=True)
+        # 32-column strips of 64 packed rows per step, 8 warps, K split so that the narrow projections still
+        # fill the SMs: the fastest of a sweep at each 8B shape on an H100 (bench/tune_wna16.py --buckets 1).
+        return Wna16Config("gemv", block_n=32, block_kp=64, split_k=4 if N <= 4096 else (2 if N <= 8192 else 1),
+                           num_warps=8, fields=True)
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     cfg = Wna16Config("dot", block_m=block_m, block_n=64, block_kp=128 // pack, num_warps=4, num_stages=3,
                       swap_ab=True)
