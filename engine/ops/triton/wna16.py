@@ -242,6 +242,12 @@ def _fit_block_kp(cfg: Wna16Config, K: int, bits: int) -> int:
     return block_kp
 
 
+# Tokens for which wna16_fused's GEMM runs by default: it dequantizes in its K loop and measured faster than the
+# dot kernel at 8 and 64 tokens on an H100 (per decoder layer 125 against 154 us at 8, 226 against 249 at 64),
+# slower at 256 (BENCHMARKS.md).
+FUSED_GEMM_TOKENS = (2, DEQUANT_MIN_M)
+
+
 def fused_kernels_enabled() -> bool:
     """ENGINE_WNA16_KERNELS=fused selects wna16_fused's kernels instead of this module's (GEMV, dot,
     dequantize+cuBLAS); read per call, for A/B measurements in one process."""
@@ -263,7 +269,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out.reshape(*lead, N)
-    if config is None and fused_kernels_enabled():
+    if config is None and (fused_kernels_enabled() or FUSED_GEMM_TOKENS[0] <= M <= FUSED_GEMM_TOKENS[1]):
         config = wna16_fused.choose_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
     if isinstance(config, wna16_fused.FusedConfig):
         out = wna16_fused.fused_linear(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size,
