@@ -211,7 +211,7 @@ def sweep():
             for kp in (32, 64, 128):
                 for split in (2, 4, 8):
                     for warps in (4, 8):
-                        cfg = tw.Wna16Config("gemv", 1, bn, kp, split, warps, 3)
+                        cfg = tw.Wna16Config("gemv", bn, kp, split, warps, 3)
                         try:
                             ms = time_graph([lambda w=w: tw.wna16_linear(x, *w, config=cfg) for w in w4],
                                             reps=10) / len(w4)

@@ -55,14 +55,11 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
                         out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
                                                   num_warps=warps))
     if bucket == 1:
-        # The older module's GEMV (rows over the warps, one reduction at the end) with the fields-as-floats
-        # arithmetic, and its earlier default without.
-        out.append(tw.Wna16Config("gemv", block_n=32, block_kp=128, split_k=2, num_warps=8))
+        # wna16's GEMV (rows over the warps, one reduction at the end), the default for one token.
         for bn, bkp in ((32, 64), (32, 128), (64, 64)):
             for split in (1, 2, 4):
                 for warps in (4, 8):
-                    out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps,
-                                              fields=True))
+                    out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps))
         return out
     if bucket <= 32:
         for bm in sorted({16, max(16, bucket)}):

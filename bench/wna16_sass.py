@@ -29,7 +29,7 @@ ALIGNED = ("N", "stride_xm", "stride_qk", "stride_sg", "stride_om")   # multiple
 
 GEMV = [dict(BLOCK_N=512, BLOCK_KP=4, num_warps=2), dict(BLOCK_N=256, BLOCK_KP=8, num_warps=2),
         dict(BLOCK_N=512, BLOCK_KP=4, num_warps=1), dict(BLOCK_N=1024, BLOCK_KP=2, num_warps=2)]
-# wna16's GEMV (rows over the warps, one reduction at the end), with and without the fields-as-floats arithmetic.
+# wna16's GEMV (rows over the warps, one reduction at the end; the default for one token).
 OLD_GEMV = [dict(BLOCK_N=32, BLOCK_KP=128, num_warps=8), dict(BLOCK_N=32, BLOCK_KP=64, num_warps=8),
             dict(BLOCK_N=64, BLOCK_KP=64, num_warps=8)]
 GEMM = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4),
@@ -95,12 +95,10 @@ def main():
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
     for c in OLD_GEMV:
         w = c["num_warps"]
-        for fields in (False, True):
-            consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "PARTIAL": True, "FIELDS": fields} | \
-                {k: v for k, v in c.items() if k != "num_warps"}
-            report(f"sm{args.cap} wna16 gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w} fields={fields}",
-                   tw._wna16_gemv_kernel, consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap,
-                   args.dtype)
+        consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "PARTIAL": True} | \
+            {k: v for k, v in c.items() if k != "num_warps"}
+        report(f"sm{args.cap} wna16 gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", tw._wna16_gemv_kernel,
+               consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
     for c in GEMM:
         w, st = c["num_warps"], c["num_stages"]
         consts = common | {"SPLIT": 1, "SERIAL": False, "GROUP_M": 8} | \

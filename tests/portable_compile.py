@@ -126,7 +126,7 @@ def launch_everything(capability: int) -> None:
             scales = zeros = torch.zeros(K // 128, N, dtype=BF16)
             quant.wna16_linear(x, qweight, scales, zeros, 128, 4)
             fused = wna16_fused.choose_config(tokens, N, K, 4, 128, capability >= 90)
-            if fused is not None:                                  # opt-in today (ENGINE_WNA16_KERNELS=fused)
+            if fused is not None:                                  # everywhere with ENGINE_WNA16_KERNELS=fused
                 wna16.wna16_linear(x, qweight, scales, zeros, 128, 4, config=fused)
             weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))

@@ -22,11 +22,11 @@ from portable_compile import SHARED_LIMIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # What every architecture launches: the decoder's attention (decode and prefill), the ViT's, the 4-bit paths
-# (GEMV, dot, dequantize, and the fused kernels), the FP8 one-token GEMV and the elementwise kernels.
+# (GEMV, dequantize, and the fused kernels), the FP8 one-token GEMV and the elementwise kernels.
 EVERYWHERE = {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_varlen_split_kernel",
               "_qk_rope_kernel", "_store_kvcache_kernel", "_vision_rope_kernel", "_layer_norm_kernel",
               "_rms_norm_kernel", "_silu_and_mul_kernel", "_patchify_kernel", "_embedding_kernel",
-              "_wna16_gemv_kernel", "_wna16_dot_kernel", "_wna16_dequant_kernel", "_wna16_gemm_kernel",
+              "_wna16_gemv_kernel", "_wna16_dequant_kernel", "_wna16_gemm_kernel",
               "_fp8_gemv_kernel", "_splitk_reduce_kernel"}
 FP8_TENSOR_CORES = {"_w8a8_block_kernel", "_act_quant_kernel", "_w8a8_fused_kernel"}   # sm89+: e4m3 activations
 WEIGHT_ONLY_FP8 = {"_fp8_dequant_kernel"}                           # sm80/86: e4m3 decoded with integer ops

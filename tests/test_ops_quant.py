@@ -210,19 +210,16 @@ def test_wna16_groups_and_bits(gen, bits, group, dtype):
             assert _wna16_case(gen, M, K, N, group, bits, dtype, bias=M % 2 == 1) < TOL[dtype], (M, K, N)
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemv-fields", "dot", "dequant"])
+@pytest.mark.parametrize("path", ["gemv", "dequant"])
 @gpu_test
 def test_wna16_each_path_and_split(gen, path):
     from engine.ops.triton.wna16 import Wna16Config
     for split in (1, 2, 4):
-        for M in ((1,) if path.startswith("gemv") else (3, 40)):
-            for swap in ((False, True) if path == "dot" else (True,)):
-                for bits, group in ((4, 128), (8, 32)):
-                    cfg = Wna16Config(path.split("-")[0], block_m=16 if M < 16 else 64, block_n=64,
-                                      block_kp=128 // (32 // bits), split_k=split, swap_ab=swap,
-                                      fields=path == "gemv-fields")
-                    err = _wna16_case(gen, M, 2048, 640, group, bits, BF16, config=cfg)
-                    assert err < TOL[BF16], (split, M, swap, bits)
+        for M in ((1,) if path == "gemv" else (3, 40)):
+            for bits, group in ((4, 128), (8, 32)):
+                cfg = Wna16Config(path, block_n=64, block_kp=128 // (32 // bits), split_k=split)
+                err = _wna16_case(gen, M, 2048, 640, group, bits, BF16, config=cfg)
+                assert err < TOL[BF16], (split, M, bits)
 
 
 def _fp8_case(gen, M, K, N, dtype, block=(128, 128), bias=True, config=None, device="cuda"):
@@ -378,17 +375,16 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
 
 # ---------------------------------------------------------------- CPU: the kernels in Triton's interpreter
 
-@pytest.mark.parametrize("path", ["gemv", "gemv-fields", "dot", "dequant"])
+@pytest.mark.parametrize("path", ["gemv", "dequant"])
 @pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
 @interpreter_test
 def test_wna16_paths_in_the_interpreter(gen, path, dtype):
     # Small shapes with N not a multiple of the tile; split 2 goes through the partial buffer and the reduction.
     from engine.ops.triton.wna16 import Wna16Config
-    M = 1 if path.startswith("gemv") else 5
+    M = 1 if path == "gemv" else 5
     for split, bias in ((1, True), (2, True), (2, False)):
         for bits, group in ((4, 32), (8, 64)):
-            cfg = Wna16Config(path.split("-")[0], block_m=16, block_n=32, block_kp=64 // (32 // bits),
-                              split_k=split, fields=path == "gemv-fields")
+            cfg = Wna16Config(path, block_n=32, block_kp=64 // (32 // bits), split_k=split)
             err = _wna16_case(gen, M, 256, 40, group, bits, dtype, bias=bias, config=cfg, device="cpu")
             assert err < TOL[dtype], (split, bias, bits)
 

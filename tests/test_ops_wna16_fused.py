@@ -121,6 +121,26 @@ def test_automatic_dispatch_runs_the_fused_kernels(device, monkeypatch):
         assert y.shape == (2, M, N) and ((y.float().cpu() - ref).norm() / ref.norm()).item() < TOL[F16]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_by_default_one_token_runs_the_gemv_and_2_to_64_tokens_the_fused_gemm(device, monkeypatch):
+    # The measured mix (BENCHMARKS.md): wna16's GEMV for one token, wna16_fused's GEMM from 2 to 64 tokens,
+    # dequantize-then-cuBLAS above.
+    monkeypatch.delenv("ENGINE_WNA16_KERNELS", raising=False)
+    K, N, group = 256, 48, 64
+    qweight, scales, zeros = random_weights(K, N, group, 4, F16, device)
+    fused_paths = []
+    real = tf.fused_linear
+    monkeypatch.setattr(tf, "fused_linear", lambda *a: fused_paths.append(a[-1].path) or real(*a))
+    for M, expected in ((1, []), (2, ["gemm"]), (64, ["gemm"]), (65, [])):
+        fused_paths.clear()
+        x = torch.randn(M, K).to(F16).to(device)
+        y = tw.wna16_linear(x, qweight, scales, zeros, group, 4)
+        ref = wna16_linear_ref(x.float().cpu(), qweight.cpu(), scales.float().cpu(), zeros.float().cpu(), group, 4)
+        assert fused_paths == expected, M
+        assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < TOL[F16], M
+    assert tw.choose_config(1, N, K, 4, group).path == "gemv"
+
+
 def test_prefill_sized_batches_and_small_groups_keep_the_older_paths():
     assert tf.choose_config(tf.DEQUANT_MIN_M, 4096, 4096, 4, 128) is None
     assert tf.choose_config(tf.DEQUANT_MIN_M - 1, 4096, 4096, 4, 128).path == "gemm"
