@@ -49,7 +49,8 @@ class MemoryProfile:
         cap = (f"limit {self.limit_bytes / GiB:.2f} GiB (--gpu-memory-limit) of {self.total_bytes / GiB:.2f} GiB"
                if self.limit_bytes is not None else f"{self.total_bytes / GiB:.2f} GiB total")
         return (f"weights {self.weights_bytes / GiB:.2f} GiB, activation peak {self.activation_peak_bytes / GiB:.2f}"
-                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, graphs{'' if self.prefill_graphs else ' (decode only)'} + encoder cache + slack "
+                f" GiB, outside torch {self.non_torch_bytes / GiB:.2f} GiB, "
+                f"graphs{'' if self.prefill_graphs else ' (decode only)'} + encoder cache + slack "
                 f"{self.reserve_bytes / GiB:.2f} GiB, KV cache {max(self.kv_budget_bytes, 0) / GiB:.2f} GiB; {cap}")
 
 

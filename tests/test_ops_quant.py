@@ -308,7 +308,7 @@ def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch)
     cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
     for serial in (True, False):
         if not serial:       # no counters: the partials are summed by a second kernel
-            monkeypatch.setattr(tf, "split_locks", lambda device: None)
+            monkeypatch.setattr(tf, "split_locks", lambda *args: None)
         for M in (1, 5, 16):
             wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
             _check_fp8(wo, w8a8, BF16, weight_only=False)
@@ -413,7 +413,7 @@ def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, monkeypatch):
     from engine.ops.triton import fp8_block as tf
     from engine.ops.triton import splitk
     if not serial:
-        monkeypatch.setattr(tf, "split_locks", lambda device: None)
+        monkeypatch.setattr(tf, "split_locks", lambda *args: None)
     for M, K, N in ((1, 512, 256), (5, 512, 200), (16, 1024, 128)):
         w, s = random_fp8(N, K, (128, 128), device="cpu")
         x = torch.randn(M, K, generator=gen).to(BF16)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import (LOCK_SLOTS, fit_split, grouped_tile, partial_buffer, reduce_partials,
-                                     split_for, split_locks, splitk_epilogue, store_output, tile_offsets)
+from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, split_for,
+                                     split_locks, splitk_epilogue, store_output, tile_offsets)
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -340,7 +340,7 @@ def _fused_w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     bn, bk = block_size
     split = fit_split(K // bk, cfg.split_k)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    locks = split_locks(out.device) if split > 1 and tiles <= LOCK_SLOTS else None
+    locks = split_locks(out.device, split, tiles)
     ws = partial_buffer(out, split)
     _w8a8_fused_kernel[(tiles, split)](
         x2, weight, weight_scale_inv, bias if bias is not None else out, out, ws, locks if locks is not None else ws,

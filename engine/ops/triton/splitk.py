@@ -125,11 +125,15 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 LOCK_SLOTS = 1 << 16
 
 
-def split_locks(device: torch.device) -> torch.Tensor | None:
-    """The per-device split-K counters (zero between launches: each tile's last program resets its own). Shared by
-    every launch on the device, which the engine issues on one stream (a second stream running these kernels at
-    the same time would need its own). Not allocated inside a graph capture (the memory would belong to the
-    graph's pool): a capture before any eager call sums its partials in a second kernel."""
+def split_locks(device: torch.device, split: int, tiles: int) -> torch.Tensor | None:
+    """The per-device split-K counters for a launch of `tiles` output tiles in `split` K ranges, or None where the
+    partials go to a second kernel instead (one range, more tiles than counters). Zero between launches: each
+    tile's last program resets its own. Shared by every launch on the device, which the engine issues on one
+    stream (a second stream running these kernels at the same time would need its own). Not allocated inside a
+    graph capture (the memory would belong to the graph's pool): a capture before any eager call sums its
+    partials in a second kernel."""
+    if split == 1 or tiles > LOCK_SLOTS:
+        return None
     t = _LOCKS.get(device)
     if t is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -54,15 +54,6 @@ def _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK: tl.con
 
 
 @triton.jit
-def _scaled_x(x_rows, j: tl.constexpr, BITS: tl.constexpr):
-    """c_j x_j for plane j (wna16_fused.gemv_field's c_j: 16 for odd 4-bit planes, else 256), float32."""
-    xj = tl.load(x_rows + j).to(tl.float32)
-    if BITS == 4 and j % 2 == 1:
-        return xj * 16.0
-    return xj * 256.0
-
-
-@triton.jit
 def _fields_step(acc, q, x_rows, s, z, one, BITS: tl.constexpr):
     """acc + sum_j (q_j - z) x_j s over the PACK planes of packed tile q (x_rows: the rows' first activations),
     one LOP3 and one FMA per weight: v_j c_j x_j = c_j x_j + q_j x_j. The chain starts from
@@ -71,11 +62,13 @@ def _fields_step(acc, q, x_rows, s, z, one, BITS: tl.constexpr):
     xs = tl.zeros(x_rows.shape, dtype=tl.float32)
     xc = tl.zeros(x_rows.shape, dtype=tl.float32)
     for j in tl.static_range(PACK):
-        xs += tl.load(x_rows + j).to(tl.float32)
-        xc += _scaled_x(x_rows, j, BITS)
+        xj = tl.load(x_rows + j).to(tl.float32)
+        xs += xj
+        xc += wna16_fused.field_scaled(xj, j, BITS)
     t = -xs[:, None] * z - xc[:, None]
     for j in tl.static_range(PACK):
-        t += wna16_fused.gemv_field(q, j, BITS, one) * _scaled_x(x_rows, j, BITS)[:, None]
+        cx = wna16_fused.field_scaled(tl.load(x_rows + j).to(tl.float32), j, BITS)
+        t += wna16_fused.gemv_field(q, j, BITS, one) * cx[:, None]
     return tl.fma(t, s, acc)
 
 

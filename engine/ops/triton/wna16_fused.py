@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import (LOCK_SLOTS, fit_split, grouped_tile, partial_buffer, reduce_partials,
-                                     split_for, split_locks, splitk_epilogue)
+from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, split_for,
+                                     split_locks, splitk_epilogue)
 
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
@@ -93,6 +93,14 @@ def gemv_field(q, j: tl.constexpr, BITS: tl.constexpr, one):
 
 
 @triton.jit
+def field_scaled(xj, j: tl.constexpr, BITS: tl.constexpr):
+    """c_j x_j for plane j, gemv_field's c_j (16 for odd 4-bit planes, else 256): v_j c_j x_j = c_j x_j + q_j x_j."""
+    if BITS == 4 and j % 2 == 1:
+        return xj * 16.0
+    return xj * 256.0
+
+
+@triton.jit
 def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
     """One group step with the scale and zero point applied once per column. The raw fields
     v = 1 + q * 2**(P - 23) (P = 15 for 4-bit even planes and every 8-bit plane, P = 19 for 4-bit odd planes)
@@ -112,10 +120,7 @@ def _gemv_step(acc, q, x_ptrs, x_step, s, z, one, BITS: tl.constexpr):
         X_scaled = X * 256.0
     for j in tl.static_range(32 // BITS):
         xj = tl.load(x_ptrs + j).to(tl.float32)
-        if BITS == 4 and j % 2 == 1:
-            p = gemv_field(q, j, BITS, one) * (xj * 16.0)
-        else:
-            p = gemv_field(q, j, BITS, one) * (xj * 256.0)
+        p = gemv_field(q, j, BITS, one) * field_scaled(xj, j, BITS)
         if j == 0:
             t = p
         else:
@@ -338,7 +343,7 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"the gemm path needs a K step of at least 16 (group size {group_size})")
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (tiles, split)
-    locks = split_locks(out.device) if split > 1 and cfg.serial and tiles <= LOCK_SLOTS else None
+    locks = split_locks(out.device, split, tiles) if cfg.serial else None
     ws = partial_buffer(out, split)
     bias_arg = bias if bias is not None else out
     common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
