@@ -95,7 +95,7 @@ def main():
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
     for c in OLD_GEMV:
         w = c["num_warps"]
-        consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "PARTIAL": True} | \
+        consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "SPLIT": 4, "SERIAL": True, "GDC": args.cap >= 90} | \
             {k: v for k, v in c.items() if k != "num_warps"}
         report(f"sm{args.cap} wna16 gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", tw._wna16_gemv_kernel,
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)

@@ -68,12 +68,13 @@ def pose_as(capability: int) -> None:
     """The engine's GPU queries answer as the target would; cuBLAS-only paths are left to cuBLAS."""
     import torch.nn.functional as F
 
-    from engine.ops.triton import attention as t_attention, fp8_block, varlen_attention, wna16_fused
+    from engine.ops.triton import attention as t_attention, fp8_block, pdl, varlen_attention, wna16_fused
     from triton.runtime import driver
 
     driver.set_active(TargetDriver(capability))
     for name in OP_MODULES:
         op(name).use_triton = lambda t: True
+    pdl.enabled = lambda device: capability >= 90    # programmatic dependent launch: Hopper and later
     t_attention._num_sms = lambda device: SM_COUNT[capability]
     t_attention._shared_memory = lambda device: SHARED_LIMIT[capability]
     fp8_block._capability = lambda index: divmod(capability, 10)
@@ -89,7 +90,7 @@ def pose_as(capability: int) -> None:
 
 def launch_everything(capability: int) -> None:
     """Each op at the decoder's and the ViT's shapes, for the token counts whose paths and tiles differ."""
-    from engine.ops.triton import fp8_block, wna16, wna16_fused
+    from engine.ops.triton import fp8_block, splitk, wna16, wna16_fused
     activation, attention, embedding, kv_cache, norm, pixels, quant, rotary = (op(n) for n in OP_MODULES)
 
     gen = torch.Generator().manual_seed(0)
@@ -134,6 +135,8 @@ def launch_everything(capability: int) -> None:
                 os.environ["ENGINE_FP8_KERNELS"] = "fused"
                 quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
                 del os.environ["ENGINE_FP8_KERNELS"]
+    # Split-K's second-kernel reduction: what a graph captured before any eager launch runs (splitk.split_locks).
+    splitk.reduce_partials(torch.zeros(4, 1, 4096), None, torch.empty(1, 4096, dtype=BF16))
 
 
 def main(capability: int) -> dict:

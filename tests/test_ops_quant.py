@@ -373,20 +373,59 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
     assert rel_err(y, ref_fn(x)) < (6e-2 if op in ("fp8", "fp8-fused") else TOL[BF16])
 
 
+@gpu_test
+def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
+    # sm90+: each one-token GEMV starts while the RMSNorm before it still runs and waits for its output
+    # (engine/ops/triton/pdl.py). A chain of such pairs, eager and replayed from a CUDA graph, gives the same bits
+    # as without PDL (a GEMV reading its input early would not).
+    from engine.ops import rms_norm
+    from engine.ops.triton import pdl
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm90+")
+    K = 4096
+    layers = [random_wna16(K, K, 128, 4, BF16, device="cuda")[:3] for _ in range(6)]
+    norm_w = (torch.rand(K, device="cuda") + 0.5).to(BF16)
+    inputs = [torch.randn(1, K, device="cuda", dtype=BF16) for _ in range(2)]
+
+    def chain(x):
+        for qweight, scales, zeros in layers:
+            x = wna16_linear(rms_norm(x, norm_w, 1e-6), qweight, scales, zeros, 128, 4)
+        return x
+
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("ENGINE_PDL", flag)
+        x = inputs[0].clone()
+        eager = chain(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = chain(x)
+        x.copy_(inputs[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        results[flag] = (eager, y.clone())
+    assert torch.equal(results["0"][0], results["1"][0])
+    assert torch.equal(results["0"][1], results["1"][1])
+    assert torch.equal(results["1"][1], chain(inputs[1]))
+
+
 # ---------------------------------------------------------------- CPU: the kernels in Triton's interpreter
 
 @pytest.mark.parametrize("path", ["gemv", "dequant"])
 @pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
 @interpreter_test
-def test_wna16_paths_in_the_interpreter(gen, path, dtype):
-    # Small shapes with N not a multiple of the tile; split 2 goes through the partial buffer and the reduction.
-    from engine.ops.triton.wna16 import Wna16Config
+def test_wna16_paths_in_the_interpreter(gen, path, dtype, monkeypatch):
+    # Small shapes with N not a multiple of the tile; the GEMV's split 2 sums its partials in the tile's last
+    # program (serial) or, without split-K counters (a graph captured before any eager launch), in a second kernel.
+    from engine.ops.triton import wna16 as tw
     M = 1 if path == "gemv" else 5
-    for split, bias in ((1, True), (2, True), (2, False)):
+    for split, bias, serial in ((1, True, True), (2, True, True), (2, False, True), (2, True, False)):
+        if not serial:
+            monkeypatch.setattr(tw, "split_locks", lambda *args: None)
         for bits, group in ((4, 32), (8, 64)):
-            cfg = Wna16Config(path, block_n=32, block_kp=64 // (32 // bits), split_k=split)
+            cfg = tw.Wna16Config(path, block_n=32, block_kp=64 // (32 // bits), split_k=split)
             err = _wna16_case(gen, M, 256, 40, group, bits, dtype, bias=bias, config=cfg, device="cpu")
-            assert err < TOL[dtype], (split, bias, bits)
+            assert err < TOL[dtype], (split, bias, serial, bits)
 
 
 @pytest.mark.parametrize("path", ["gemv", "dequant"])

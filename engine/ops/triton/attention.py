@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.attention import AttentionMetadata
+from engine.ops.triton import pdl
 from engine.ops.triton.kv_cache import fp8e4m3_to_float, kernel_view
 
 LOG2E = 1.4426950408889634
@@ -83,10 +84,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, GDC: tl.constexpr):
     # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
     # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
     # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
+    pdl.launch_dependents(GDC)   # o_proj follows (or the split reduction): its weights start to stream now
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,8 +131,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
 
 @triton.jit
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          GDC: tl.constexpr):
     # Grid (decode seq, q head): merge the splits' partial softmaxes, weighting each by exp2(lse - max).
+    pdl.launch_dependents(GDC)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -299,16 +303,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             part_o = part_lse = out  # unused: the kernel writes the output directly
         block_n, warps, stages = _decode_config(q.dtype, q.device)
+        gdc = pdl.enabled(q.device)
         _decode_kernel[(num_decodes, num_kv_heads, splits)](
             q, k_cache, v_cache, bt, md.seq_lens, out, part_o, part_lse, qk_scale,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
-            num_warps=warps, num_stages=stages)
+            GDC=gdc, num_warps=warps, num_stages=stages)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
+                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, GDC=gdc, num_warps=4)
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:

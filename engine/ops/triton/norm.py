@@ -7,13 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton import pdl
+
 
 @triton.jit(do_not_specialize=["num_rows"])   # one variant for every token count (see attention.py)
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      num_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, eps,
-                     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     GDC: tl.constexpr):
     # A program normalises ROWS rows held whole in registers: one row of 4096 for the decoder's hidden
     # state, 16 rows of 128 for a per-head norm (so small rows still give each program ~2K elements).
+    pdl.launch_dependents(GDC)   # a one-token linear follows: its weights start to stream now
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -78,7 +82,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         xv, rv, weight, out, out if res_out is None else res_out,
         num_rows, heads, sxt, sxh, srt, srh, eps,
-        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, GDC=pdl.enabled(x.device),
+        num_warps=num_warps,
     )
     return out if residual is None else (out, res_out)
 

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton import wna16_fused
-from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, store_output
+from engine.ops.triton import pdl, wna16_fused
+from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, split_locks, splitk_epilogue
 
 MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
 MAGIC_F = tl.constexpr(8388608.0)
@@ -73,9 +73,10 @@ def _fields_step(acc, q, x_rows, s, z, one, BITS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["K_SPLIT", "one"])
-def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLIT, one, stride_qk, stride_sg,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, N, K_SPLIT, one, stride_qk,
+                       stride_sg, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KP: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GDC: tl.constexpr):
     # One token. Program (n, s) owns columns [n*BN, (n+1)*BN) over K range [s*K_SPLIT, (s+1)*K_SPLIT); the tile's
     # rows spread over the warps and are summed once, at the end.
     PACK: tl.constexpr = 32 // BITS
@@ -90,6 +91,8 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
     k_end = k_begin + K_SPLIT
     q_ptrs = qw_ptr + (k_begin // PACK + tl.arange(0, BLOCK_KP))[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
     q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
+    # The first tile is in flight while the kernel before finishes (pdl.py); x is that kernel's output.
+    pdl.wait(GDC)
     for k0 in range(k_begin, k_end, BLOCK_K):
         # Software prefetch: the next tile's load is issued before this tile's arithmetic (Triton's pipeliner
         # only stages loads that feed a dot), so each program keeps a tile of weights in flight.
@@ -100,8 +103,9 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K_SPLI
         kp = kp0 + tl.arange(0, BLOCK_KP)
         s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
         acc = _fields_step(acc, q, x_ptr + kp * PACK, s, z, one, BITS)
-    store_output(out_ptr, bias_ptr, tl.sum(acc, axis=0), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
-                 PARTIAL)
+    one_row = tl.full([], 1, tl.int32)
+    splitk_epilogue(tl.sum(acc, axis=0, keep_dims=True), tl.arange(0, 1), offs_n, one_row, N, N, bias_ptr, out_ptr,
+                    ws_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
 @triton.jit
@@ -198,13 +202,14 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return torch.mm(x2, w, out=out).reshape(*lead, N)
     pack = 32 // bits
     split = fit_split(K // (block_kp * pack), cfg.split_k)
-    k_split = K // split
-    partial = split > 1
-    dst = partial_buffer(out, split)
-    grid = (triton.cdiv(N, cfg.block_n), split)
-    _wna16_gemv_kernel[grid](x2, qweight, scales, zeros, bias_arg, dst, N, k_split, wna16_fused.ONE_BITS,
-                             qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size, BLOCK_N=cfg.block_n,
-                             BLOCK_KP=block_kp, HAS_BIAS=bias is not None, PARTIAL=partial,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    reduce_partials(dst, bias, out)
+    tiles = triton.cdiv(N, cfg.block_n)
+    locks = split_locks(x.device, split, tiles)
+    ws = partial_buffer(out, split)
+    _wna16_gemv_kernel[(tiles, split)](
+        x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, N, K // split,
+        wna16_fused.ONE_BITS, qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
+        BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
+        GDC=pdl.enabled(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
+    if locks is None:
+        reduce_partials(ws, bias, out)
     return out.reshape(*lead, N)
