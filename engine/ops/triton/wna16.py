@@ -2,13 +2,14 @@
 
 wna16_linear chooses by the number of tokens M (measured on an H100, BENCHMARKS.md):
 - M == 1: this module's GEMV. Each program streams a column strip of the packed weight; the fields-as-floats
-  arithmetic (_fields_step) spends one LOP3 and one FMA per weight.
+  arithmetic (_fields_step) spends one LOP3 and one FMA per weight. Split-K ranges are summed by the tile's last
+  program (splitk.splitk_epilogue), and on sm90+ the kernel is a programmatic dependent launch (pdl.py).
 - 2 <= M <= DEQUANT_MIN_M: wna16_fused's GEMM, which dequantizes each packed tile in its K loop for the tensor
   cores (also the fallback: groups too small for a 16-deep dot go to dequantize-then-cuBLAS).
 - M > DEQUANT_MIN_M: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there).
 ENGINE_WNA16_KERNELS=fused runs wna16_fused's kernels wherever they apply (its one-token GEMV too, and its GEMM up
-to wna16_fused.DEQUANT_MIN_M tokens), for A/B measurements. All paths are plain Triton (no Hopper-only features)
-and capture in CUDA graphs (no host syncs).
+to wna16_fused.DEQUANT_MIN_M tokens), for A/B measurements. All paths are plain Triton (PDL's two instructions
+only where the GPU has them) and capture in CUDA graphs (no host syncs).
 
 Unpacking: the int32 at packed row r of column n holds k = r*PACK + j in bits [BITS*j, BITS*(j+1)). The GEMV and
 the dequantize kernel split a [BKP, BN] packed tile into its PACK bit-planes: plane j holds the k = r*PACK + j and
