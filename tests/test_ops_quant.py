@@ -375,21 +375,24 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
 
 @gpu_test
 def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
-    # sm90+: each one-token GEMV starts while the RMSNorm before it still runs and waits for its output
-    # (engine/ops/triton/pdl.py). A chain of such pairs, eager and replayed from a CUDA graph, gives the same bits
-    # as without PDL (a GEMV reading its input early would not).
-    from engine.ops import rms_norm
+    # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
+    # a one-token GEMV loads weights before it waits for the RMSNorm or SwiGLU before it, and those wait for the
+    # GEMV before them. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
+    # without PDL (a kernel reading its input early would not).
+    from engine.ops import rms_norm, silu_and_mul
     from engine.ops.triton import pdl
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm90+")
-    K = 4096
-    layers = [random_wna16(K, K, 128, 4, BF16, device="cuda")[:3] for _ in range(6)]
+    K, inter = 4096, 2048
+    layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
+               random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
     norm_w = (torch.rand(K, device="cuda") + 0.5).to(BF16)
     inputs = [torch.randn(1, K, device="cuda", dtype=BF16) for _ in range(2)]
 
     def chain(x):
-        for qweight, scales, zeros in layers:
-            x = wna16_linear(rms_norm(x, norm_w, 1e-6), qweight, scales, zeros, 128, 4)
+        for gate_up, down in layers:
+            h = wna16_linear(rms_norm(x, norm_w, 1e-6), *gate_up, 128, 4)
+            x = wna16_linear(silu_and_mul(h), *down, 128, 4)
         return x
 
     results = {}

@@ -13,7 +13,7 @@ from engine.ops.triton import pdl
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
     # Grid (rows, column blocks): a row of d = 12288 is 12 programs, so even one decode token spreads
     # over several SMs, and 8192 prefill tokens give ~100K programs of 1024 contiguous elements each.
-    pdl.launch_dependents(GDC)   # down_proj follows: its weights start to stream now
+    pdl.start(GDC)   # between gate_up_proj and down_proj
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -37,5 +37,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block,
-                                                        GDC=pdl.enabled(x.device), num_warps=4 if block >= 512 else 1)
+                                                        GDC=pdl.enabled(x.device), num_warps=4 if block >= 512 else 1,
+                                                        **pdl.launch_options(x.device))
     return out

@@ -88,7 +88,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
     # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
     # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
     # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
-    pdl.launch_dependents(GDC)   # o_proj follows (or the split reduction): its weights start to stream now
+    pdl.start(GDC)   # between q/k norm + RoPE and o_proj (or the split reduction)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,7 +134,7 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           GDC: tl.constexpr):
     # Grid (decode seq, q head): merge the splits' partial softmaxes, weighting each by exp2(lse - max).
-    pdl.launch_dependents(GDC)
+    pdl.start(GDC)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
@@ -309,11 +309,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
-            GDC=gdc, num_warps=warps, num_stages=stages)
+            GDC=gdc, num_warps=warps, num_stages=stages, **pdl.launch_options(q.device))
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, GDC=gdc, num_warps=4)
+                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, GDC=gdc, num_warps=4,
+                **pdl.launch_options(q.device))
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:

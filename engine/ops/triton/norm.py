@@ -17,7 +17,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      GDC: tl.constexpr):
     # A program normalises ROWS rows held whole in registers: one row of 4096 for the decoder's hidden
     # state, 16 rows of 128 for a per-head norm (so small rows still give each program ~2K elements).
-    pdl.launch_dependents(GDC)   # a one-token linear follows: its weights start to stream now
+    pdl.start(GDC)   # between two linears of a decode step
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -83,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         xv, rv, weight, out, out if res_out is None else res_out,
         num_rows, heads, sxt, sxh, srt, srh, eps,
         N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, GDC=pdl.enabled(x.device),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.launch_options(x.device),
     )
     return out if residual is None else (out, res_out)
 

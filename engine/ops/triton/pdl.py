@@ -1,14 +1,16 @@
-"""Programmatic dependent launch (PDL, sm90+): a weight-streaming kernel starts while the small kernel before it
-still runs, and loads its first weight tiles (which no kernel writes) before it waits for that kernel's outputs.
+"""Programmatic dependent launch (PDL, sm90+) along a one-token decode step: each kernel launches while the one
+before it still runs, so launch latency and a weight-streaming kernel's first loads overlap the kernel before.
 
-Two sides, each a constexpr-guarded instruction (GDC: emitted only where `enabled` says so; sm80-89 have neither):
-- `launch_dependents` at the top of the kernels that run right before a one-token linear (RMSNorm, SwiGLU,
-  decode attention): once every program of such a kernel has started, the next kernel may launch.
-- `wait` in a kernel launched with `launch_options(device)` (the one-token 4-bit GEMV): it returns when the kernel
-  before has finished and its writes are visible. Such a kernel loads nothing that another kernel writes, and
-  stores nothing, before its wait; kernels launched without the option wait for the one before as always, so
-  ordering holds down the stream. CUDA graphs capture the programmatic edges.
-ENGINE_PDL=0 turns both off (A/B measurements), read when a kernel launches.
+Two constexpr-guarded instructions (GDC: emitted only where `enabled` says so; sm80-89 have neither):
+- `launch_dependents`: once every program of this kernel has passed it, the next kernel (if launched with
+  `launch_options`) may launch. The one-token 4-bit GEMV calls it after its K loop; the small kernels between the
+  linears (RMSNorm, SwiGLU, q/k norm + RoPE, decode attention) at their top, through `start`.
+- `wait`: returns when the kernel before has finished and its writes are visible. A kernel launched with
+  `launch_options` loads nothing another kernel writes, and stores nothing, before it: the small kernels wait at
+  their top (`start`); the GEMV first loads its first weight tile, which no kernel writes.
+Kernels launched without the option wait for the one before as always, so ordering holds down the stream (a
+kernel's wait returns after the one before has finished, which waited for its own predecessor). CUDA graphs
+capture the programmatic edges. ENGINE_PDL=0 turns it off (A/B measurements), read when a kernel launches.
 """
 from __future__ import annotations
 
@@ -45,6 +47,15 @@ def launch_dependents(GDC: tl.constexpr):
     """Let the next kernel launch (if launched with PDL) once every program of this one has passed here."""
     if GDC:
         gdc_launch_dependents()
+
+
+@triton.jit
+def start(GDC: tl.constexpr):
+    """The top of a small kernel launched with `launch_options`: let the next kernel launch, then wait for the one
+    before (nothing of this kernel's work overlaps; its launch and the next kernel's do)."""
+    if GDC:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit

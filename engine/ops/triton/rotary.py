@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.triton import pdl
 from engine.ops.triton.kv_cache import kernel_view, to_cache
 
 
@@ -60,10 +61,11 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_p
                     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                    Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
+                    Q_DTYPE: tl.constexpr, K_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, GDC: tl.constexpr):
     # Grid (token, 2): program 0 rotates q into q_out. Program 1 rotates k: into k_out (contiguous [T, Hk, D]),
     # or with STORE into the paged cache k_out at the token's slot, copying v to v_out there too (slot -1:
     # padding, or KV already cached, writes nothing).
+    pdl.start(GDC)   # between qkv_proj and decode attention
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     if tl.program_id(1) == 0:
@@ -127,7 +129,8 @@ def _launch(q, k, q_weight, k_weight, eps, cos, sin, v=None, k_cache=None, v_cac
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=block_size,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
             BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, STORE=store, Q_DTYPE=_TL_DTYPES[q_dtype],
-            K_DTYPE=_TL_DTYPES[k_dtype], KV_FP8=kv_fp8, num_warps=4,
+            K_DTYPE=_TL_DTYPES[k_dtype], KV_FP8=kv_fp8, GDC=pdl.enabled(q.device), num_warps=4,
+            **pdl.launch_options(q.device),
         )
     return q_out, (None if store else k_out)
 

@@ -104,6 +104,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         kp = kp0 + tl.arange(0, BLOCK_KP)
         s, z = _group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
         acc = _fields_step(acc, q, x_ptr + kp * PACK, s, z, one, BITS)
+    pdl.launch_dependents(GDC)
     one_row = tl.full([], 1, tl.int32)
     splitk_epilogue(tl.sum(acc, axis=0, keep_dims=True), tl.arange(0, 1), offs_n, one_row, N, N, bias_ptr, out_ptr,
                     ws_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
