@@ -74,7 +74,7 @@ def pose_as(capability: int) -> None:
     driver.set_active(TargetDriver(capability))
     for name in OP_MODULES:
         op(name).use_triton = lambda t: True
-    pdl.enabled = lambda device: capability >= 90    # programmatic dependent launch: Hopper and later
+    pdl.enabled = lambda device, tokens: capability >= 90 and tokens == 1   # PDL: Hopper and later
     t_attention._num_sms = lambda device: SM_COUNT[capability]
     t_attention._shared_memory = lambda device: SHARED_LIMIT[capability]
     fp8_block._capability = lambda index: divmod(capability, 10)
@@ -94,8 +94,9 @@ def launch_everything(capability: int) -> None:
     activation, attention, embedding, kv_cache, norm, pixels, quant, rotary = (op(n) for n in OP_MODULES)
 
     gen = torch.Generator().manual_seed(0)
-    batches = {"decode 8": ([4000] * 8, []), "decode 256": ([64] * 256, []), "image prefill": ([], [(1067, 1067)]),
-               "long prefill": ([], [(8192, 8192)]), "mixed": ([900] * 4, [(512, 512)])}
+    batches = {"decode 1": ([4000], []), "decode 8": ([4000] * 8, []), "decode 256": ([64] * 256, []),
+               "image prefill": ([], [(1067, 1067)]), "long prefill": ([], [(8192, 8192)]),
+               "mixed": ([900] * 4, [(512, 512)])}
     for kv_dtype in (BF16, torch.float8_e4m3fn):
         for decode_ctx, prefills in batches.values():
             q, k_cache, v_cache, md = make_batch(gen, decode_ctx, prefills, 32, 8, 128, 16, BF16, "cpu")

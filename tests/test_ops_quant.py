@@ -373,6 +373,21 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
     assert rel_err(y, ref_fn(x)) < (6e-2 if op in ("fp8", "fp8-fused") else TOL[BF16])
 
 
+def test_programmatic_dependent_launch_is_for_one_token_launches_on_hopper(monkeypatch):
+    pytest.importorskip("triton")
+    from engine.ops.triton import pdl
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_sm90", lambda index: True)
+    assert pdl.options(cuda, 1) == {"GDC": True, "launch_pdl": True}
+    assert pdl.options(cuda, 8) == {"GDC": False}         # batches run GEMMs, which neither trigger nor wait
+    assert not pdl.enabled(torch.device("cpu"), 1)
+    monkeypatch.setenv("ENGINE_PDL", "0")
+    assert not pdl.enabled(cuda, 1)
+    monkeypatch.delenv("ENGINE_PDL")
+    monkeypatch.setattr(pdl, "_sm90", lambda index: False)  # sm80-89: no griddepcontrol instructions
+    assert pdl.options(cuda, 1) == {"GDC": False}
+
+
 @gpu_test
 def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
     # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
@@ -381,7 +396,7 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
     # without PDL (a kernel reading its input early would not).
     from engine.ops import rms_norm, silu_and_mul
     from engine.ops.triton import pdl
-    if not pdl.enabled(torch.device("cuda")):
+    if not pdl.enabled(torch.device("cuda"), 1):
         pytest.skip("programmatic dependent launch needs sm90+")
     K, inter = 4096, 2048
     layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],

@@ -37,6 +37,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block,
-                                                        GDC=pdl.enabled(x.device), num_warps=4 if block >= 512 else 1,
-                                                        **pdl.launch_options(x.device))
+                                                        num_warps=4 if block >= 512 else 1,
+                                                        **pdl.options(x.device, rows))
     return out

@@ -303,18 +303,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             part_o = part_lse = out  # unused: the kernel writes the output directly
         block_n, warps, stages = _decode_config(q.dtype, q.device)
-        gdc = pdl.enabled(q.device)
+        gdc = pdl.options(q.device, num_tokens)
         _decode_kernel[(num_decodes, num_kv_heads, splits)](
             q, k_cache, v_cache, bt, md.seq_lens, out, part_o, part_lse, qk_scale,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
-            GDC=gdc, num_warps=warps, num_stages=stages, **pdl.launch_options(q.device))
+            num_warps=warps, num_stages=stages, **gdc)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, GDC=gdc, num_warps=4,
-                **pdl.launch_options(q.device))
+                HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4, **gdc)
 
     num_seqs = md.num_seqs
     if num_seqs > num_decodes:

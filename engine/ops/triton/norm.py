@@ -82,8 +82,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         xv, rv, weight, out, out if res_out is None else res_out,
         num_rows, heads, sxt, sxh, srt, srh, eps,
-        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, GDC=pdl.enabled(x.device),
-        num_warps=num_warps, **pdl.launch_options(x.device),
+        N=n, BLOCK_N=block_n, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        **pdl.options(x.device, num_rows // heads),
     )
     return out if residual is None else (out, res_out)
 

@@ -6,11 +6,14 @@ Two constexpr-guarded instructions (GDC: emitted only where `enabled` says so; s
   `launch_options`) may launch. The one-token 4-bit GEMV calls it after its K loop; the small kernels between the
   linears (RMSNorm, SwiGLU, q/k norm + RoPE, decode attention) at their top, through `start`.
 - `wait`: returns when the kernel before has finished and its writes are visible. A kernel launched with
-  `launch_options` loads nothing another kernel writes, and stores nothing, before it: the small kernels wait at
-  their top (`start`); the GEMV first loads its first weight tile, which no kernel writes.
-Kernels launched without the option wait for the one before as always, so ordering holds down the stream (a
-kernel's wait returns after the one before has finished, which waited for its own predecessor). CUDA graphs
-capture the programmatic edges. ENGINE_PDL=0 turns it off (A/B measurements), read when a kernel launches.
+  `options` loads nothing another kernel writes, and stores nothing, before it: the small kernels wait at their
+  top (`start`); the GEMV first loads its first weight tile, which no kernel writes.
+Kernels launched without PDL wait for the one before as always, so ordering holds down the stream (a kernel's
+wait returns after the one before has finished, which waited for its own predecessor). CUDA graphs capture the
+programmatic edges. Only one-token launches use PDL: with more tokens the linears are GEMMs that neither let the
+next kernel launch early nor wait, and the small kernels launched as their dependents measured 3% slower at
+batch 8 (docs/perf-log.md).
+ENGINE_PDL=0 turns it off (A/B measurements), read when a kernel launches.
 """
 from __future__ import annotations
 
@@ -28,18 +31,18 @@ def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    """PDL for kernels launched on `device`: a CUDA device of compute capability 9.0 or later, and ENGINE_PDL
-    is not 0."""
-    if device.type != "cuda" or os.environ.get("ENGINE_PDL", "1") == "0":
+def enabled(device: torch.device, tokens: int) -> bool:
+    """PDL for a launch over `tokens` tokens on `device`: one token, a CUDA device of compute capability 9.0 or
+    later, and ENGINE_PDL is not 0."""
+    if tokens != 1 or device.type != "cuda" or os.environ.get("ENGINE_PDL", "1") == "0":
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(device: torch.device) -> dict:
-    """Launch keyword arguments for a kernel that calls `wait`: launched as a programmatic dependent where
-    enabled."""
-    return {"launch_pdl": True} if enabled(device) else {}
+def options(device: torch.device, tokens: int) -> dict:
+    """Keyword arguments for the launch of a kernel with a GDC constexpr: the constexpr, and where PDL is
+    enabled, the launch as a programmatic dependent."""
+    return {"GDC": True, "launch_pdl": True} if enabled(device, tokens) else {"GDC": False}
 
 
 @triton.jit

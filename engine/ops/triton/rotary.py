@@ -129,8 +129,7 @@ def _launch(q, k, q_weight, k_weight, eps, cos, sin, v=None, k_cache=None, v_cac
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_SIZE=block_size,
             BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
             BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, STORE=store, Q_DTYPE=_TL_DTYPES[q_dtype],
-            K_DTYPE=_TL_DTYPES[k_dtype], KV_FP8=kv_fp8, GDC=pdl.enabled(q.device), num_warps=4,
-            **pdl.launch_options(q.device),
+            K_DTYPE=_TL_DTYPES[k_dtype], KV_FP8=kv_fp8, num_warps=4, **pdl.options(q.device, num_tokens),
         )
     return q_out, (None if store else k_out)
 

@@ -211,7 +211,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, N, K // split,
         wna16_fused.ONE_BITS, qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
         BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
-        GDC=pdl.enabled(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device, 1))
     if locks is None:
         reduce_partials(ws, bias, out)
     return out.reshape(*lead, N)
