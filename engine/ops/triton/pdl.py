@@ -2,8 +2,8 @@
 before it still runs, so launch latency and a weight-streaming kernel's first loads overlap the kernel before.
 
 Two constexpr-guarded instructions (GDC: emitted only where `enabled` says so; sm80-89 have neither):
-- `launch_dependents`: once every program of this kernel has passed it, the next kernel (if launched with
-  `launch_options`) may launch. The one-token 4-bit GEMV calls it after its K loop; the small kernels between the
+- `launch_dependents`: once every program of this kernel has passed it, the next kernel (if launched with PDL:
+  `options`) may launch. The one-token 4-bit GEMV calls it after its K loop; the small kernels between the
   linears (RMSNorm, SwiGLU, q/k norm + RoPE, decode attention) at their top, through `start`.
 - `wait`: returns when the kernel before has finished and its writes are visible. A kernel launched with
   `options` loads nothing another kernel writes, and stores nothing, before it: the small kernels wait at their
@@ -54,8 +54,8 @@ def launch_dependents(GDC: tl.constexpr):
 
 @triton.jit
 def start(GDC: tl.constexpr):
-    """The top of a small kernel launched with `launch_options`: let the next kernel launch, then wait for the one
-    before (nothing of this kernel's work overlaps; its launch and the next kernel's do)."""
+    """The top of a small kernel launched with `options`: let the next kernel launch, then wait for the one before
+    (nothing of this kernel's work overlaps; its launch and the next kernel's do)."""
     if GDC:
         gdc_launch_dependents()
         gdc_wait()
