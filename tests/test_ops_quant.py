@@ -308,7 +308,7 @@ def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch)
     cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
     for serial in (True, False):
         if not serial:       # no counters: the partials are summed by a second kernel
-            monkeypatch.setattr(tf, "split_locks", lambda *args: None)
+            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
         for M in (1, 5, 16):
             wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
             _check_fp8(wo, w8a8, BF16, weight_only=False)
@@ -435,11 +435,11 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
 def test_wna16_paths_in_the_interpreter(gen, path, dtype, monkeypatch):
     # Small shapes with N not a multiple of the tile; the GEMV's split 2 sums its partials in the tile's last
     # program (serial) or, without split-K counters (a graph captured before any eager launch), in a second kernel.
-    from engine.ops.triton import wna16 as tw
+    from engine.ops.triton import splitk, wna16 as tw
     M = 1 if path == "gemv" else 5
     for split, bias, serial in ((1, True, True), (2, True, True), (2, False, True), (2, True, False)):
         if not serial:
-            monkeypatch.setattr(tw, "split_locks", lambda *args: None)
+            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
         for bits, group in ((4, 32), (8, 64)):
             cfg = tw.Wna16Config(path, block_n=32, block_kp=64 // (32 // bits), split_k=split)
             err = _wna16_case(gen, M, 256, 40, group, bits, dtype, bias=bias, config=cfg, device="cpu")
@@ -470,7 +470,7 @@ def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, monkeypatch):
     from engine.ops.triton import fp8_block as tf
     from engine.ops.triton import splitk
     if not serial:
-        monkeypatch.setattr(tf, "split_locks", lambda *args: None)
+        monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
     for M, K, N in ((1, 512, 256), (5, 512, 200), (16, 1024, 128)):
         w, s = random_fp8(N, K, (128, 128), device="cpu")
         x = torch.randn(M, K, generator=gen).to(BF16)

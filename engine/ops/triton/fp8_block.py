@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, split_for,
-                                     split_locks, splitk_epilogue, store_output, tile_offsets)
+                                     split_targets, splitk_epilogue, store_output, tile_offsets)
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -340,15 +340,13 @@ def _fused_w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     bn, bk = block_size
     split = fit_split(K // bk, cfg.split_k)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    locks = split_locks(out.device, split, tiles)
-    ws = partial_buffer(out, split)
+    to = split_targets(out, split, tiles)
     _w8a8_fused_kernel[(tiles, split)](
-        x2, weight, weight_scale_inv, bias if bias is not None else out, out, ws, locks if locks is not None else ws,
+        x2, weight, weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
         M, N, K // split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-        BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, SERIAL=locks is not None,
+        BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, SERIAL=to.serial,
         HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if locks is None:
-        reduce_partials(ws, bias, out)
+    to.finish(bias, out)
     return out
 
 

@@ -5,9 +5,12 @@ programs stream the weight at once. Each program of a split launch stores its fl
 buffer and reduce_partials adds the ranges and the bias into the output; with split 1 the kernel writes the
 output itself. A kernel ends with store_output either way, or with splitk_epilogue, whose SERIAL form lets the
 last program of each tile (an atomic counter per tile, in split_locks) sum the ranges in split order: one launch
-instead of two, and the same result whichever split finishes first.
+instead of two, and the same result whichever split finishes first. split_targets gives such a launch its buffers
+and, where there are no counters, the second kernel after it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -140,3 +143,25 @@ def split_locks(device: torch.device, split: int, tiles: int) -> torch.Tensor | 
             return None
         t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
     return t
+
+
+@dataclass(frozen=True)
+class SplitTargets:
+    """Where a launch with splitk_epilogue writes: `ws` (the partial buffer, or out itself with one range), `locks`
+    (the counters, or ws where there are none: the kernel then leaves it alone) and SERIAL."""
+    ws: torch.Tensor
+    locks: torch.Tensor
+    serial: bool
+
+    def finish(self, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """After the launch: the second-kernel reduction where the kernel did not sum the ranges itself."""
+        if not self.serial:
+            reduce_partials(self.ws, bias, out)
+
+
+def split_targets(out: torch.Tensor, split: int, tiles: int, serial: bool = True) -> SplitTargets:
+    """The buffers for a launch of `tiles` output tiles in `split` K ranges; serial=False always sums the ranges
+    in a second kernel (for A/B)."""
+    locks = split_locks(out.device, split, tiles) if serial else None
+    ws = partial_buffer(out, split)
+    return SplitTargets(ws, locks if locks is not None else ws, locks is not None)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.triton import pdl, wna16_fused
-from engine.ops.triton.splitk import fit_split, partial_buffer, reduce_partials, split_locks, splitk_epilogue
+from engine.ops.triton.splitk import fit_split, split_targets, splitk_epilogue
 
 MAGIC = tl.constexpr(0x4B000000)   # float32 bits of 2**23: OR in an integer < 2**23 and it is 2**23 + q
 MAGIC_F = tl.constexpr(8388608.0)
@@ -205,13 +205,11 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     pack = 32 // bits
     split = fit_split(K // (block_kp * pack), cfg.split_k)
     tiles = triton.cdiv(N, cfg.block_n)
-    locks = split_locks(x.device, split, tiles)
-    ws = partial_buffer(out, split)
+    to = split_targets(out, split, tiles)
     _wna16_gemv_kernel[(tiles, split)](
-        x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, N, K // split,
+        x2, qweight, scales, zeros, bias_arg, out, to.ws, to.locks, N, K // split,
         wna16_fused.ONE_BITS, qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
-        BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_KP=block_kp, SPLIT=split, SERIAL=to.serial, HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device, 1))
-    if locks is None:
-        reduce_partials(ws, bias, out)
+    to.finish(bias, out)
     return out.reshape(*lead, N)

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, split_for,
-                                     split_locks, splitk_epilogue)
+from engine.ops.triton.splitk import fit_split, grouped_tile, split_for, split_targets, splitk_epilogue
 
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
 
@@ -343,18 +342,16 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             raise ValueError(f"the gemm path needs a K step of at least 16 (group size {group_size})")
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         grid = (tiles, split)
-    locks = split_locks(out.device, split, tiles) if cfg.serial else None
-    ws = partial_buffer(out, split)
+    to = split_targets(out, split, tiles, cfg.serial)
     bias_arg = bias if bias is not None else out
-    common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=locks is not None, HAS_BIAS=bias is not None,
+    common = dict(BITS=bits, GROUP=group_size, SPLIT=split, SERIAL=to.serial, HAS_BIAS=bias is not None,
                   EVEN_N=N % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x2, qweight, scales, zeros, bias_arg, out, ws, locks if locks is not None else ws, M, N, K // split,
+    args = (x2, qweight, scales, zeros, bias_arg, out, to.ws, to.locks, M, N, K // split,
             ONE_BITS, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
     if cfg.path == "gemv":
         _wna16_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_KP=block_k // pack, **common)
     else:
         _wna16_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                                  GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common)
-    if locks is None:
-        reduce_partials(ws, bias, out)
+    to.finish(bias, out)
     return out
