@@ -69,14 +69,18 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
                         out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
                                                   num_warps=4, num_stages=4, swap_ab=True))
         return out
-    for bm in ((64,) if bucket == 64 else (64, 128) if bucket == 128 else (128, 256)):
-        for bn in (128, 256):
-            for bk in (64, 128):
-                for warps in ((4,) if bm == 64 else (4, 8) if bm == 128 else (8,)):
-                    for stages in (3, 4):
-                        for split in ((1, 2) if bucket == 64 else (1,)):
-                            out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
-                                                      num_warps=warps, num_stages=stages))
+    # 64 tokens and more: the weight tile on either side of the dot. With swap-AB the dequantized weights are the
+    # wgmma's A operand, read from registers; without it they pass through shared memory (bench/wna16_sass.py).
+    bms = (64,) if bucket == 64 else (64, 128) if bucket == 128 else (128, 256)
+    for swap in (False, True):
+        for bm in bms:
+            for bn in ((64, 128, 256) if swap else (128, 256)):
+                for bk in (64, 128):
+                    for warps in (4, 8):
+                        for stages in ((3,) if swap else (3, 4)):
+                            for split in ((1, 2, 4) if bucket == 64 else (1,)):
+                                out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
+                                                          num_warps=warps, num_stages=stages, swap_ab=swap))
     return out
 
 
