@@ -8,7 +8,8 @@ activations in and out) and TFLOP/s (2*M*N*K), next to the floor predicted from 
 measured batch-1 weight read) and FLOPs at 785 (bf16) / 1205 (FP8) TFLOP/s. Each graph calls the op on several
 copies of the weights (>= 150 MB in all) so that small weights are not served from the 60 MB L2.
 Then the whole decoder per step (36 layers x qkv, o, gate_up, down in one graph, distinct weights per layer).
---sweep also times wna16 kernel configurations of the small-M paths and prints the fastest per shape.
+--sweep also times the FP8 one-token GEMV's tiles per shape and prints the fastest (the 4-bit kernels' sweep is
+bench/tune_wna16.py); the decoder then also runs with the fastest per shape (kind fp8-gemv-best).
 """
 from __future__ import annotations
 
@@ -124,9 +125,9 @@ KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP 
     "fp8-fused": (make_fp8, _fp8_fused, "0", "fp8", FP8_RATE),             # ENGINE_FP8_KERNELS=fused (M <= 16)
 }
 FUSED_ONLY_UP_TO = {"fp8-fused": 16}     # beyond: the automatic path again, timed already
-def _w4_best(x, qweight, *rest):
-    cfg = BEST_GEMV.get((x.shape[1], qweight.shape[1])) if x.shape[0] == 1 else None
-    return tw.wna16_linear(x, qweight, *rest, config=cfg)
+def _fp8_gemv_best(x, w, *rest):
+    cfg = BEST_FP8_GEMV.get((x.shape[1], w.shape[0])) if x.shape[0] == 1 else None
+    return tf.fp8_block_linear(x, w, *rest, config=cfg)
 
 
 def _fp8_mixed(x):
@@ -135,10 +136,10 @@ def _fp8_mixed(x):
 
 
 DECODER_ONLY = {  # one-token variants timed on the whole decoder only
-    "w4-best": (make_w4, _w4_best, None, "w4g128", BF16_RATE),   # the sweep's fastest GEMV config per shape
+    "fp8-gemv-best": (make_fp8, _fp8_gemv_best, "1", "fp8", BF16_RATE),   # the sweep's fastest GEMV tiles per shape
     "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-best", "w4-dq", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo"]
+DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best"]
 
 
 def set_env(env):
@@ -197,34 +198,39 @@ def probe_cublas_blockwise():
     return rows
 
 
-BEST_GEMV: dict[tuple[int, int], tw.Wna16Config] = {}   # (K, N) -> fastest M=1 config found by sweep()
+BEST_FP8_GEMV: dict[tuple[int, int], tf.Fp8Config] = {}   # (K, N) -> fastest one-token GEMV tiles (sweep())
+
+
+def fp8_gemv_configs():
+    """Rows per program, K per step, warps and split-K of the weight-only GEMV (the register-spilling 64 x 512
+    tile left out)."""
+    return [tf.Fp8Config("gemv", block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1)
+            for bn in (16, 32, 64) for bk in (128, 256, 512) for warps in (4, 8) for split in (1, 2, 4, 8, 16)
+            if bn * bk <= 16384]
 
 
 def sweep():
-    """wna16 GEMV configurations (one token) per decoder shape -> the fastest three; fills BEST_GEMV."""
+    """FP8 one-token GEMV tiles per decoder shape -> the fastest three; fills BEST_FP8_GEMV."""
     out = {}
+    set_env("1")
     for name, K, N in LAYER:
-        w4 = [make_w4(K, N) for _ in range(max(2, int(ROTATE_BYTES // weight_bytes("w4g128", K, N)) + 1))]
+        fp8 = [make_fp8(K, N) for _ in range(max(2, int(ROTATE_BYTES // weight_bytes("fp8", K, N)) + 1))]
         x = torch.randn(1, K, device="cuda", dtype=DT)
         res = []
-        for bn in (32, 64):
-            for kp in (32, 64, 128):
-                for split in (2, 4, 8):
-                    for warps in (4, 8):
-                        cfg = tw.Wna16Config("gemv", bn, kp, split, warps, 3)
-                        try:
-                            ms = time_graph([lambda w=w: tw.wna16_linear(x, *w, config=cfg) for w in w4],
-                                            reps=10) / len(w4)
-                        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
-                            print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
-                            continue
-                        res.append((ms, cfg))
+        for cfg in fp8_gemv_configs():
+            try:
+                ms = time_graph([lambda w=w: tf.fp8_block_linear(x, *w, config=cfg) for w in fp8], reps=10) / len(fp8)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
+                print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
+                continue
+            res.append((ms, cfg))
         best = sorted(res, key=lambda r: r[0])[:3]
-        BEST_GEMV[(K, N)] = best[0][1]
+        BEST_FP8_GEMV[(K, N)] = best[0][1]
         for ms, cfg in best:
-            print(f"sweep {name:8s} M=1 {ms * 1e3:8.1f} us  {cfg}", flush=True)
+            nbytes = weight_bytes("fp8", K, N) + 2 * (K + N)
+            print(f"sweep {name:8s} M=1 {ms * 1e3:8.1f} us {nbytes / ms / 1e9:5.2f} TB/s  {cfg}", flush=True)
         out[f"{name} M=1"] = [(ms, repr(cfg)) for ms, cfg in best]
-        del w4
+        del fp8
         torch.cuda.empty_cache()
     return out
 
@@ -232,7 +238,8 @@ def sweep():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
-    ap.add_argument("--sweep", action="store_true", help="also time wna16 kernel configurations")
+    ap.add_argument("--sweep", action="store_true", help="also time the FP8 GEMV's tiles")
+    ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256], help="M of the whole-decoder runs")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -253,9 +260,9 @@ def main():
                       flush=True)
     result["shapes"] = rows
     dec = {}
-    for M in (1, 64, 256):
+    for M in args.decoder_tokens:
         for kind in DECODER_KINDS:
-            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_GEMV)) or \
+            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_FP8_GEMV)) or \
                     M > FUSED_ONLY_UP_TO.get(kind, M):
                 continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)

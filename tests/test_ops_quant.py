@@ -389,25 +389,32 @@ def test_programmatic_dependent_launch_is_for_one_token_launches_on_hopper(monke
 
 
 @gpu_test
-def test_programmatic_dependent_launch_changes_no_bit(gen, monkeypatch):
+@pytest.mark.parametrize("weights", ["4-bit", "fp8"])
+def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch):
     # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
-    # a one-token GEMV loads weights before it waits for the RMSNorm or SwiGLU before it, and those wait for the
-    # GEMV before them. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
-    # without PDL (a kernel reading its input early would not).
+    # a one-token GEMV (4-bit, or FP8 weight-only) loads weights before it waits for the RMSNorm or SwiGLU before
+    # it, and those wait for the GEMV before them. A chain of MLP blocks, eager and replayed from a CUDA graph,
+    # gives the same bits as without PDL (a kernel reading its input early would not).
     from engine.ops import rms_norm, silu_and_mul
     from engine.ops.triton import pdl
     if not pdl.enabled(torch.device("cuda"), 1):
         pytest.skip("programmatic dependent launch needs sm90+")
     K, inter = 4096, 2048
-    layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
-               random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
+    if weights == "fp8":
+        monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1")
+        layers = [(random_fp8(2 * inter, K, (128, 128), device="cuda"), random_fp8(K, inter, (128, 128), "cuda"))
+                  for _ in range(4)]
+        linear = lambda x, w: fp8_block_linear(x, *w, (128, 128))  # noqa: E731
+    else:
+        layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
+                   random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
+        linear = lambda x, w: wna16_linear(x, *w, 128, 4)  # noqa: E731
     norm_w = (torch.rand(K, device="cuda") + 0.5).to(BF16)
     inputs = [torch.randn(1, K, device="cuda", dtype=BF16) for _ in range(2)]
 
     def chain(x):
         for gate_up, down in layers:
-            h = wna16_linear(rms_norm(x, norm_w, 1e-6), *gate_up, 128, 4)
-            x = wna16_linear(silu_and_mul(h), *down, 128, 4)
+            x = linear(silu_and_mul(linear(rms_norm(x, norm_w, 1e-6), gate_up)), down)
         return x
 
     results = {}
@@ -449,15 +456,22 @@ def test_wna16_paths_in_the_interpreter(gen, path, dtype, monkeypatch):
 @pytest.mark.parametrize("path", ["gemv", "dequant"])
 @interpreter_test
 def test_fp8_weight_only_paths_in_the_interpreter(gen, path, monkeypatch):
-    # e4m3 bytes decoded with integer ops (no FP8 tensor cores); one scale per tile, then scales smaller than a tile.
+    # e4m3 bytes decoded with integer ops (no FP8 tensor cores). Scale blocks: one per tile, two along K per tile
+    # (the GEMV scales its activations per column), and smaller than the tile along N too (per weight). The
+    # GEMV's split-K ranges are summed by the tile's last program (serial) or, without counters, a second kernel.
     from engine.ops.triton import fp8_block as tf
+    from engine.ops.triton import splitk
     monkeypatch.setattr(tf, "has_fp8_tensor_cores", lambda device: False)
     M = 1 if path == "gemv" else 5
-    for split, bias in ((1, True), (2, True), (2, False)):
-        for K, N, block in ((256, 40, (32, 64)), (200, 24, (8, 16))):
+    for split, bias, serial in ((1, True, True), (2, True, True), (2, False, True), (4, True, False)):
+        if not serial:
+            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
+        for K, N, block in ((256, 40, (32, 64)), (256, 40, (16, 16)), (200, 24, (8, 16))):
             cfg = tf.Fp8Config(path, block_m=16, block_n=16, block_k=32, split_k=split)
             wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, config=cfg, device="cpu")
-            assert wo < TOL[F16], (split, bias, K, N, block)
+            assert wo < TOL[F16], (split, bias, serial, K, N, block)
+    locks = splitk._LOCKS.get(torch.device("cpu"))
+    assert locks is None or int(locks.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("split,serial", [(1, True), (2, True), (4, True), (4, False)])

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton.splitk import (fit_split, grouped_tile, partial_buffer, reduce_partials, split_for,
-                                     split_targets, splitk_epilogue, store_output, tile_offsets)
+from engine.ops.triton import pdl
+from engine.ops.triton.splitk import (fit_split, grouped_tile, split_for, split_targets, splitk_epilogue,
+                                     tile_offsets)
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -148,24 +149,45 @@ def _weight_tile(w_rows, ws_ptr, n0, k0, offs_n, n_mask, K, stride_sn, stride_sk
 
 
 @triton.jit(do_not_specialize=["K_SPLIT"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, K_SPLIT, stride_wn, stride_sn, stride_sk,
-                     BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UNIFORM: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    # One token, weight-only: program (n, s) streams rows [n*BN, (n+1)*BN) of the [N, K] weight (contiguous
-    # along K) over K range s, multiply-adding in float32; the block scale multiplies each tile's products.
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, K_SPLIT, stride_wn, stride_sn,
+                     stride_sk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+                     SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
+    # One token, weight-only: program (n, s) streams rows [n*BN, (n+1)*BN) of the [N, K] weight (contiguous along
+    # K) over K range s and sums each row once, at the end. ROW_UNIFORM (the tile's rows share one scale row):
+    # the block scales multiply the activations, so a weight costs one conversion and one FMA.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
-    for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        w, offs_k, k_mask = _weight_tile(w_rows, ws_ptr, pid_n * BLOCK_N, k0, offs_n, n_mask, K, stride_sn,
-                                         stride_sk, BN_BLK, BK_BLK, BLOCK_K, UNIFORM, NATIVE)
-        acc += w * tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-    store_output(out_ptr, bias_ptr, tl.sum(acc, axis=1), offs_n, pid_k * N, offs_n, n_mask, n_mask, HAS_BIAS,
-                 PARTIAL)
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    # The first tile is in flight while the kernel before finishes (pdl.py); x is that kernel's output.
+    pdl.wait(GDC)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for _ in range(k_begin, k_end, BLOCK_K):
+        # Software prefetch, as in wna16's GEMV: the next tile's load is issued before this tile's arithmetic.
+        w = w_next
+        w_ptrs += BLOCK_K
+        k_mask = offs_k < k_end
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if ROW_UNIFORM:
+            s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (offs_k // BK_BLK) * stride_sk,
+                        mask=k_mask, other=0.0)
+            acc += _e4m3_to_f32(w, NATIVE) * (x * s)[None, :]
+        else:
+            s = tl.load(ws_ptr + (offs_n // BN_BLK)[:, None] * stride_sn + (offs_k // BK_BLK)[None, :] * stride_sk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += _e4m3_to_f32(w, NATIVE) * s * x[None, :]
+        offs_k += BLOCK_K
+    pdl.launch_dependents(GDC)
+    one_row = tl.full([], 1, tl.int32)
+    splitk_epilogue(tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N]), tl.arange(0, 1), offs_n, one_row, N, N,
+                    bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
 @triton.jit
@@ -248,11 +270,10 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
         return Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
     if M > 1:   # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (measured faster than a dot kernel)
         return Fp8Config("dequant", block_n=32, block_k=128, num_warps=4)
-    programs, steps = triton.cdiv(N, 16), triton.cdiv(K, 128)
-    split = 1
-    while programs * split < 256 and steps % (split * 2) == 0 and split < 8:
-        split *= 2
-    return Fp8Config("gemv", block_n=16, block_k=128, split_k=split, num_warps=4, num_stages=4)
+    # One token: 32 rows x 256 columns per step (4 warps, 64 bytes of weights per thread in flight plus the
+    # prefetched step), K split to fill the SMs.
+    split = split_for(triton.cdiv(N, 32), triton.cdiv(K, 256), cap=16)
+    return Fp8Config("gemv", block_n=32, block_k=256, split_k=split, num_warps=4, num_stages=1)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,27 +329,26 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out.reshape(*lead, N)
     native = has_fp8_tensor_cores(x.device)
     w = weight if native else weight.view(torch.uint8)
-    uniform = _uniform(cfg.block_n, cfg.block_k, block_size)
     if cfg.path == "dequant":
+        uniform = _uniform(cfg.block_n, cfg.block_k, block_size)
         wd = torch.empty((N, K), dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(K, cfg.block_k))
         _fp8_dequant_kernel[grid](w, weight_scale_inv, wd, N, K, weight.stride(0), weight_scale_inv.stride(0),
                                   weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n,
                                   BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native, num_warps=cfg.num_warps)
         return torch.nn.functional.linear(x2, wd, bias).reshape(*lead, N)
-    steps = triton.cdiv(K, cfg.block_k)
-    split = fit_split(steps, cfg.split_k)
-    k_split = (steps // split) * cfg.block_k
-    partial = split > 1
-    dst = partial_buffer(out, split)
-    common = dict(BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UNIFORM=uniform, NATIVE=native,
-                  HAS_BIAS=bias is not None, PARTIAL=partial, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if M != 1:
         raise ValueError("the gemv path takes one token")
-    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
-        x2, w, weight_scale_inv, bias_arg, dst, N, K, k_split, weight.stride(0), weight_scale_inv.stride(0),
-        weight_scale_inv.stride(1), **common)
-    reduce_partials(dst, bias, out)
+    steps = triton.cdiv(K, cfg.block_k)
+    split = fit_split(steps, cfg.split_k)
+    tiles = triton.cdiv(N, cfg.block_n)
+    to = split_targets(out, split, tiles)
+    _fp8_gemv_kernel[(tiles, split)](
+        x2, w, weight_scale_inv, bias_arg, out, to.ws, to.locks, N, K, steps // split * cfg.block_k, weight.stride(0),
+        weight_scale_inv.stride(0), weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, ROW_UNIFORM=bn % cfg.block_n == 0, NATIVE=native, SPLIT=split, SERIAL=to.serial,
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device, 1))
+    to.finish(bias, out)
     return out.reshape(*lead, N)
 
 
