@@ -202,11 +202,11 @@ BEST_FP8_GEMV: dict[tuple[int, int], tf.Fp8Config] = {}   # (K, N) -> fastest on
 
 
 def fp8_gemv_configs():
-    """Rows per program, K per step, warps and split-K of the weight-only GEMV (the register-spilling 64 x 512
-    tile left out)."""
+    """Rows per program, K per step, warps and split-K of the weight-only GEMV (at most 8 KB of weights per step:
+    larger tiles spill registers)."""
     return [tf.Fp8Config("gemv", block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1)
-            for bn in (16, 32, 64) for bk in (128, 256, 512) for warps in (4, 8) for split in (1, 2, 4, 8, 16)
-            if bn * bk <= 16384]
+            for bn in (16, 32, 64) for bk in (128, 256, 512) for warps in (4, 8) for split in (1, 2, 4, 8)
+            if bn * bk <= 8192]
 
 
 def sweep():
@@ -239,6 +239,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
     ap.add_argument("--sweep", action="store_true", help="also time the FP8 GEMV's tiles")
+    ap.add_argument("--tokens", type=int, nargs="+", help="M of the per-shape runs (default 1 16 64 256 8192)")
+    ap.add_argument("--kinds", nargs="+", help="kinds to run (default: all)")
     ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256], help="M of the whole-decoder runs")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -248,9 +250,10 @@ def main():
     if args.sweep:
         result["sweep"] = sweep()
     rows = []
-    for M in ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
+    kinds = args.kinds or list(KINDS) + list(DECODER_ONLY)
+    for M in args.tokens or ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
         for name, K, N in LAYER:
-            for kind in KINDS:
+            for kind in (k for k in KINDS if k in kinds):
                 if (kind == "w4-dq" and M == 1) or M > FUSED_ONLY_UP_TO.get(kind, M):
                     continue
                 r = bench_shape(kind, K, N, M) | {"layer": name}
@@ -261,7 +264,7 @@ def main():
     result["shapes"] = rows
     dec = {}
     for M in args.decoder_tokens:
-        for kind in DECODER_KINDS:
+        for kind in (k for k in DECODER_KINDS if k in kinds):
             if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_FP8_GEMV)) or \
                     M > FUSED_ONLY_UP_TO.get(kind, M):
                 continue

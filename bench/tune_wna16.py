@@ -74,10 +74,10 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
     bms = (64,) if bucket == 64 else (64, 128) if bucket == 128 else (128, 256)
     for swap in (False, True):
         for bm in bms:
-            for bn in ((64, 128, 256) if swap else (128, 256)):
+            for bn in ((64, 128) if swap else (128, 256)):
                 for bk in (64, 128):
                     for warps in (4, 8):
-                        for stages in ((3,) if swap else (3, 4)):
+                        for stages in ((3,) if bucket == 64 else (3, 4)):
                             for split in ((1, 2, 4) if bucket == 64 else (1,)):
                                 out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
                                                           num_warps=warps, num_stages=stages, swap_ab=swap))
