@@ -270,10 +270,10 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
         return Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
     if M > 1:   # weight-only, 2+ tokens: dequantize to x.dtype, then cuBLAS (measured faster than a dot kernel)
         return Fp8Config("dequant", block_n=32, block_k=128, num_warps=4)
-    # One token: 32 rows x 256 columns per step (4 warps, 64 bytes of weights per thread in flight plus the
-    # prefetched step), K split to fill the SMs.
-    split = split_for(triton.cdiv(N, 32), triton.cdiv(K, 256), cap=16)
-    return Fp8Config("gemv", block_n=32, block_k=256, split_k=split, num_warps=4, num_stages=1)
+    # One token: 32 rows x 128 columns per step, 4 warps, K in at least two ranges (more where the tiles are few):
+    # the fastest or second-fastest tiles of an H100 sweep at each 8B shape (bench/bench_quant.py --sweep).
+    split = max(2, split_for(triton.cdiv(N, 32), triton.cdiv(K, 128), cap=8))
+    return Fp8Config("gemv", block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=1)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

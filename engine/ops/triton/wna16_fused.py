@@ -249,9 +249,26 @@ GEMV_MAX_M = 8              # the gemv takes up to 8 tokens (one program per tok
 # Tokens from which dequantize-then-cuBLAS replaces the gemm (prefill); `choose_config` returns None there.
 DEQUANT_MIN_M = 1024
 
-# 4-bit group-128 configs per (N, K, M bucket), measured on the GPU: `python bench/tune_wna16.py` prints this
-# table. Shapes and buckets not listed take `default_config`.
-TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {}
+# 4-bit group-128 configs per (N, K, M bucket) on Hopper, the fastest of an H100 sweep (`python bench/tune_wna16.py
+# --buckets 8 16 32 64` prints this table; BENCHMARKS.md). Shapes and buckets not listed take `default_config`.
+TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {
+    (4096, 4096, 8): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 11.1 us
+    (4096, 4096, 16): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 11.6 us
+    (4096, 4096, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 13.0 us
+    (4096, 4096, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 15.8 us
+    (4096, 12288, 8): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 23.1 us
+    (4096, 12288, 16): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 23.4 us
+    (4096, 12288, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 28.1 us
+    (4096, 12288, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 34.3 us
+    (6144, 4096, 8): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 14.3 us
+    (6144, 4096, 16): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 14.4 us
+    (6144, 4096, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 16.3 us
+    (6144, 4096, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 18.9 us
+    (24576, 4096, 8): FusedConfig('gemm', block_n=64, num_stages=4, swap_ab=True),  # 41.3 us
+    (24576, 4096, 16): FusedConfig('gemm', block_n=64, num_stages=4, swap_ab=True),  # 41.2 us
+    (24576, 4096, 32): FusedConfig('gemm', block_n=64, num_stages=4, block_m=32, swap_ab=True),  # 46.5 us
+    (24576, 4096, 64): FusedConfig('gemm', block_n=64, num_stages=3, block_m=64, swap_ab=True),  # 53.7 us
+}
 
 
 def m_bucket(M: int) -> int:
@@ -260,18 +277,26 @@ def m_bucket(M: int) -> int:
 
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig:
-    """Tiles from the instruction counts of the compiled kernels (sm90 SASS; bench/tune_wna16.py measures):
+    """Tiles from the instruction counts of the compiled kernels (sm90 SASS) and bench/tune_wna16.py's sweeps:
     - one token: the gemv, 2 warps of 256 columns each (8 int32 per thread per packed row: each
       activation a thread loads serves 8 columns), 4 packed rows per step, split-K to fill the SMs;
-    - more: the gemm, swap-AB while the tokens fit a 16/32-wide dot; 256-row tiles on Hopper from 129 tokens
-      (one dequantization per weight up to 256 tokens). Ampere/Ada (sm80-89) have less shared memory and keep
-      the mma accumulators in registers: 8 warps and 2 stages for the large tiles (no spills there)."""
+    - 2-64 tokens on Hopper: swap-AB, so that the dequantized weights are the wgmma's A operand, read from
+      registers (no round trip through shared memory), 64 columns per program and split-K to fill the SMs: the
+      H100 sweep's fastest tiles at 15 of the 16 (8B shape, bucket) pairs (TUNED_W4G128 holds all 16);
+    - more: 256-row tiles on Hopper from 129 tokens (one dequantization per weight up to 256 tokens). Ampere/Ada
+      (sm80-89) have less shared memory and keep the mma accumulators in registers: swap-AB up to 32 tokens,
+      then 8 warps and 2 stages for the large tiles (no spills there)."""
     pack = 32 // bits
     if M == 1:
         block_k = _fit_block_k(4 * pack, group_size, pack)
         split = split_for(triton.cdiv(N, 512), K // block_k, cap=32)
         return FusedConfig("gemv", block_n=512, block_k=block_k, split_k=split, num_warps=2)
     block_k = _fit_block_k(128 if M <= 64 else 64, group_size, pack)
+    if hopper and M <= 64:
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+        split = split_for(triton.cdiv(N, 64), K // block_k, cap=8 if M <= 16 else 4)
+        return FusedConfig("gemm", block_n=64, block_k=block_k, split_k=split, block_m=block_m, num_warps=4,
+                           num_stages=4 if M <= 32 else 3, swap_ab=True)
     if M <= 32:
         block_m = 16 if M <= 16 else 32
         split = split_for(triton.cdiv(N, 128), K // block_k, cap=8)
@@ -280,10 +305,6 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: b
     if not hopper:
         return FusedConfig("gemm", block_n=128, block_k=_fit_block_k(64, group_size, pack),
                            block_m=64 if M <= 64 else 128, num_warps=8, num_stages=2)
-    if M <= 64:
-        split = split_for(triton.cdiv(N, 128), K // block_k, cap=4)
-        return FusedConfig("gemm", block_n=128, block_k=block_k, split_k=split, block_m=64, num_warps=4,
-                           num_stages=3)
     if M <= 128:
         return FusedConfig("gemm", block_n=128, block_k=block_k, block_m=128, num_warps=4, num_stages=4)
     return FusedConfig("gemm", block_n=128, block_k=block_k, block_m=256, num_warps=8, num_stages=3)
