@@ -6,8 +6,9 @@ Two families of paths (QUANT_CONTRACT.md), chosen per call by fp8_block_linear b
   scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`. With
   ENGINE_FP8_KERNELS=fused, up to FUSED_MAX_M tokens run `_w8a8_fused_kernel` instead: one launch that quantizes
   its rows of x in the K loop (the same e4m3 values and scales) and splits K to fill the GPU (not yet measured).
-- weight-only: a GEMV for one token (the weight dequantized in registers, multiplied in float32), and
-  dequantize-then-cuBLAS for more tokens. This is the path of sm80/86 (no FP8 tensor
+- weight-only: a GEMV for one token (e4m3 converted in registers and multiplied in float32 with the activations,
+  which carry the block scales; split-K summed in one launch; PDL on sm90), and dequantize-then-cuBLAS for more
+  tokens. This is the path of sm80/86 (no FP8 tensor
   cores: e4m3 bytes are decoded with integer ops there) and of ENGINE_FP8_WEIGHT_ONLY=1.
 Everything captures in CUDA graphs (no host syncs).
 """
