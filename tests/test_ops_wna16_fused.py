@@ -99,7 +99,8 @@ def test_gemm_matches_reference(device, bits, group):
     for i, M in enumerate((9, 16, 33, 70)):
         for dtype in dtypes:
             cfg = tf.FusedConfig("gemm", block_n=32 if i % 2 else 64, block_k=128, split_k=(1, 2)[i % 2],
-                                 block_m=16 if M <= 16 else 32, swap_ab=i % 2 == 1, group_m=(1, 8)[i % 2],
+                                 block_m=16 if M <= 16 else 32 if M <= 33 else 64, swap_ab=i % 2 == 1,
+                                 group_m=(1, 8)[i % 2],
                                  serial=i != 1)
             err = check(device, M, K, N, group, bits, dtype, cfg, bias=i % 2 == 0, symmetric=i == 2)
             assert err < TOL[dtype], (M, dtype, cfg, err)
@@ -164,6 +165,18 @@ def test_default_one_token_gemv_fills_the_gpu_at_the_8b_shapes():
         programs = -(-N // cfg.block_n) * cfg.split_k
         assert cfg.path == "gemv" and (programs >= 2 * splitk.SMS or cfg.split_k == 32), (K, N, cfg)
         assert cfg.block_n % (128 * cfg.num_warps) == 0            # a packed tile's rows stay in one thread
+
+
+def test_default_gemm_on_hopper_feeds_the_dequantized_weights_from_registers():
+    # 2-64 tokens: swap-AB (the weight tile is the wgmma's A operand, which Hopper reads from registers), 64
+    # columns per program, a row tile that holds the tokens, split-K where the tiles alone leave SMs idle.
+    for K, N in SHAPES_8B:
+        for M in (2, 8, 16, 17, 32, 33, 64):
+            cfg = tf.default_config(M, N, K, 4, 128)
+            assert cfg.path == "gemm" and cfg.swap_ab and cfg.block_n == 64, (M, K, N, cfg)
+            assert cfg.block_m >= min(M, 64) and cfg.block_m <= max(16, 2 * M), (M, cfg)
+            assert -(-N // 64) * cfg.split_k >= 2 * splitk.SMS or cfg.split_k >= 4, (M, K, N, cfg)
+    assert not tf.default_config(128, 4096, 4096, 4, 128).swap_ab
 
 
 def test_default_tiles_fit_ampere_and_ada():
