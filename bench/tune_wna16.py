@@ -1,5 +1,5 @@
 """Sweeps wna16_fused's kernel configs at Qwen3-VL-8B's decoder shapes on one GPU, prints the fastest per
-(N, K, M bucket) as the TUNED_W4G128 table, then times the older kernels against the fused ones (the tuned table
+(N, K, M bucket) that default_config does not already give as the TUNED_W4G128 table, then times the older kernels against the fused ones (the tuned table
 applied in this process) and bf16 cuBLAS per shape and token count, and the whole decoder's linears per step.
 
     python bench/tune_wna16.py [--jobs 12] [--quick] [--json out.json]
@@ -173,8 +173,14 @@ def sweep(shapes, buckets, jobs):
 
 
 def print_table(best):
-    print("\nTUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {")
+    """The fastest config per (N, K, bucket), leaving out those default_config already gives (the table holds only
+    what the rule does not)."""
+    same = [key for key, (_, cfg) in best.items() if cfg == tf.default_config(key[2], key[0], key[1], 4, 128)]
+    print(f"\n{len(same)} of {len(best)} fastest configs are default_config's: {sorted(same)}")
+    print("TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {")
     for (N, K, M), (ms, cfg) in sorted(best.items()):
+        if (N, K, M) in same:
+            continue
         fields = ", ".join(f"{k}={v!r}" for k, v in cfg.__dict__.items()
                            if k != "path" and v != tf.FusedConfig.__dataclass_fields__[k].default)
         print(f"    ({N}, {K}, {M}): FusedConfig({cfg.path!r}, {fields}),  # {ms * 1e3:.1f} us")

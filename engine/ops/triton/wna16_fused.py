@@ -249,25 +249,11 @@ GEMV_MAX_M = 8              # the gemv takes up to 8 tokens (one program per tok
 # Tokens from which dequantize-then-cuBLAS replaces the gemm (prefill); `choose_config` returns None there.
 DEQUANT_MIN_M = 1024
 
-# 4-bit group-128 configs per (N, K, M bucket) on Hopper, the fastest of an H100 sweep (`python bench/tune_wna16.py
-# --buckets 8 16 32 64` prints this table; BENCHMARKS.md). Shapes and buckets not listed take `default_config`.
+# 4-bit group-128 configs per (N, K, M bucket) on Hopper where an H100 sweep's fastest differs from `default_config`
+# (`python bench/tune_wna16.py --buckets 8 16 32 64` prints this table; BENCHMARKS.md): at the 8B shapes the rule
+# gives the sweep's fastest for the other 15 (shape, bucket) pairs from 8 to 64 tokens.
 TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {
-    (4096, 4096, 8): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 11.1 us
     (4096, 4096, 16): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 11.6 us
-    (4096, 4096, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 13.0 us
-    (4096, 4096, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 15.8 us
-    (4096, 12288, 8): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 23.1 us
-    (4096, 12288, 16): FusedConfig('gemm', block_n=64, split_k=8, num_stages=4, swap_ab=True),  # 23.4 us
-    (4096, 12288, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 28.1 us
-    (4096, 12288, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 34.3 us
-    (6144, 4096, 8): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 14.3 us
-    (6144, 4096, 16): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 14.4 us
-    (6144, 4096, 32): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, block_m=32, swap_ab=True),  # 16.3 us
-    (6144, 4096, 64): FusedConfig('gemm', block_n=64, split_k=4, num_stages=3, block_m=64, swap_ab=True),  # 18.9 us
-    (24576, 4096, 8): FusedConfig('gemm', block_n=64, num_stages=4, swap_ab=True),  # 41.3 us
-    (24576, 4096, 16): FusedConfig('gemm', block_n=64, num_stages=4, swap_ab=True),  # 41.2 us
-    (24576, 4096, 32): FusedConfig('gemm', block_n=64, num_stages=4, block_m=32, swap_ab=True),  # 46.5 us
-    (24576, 4096, 64): FusedConfig('gemm', block_n=64, num_stages=3, block_m=64, swap_ab=True),  # 53.7 us
 }
 
 
@@ -282,7 +268,7 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: b
       activation a thread loads serves 8 columns), 4 packed rows per step, split-K to fill the SMs;
     - 2-64 tokens on Hopper: swap-AB, so that the dequantized weights are the wgmma's A operand, read from
       registers (no round trip through shared memory), 64 columns per program and split-K to fill the SMs: the
-      H100 sweep's fastest tiles at 15 of the 16 (8B shape, bucket) pairs (TUNED_W4G128 holds all 16);
+      H100 sweep's fastest tiles at 15 of the 16 (8B shape, bucket) pairs (TUNED_W4G128 holds the 16th);
     - more: 256-row tiles on Hopper from 129 tokens (one dequantization per weight up to 256 tokens). Ampere/Ada
       (sm80-89) have less shared memory and keep the mma accumulators in registers: swap-AB up to 32 tokens,
       then 8 warps and 2 stages for the large tiles (no spills there)."""
