@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine.ops.quant import fp8_block_linear_w8a8_ref, pack_int32  # noqa: E402
 from engine.ops.triton import fp8_block as tf  # noqa: E402
 from engine.ops.triton import wna16 as tw  # noqa: E402
+from engine.ops.triton import wna16_fused  # noqa: E402
 
 # (name, K, N) of one decoder layer's projections; fused qkv is 4096 + 2*1024 wide, gate_up 2*12288.
 LAYER = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
@@ -106,6 +107,28 @@ def _w4_dequant(x):
     return tw.Wna16Config("dequant", block_n=128, block_kp=8) if x.shape[0] > 1 else None
 
 
+FC = wna16_fused.FusedConfig
+# The H100 sweep's fastest fused GEMM tiles at 128 and 256 tokens (bench/results/h100_tune_wna16_b8-256_d028c73.txt),
+# per (N, K, bucket), to time against dequantize + cuBLAS, which the engine runs past 64 tokens.
+W4_SWEPT = {
+    (6144, 4096, 128): FC("gemm", block_n=128, num_warps=8, num_stages=4, block_m=64, swap_ab=True),
+    (4096, 4096, 128): FC("gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
+    (24576, 4096, 128): FC("gemm", block_n=64, block_k=64, num_stages=3, block_m=128, swap_ab=True),
+    (4096, 12288, 128): FC("gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
+    (6144, 4096, 256): FC("gemm", block_n=128, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
+    (4096, 4096, 256): FC("gemm", block_n=64, num_warps=8, num_stages=3, block_m=128, swap_ab=True),
+    (24576, 4096, 256): FC("gemm", block_n=128, num_warps=8, num_stages=3, block_m=256, swap_ab=True),
+    (4096, 12288, 256): FC("gemm", block_n=64, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
+}
+
+
+def _w4_swept(x, qweight, *rest):
+    """The fused GEMM with W4_SWEPT's tiles past 64 tokens (the automatic choice below)."""
+    K, N, M = x.shape[1], qweight.shape[1], x.shape[0]
+    cfg = W4_SWEPT.get((N, K, wna16_fused.m_bucket(M))) if M > tw.DEQUANT_MIN_M else None
+    return tw.wna16_linear(x, qweight, *rest, config=cfg)
+
+
 def _fp8_triton(x):
     M = x.shape[0]
     if M <= 16:
@@ -119,6 +142,7 @@ KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP 
     "bf16": (make_bf16, lambda x, w: F.linear(x, w), None, "bf16", BF16_RATE),
     "w4g128": (make_w4, _w4(), None, "w4g128", BF16_RATE),                 # automatic path
     "w4-dq": (make_w4, _w4(_w4_dequant), None, "w4g128", BF16_RATE),       # dequantize + cuBLAS forced (M > 1)
+    "w4-swept": (make_w4, _w4_swept, None, "w4g128", BF16_RATE),           # W4_SWEPT's fused tiles past 64 tokens
     "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (H200: cuBLAS W8A8)
     "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
     "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
@@ -139,7 +163,7 @@ DECODER_ONLY = {  # one-token variants timed on the whole decoder only
     "fp8-gemv-best": (make_fp8, _fp8_gemv_best, "1", "fp8", BF16_RATE),   # the sweep's fastest GEMV tiles per shape
     "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best"]
+DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best"]
 
 
 def set_env(env):

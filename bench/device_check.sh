@@ -85,15 +85,17 @@ for s in $STAGES; do
       sed -n '/^TUNED_W4G128/,$p' "$OUT/tune_wna16.txt" | cut -c1-200 ;;
     quant)
       # The offline benchmark once per weight format (QUANTS: "none" is bf16), dummy weights at the 8B shapes.
-      # An entry FORMAT+fused (e.g. "awq+fused fp8+fused") runs with the opt-in fused kernels of both formats.
+      # An entry FORMAT+fused (e.g. "awq+fused fp8+fused") runs with the opt-in fused kernels of both formats;
+      # FORMAT+kv8 (e.g. "fp8+kv8") with an fp8 KV cache.
       for q in ${QUANTS:-none awq fp8}; do
         stage "offline benchmark, weights: $q"
-        fmt=${q%+fused}; kernels=old; [ "$fmt" != "$q" ] && kernels=fused
+        fmt=${q%+kv8}; kv=auto; [ "$fmt" != "$q" ] && kv=fp8
+        q_fmt=$fmt; fmt=${q_fmt%+fused}; kernels=old; [ "$fmt" != "$q_fmt" ] && kernels=fused
         dir=/tmp/q8-$fmt
         if [ "$fmt" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
         else python3 bench/synthetic_model.py $dir --quantization $fmt > /dev/null; fi
         ENGINE_FP8_KERNELS=$kernels ENGINE_WNA16_KERNELS=$kernels timeout "${QBENCH_T:-200}" python3 bench/offline.py \
-          --model $dir --load-format dummy ${QBENCH_ARGS:-} \
+          --model $dir --load-format dummy --kv-cache-dtype $kv ${QBENCH_ARGS:-} \
           --out "$OUT/offline_$q.json" > "$OUT/offline_$q.txt" 2>&1; echo "rc=$?"
         grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4
         grep -E '^\| ' "$OUT/offline_$q.txt" | tail -10

@@ -1,7 +1,7 @@
 """Offline engine benchmark (no HTTP): TTFT, batch-1 decode, throughput at 64 and 256 requests, and GPU memory
 growth over 10 chat rounds. Random token-id prompts, fixed output lengths (ignore_eos).
 
-    python bench/offline.py --model DIR [--load-format dummy] [--out results.json] [--quick]
+    python bench/offline.py --model DIR [--load-format dummy] [--kv-cache-dtype fp8] [--out results.json] [--quick]
 """
 from __future__ import annotations
 
@@ -128,14 +128,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke test of this script)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=10240)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     args = ap.parse_args()
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=256,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.85,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.85, kv_cache_dtype=args.kv_cache_dtype,
               **({"num_gpu_blocks_override": 512} if args.quick else {}))
     vocab = llm.get_tokenizer().vocab_size
     res = {"startup_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "num_gpu_blocks": llm.engine.num_gpu_blocks}
+           else "cpu", "num_gpu_blocks": llm.engine.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype}
     small = args.quick
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     res["ttft_512_ms"] = ttft(llm, 64 if small else 512, vocab) * 1e3
