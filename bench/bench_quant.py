@@ -123,7 +123,7 @@ W4_SWEPT = {
 
 
 def _w4_swept(x, qweight, *rest):
-    """The fused GEMM with W4_SWEPT's tiles past 64 tokens (the automatic choice below)."""
+    """The fused GEMM with W4_SWEPT's tiles past 64 tokens; up to 64 tokens the automatic choice."""
     K, N, M = x.shape[1], qweight.shape[1], x.shape[0]
     cfg = W4_SWEPT.get((N, K, wna16_fused.m_bucket(M))) if M > tw.DEQUANT_MIN_M else None
     return tw.wna16_linear(x, qweight, *rest, config=cfg)

@@ -1,6 +1,7 @@
 """Sweeps wna16_fused's kernel configs at Qwen3-VL-8B's decoder shapes on one GPU, prints the fastest per
-(N, K, M bucket) that default_config does not already give as the TUNED_W4G128 table, then times the older kernels against the fused ones (the tuned table
-applied in this process) and bf16 cuBLAS per shape and token count, and the whole decoder's linears per step.
+(N, K, M bucket) that default_config does not already give as the TUNED_W4G128 table, then times the older
+kernels against the fused ones (the tuned table applied in this process) and bf16 cuBLAS per shape and token
+count, and the whole decoder's linears per step.
 
     python bench/tune_wna16.py [--jobs 12] [--quick] [--json out.json]
 
