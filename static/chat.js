@@ -153,6 +153,7 @@ function noteDropped(dropped) {
 }
 
 async function send() {
+  await started;   // Enter works from the first paint; the chat list and the libraries arrive with start()
   if (app.controller) return;
   const text = ui.prompt.value.trim();
   const images = attachments.list();
@@ -364,4 +365,4 @@ async function start() {
   if (document.activeElement === document.body) ui.prompt.focus();   // unless the user is already elsewhere
 }
 
-start();
+const started = start();
