@@ -166,17 +166,21 @@ def test_markdown_rendered_without_raw_html(page, proxy):
     assert page.evaluate("window.__pwned") is None
 
 
+def answer_with_an_error_event(page):
+    """Chat requests get a stream that breaks after its first token: an error event, then [DONE]."""
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"},
+        body=sse(delta("Partial "), {"error": {"message": "out of KV blocks", "type": "internal_error"}}, "[DONE]")))
+
+
 def test_a_message_sent_before_the_page_has_started_waits_for_it(page, proxy):
     """Enter works as soon as the model is ready, even while the page is still loading its chats and settings
     (its /api/page-config held back here): the message waits for the start, then goes out, and its answer (an
     error event at once) is shown and saved without a page error."""
     held = []
     page.route("**/api/page-config", lambda route: held.append(route))
-    page.expected_errors.append("status of 400")
     open_chat(page, proxy)
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"},
-        body=sse(delta("Partial "), {"error": {"message": "out of KV blocks", "type": "internal_error"}}, "[DONE]")))
+    answer_with_an_error_event(page)
     send(page, "early")
     assert page.evaluate("document.body.dataset.ready") is None, "the start should still be waiting"
     held[0].continue_()
@@ -189,9 +193,7 @@ def test_errors_are_shown(page, proxy):
     page.expected_errors.append("status of 400")
     open_chat(page, proxy)
     # An error event after the stream began: the partial answer stays, marked incomplete.
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"},
-        body=sse(delta("Partial "), {"error": {"message": "out of KV blocks", "type": "internal_error"}}, "[DONE]")))
+    answer_with_an_error_event(page)
     send(page, "first")
     expect(page.locator("#error")).to_contain_text("out of KV blocks")
     expect(last_answer(page)).to_have_attribute("data-status", "error")
