@@ -109,7 +109,7 @@ def _w4_dequant(x):
 
 FC = wna16_fused.FusedConfig
 # The H100 sweep's fastest fused GEMM tiles at 128 and 256 tokens (bench/results/h100_tune_wna16_b8-256_d028c73.txt),
-# per (N, K, bucket), to time against dequantize + cuBLAS, which the engine runs past 64 tokens.
+# per (N, K, bucket), to time against dequantize + cuBLAS and the automatic choice (wna16_fused.TUNED_W4G128).
 W4_SWEPT = {
     (6144, 4096, 128): FC("gemm", block_n=128, num_warps=8, num_stages=4, block_m=64, swap_ab=True),
     (4096, 4096, 128): FC("gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),

@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense
 #                                          hf serve imageab memcaps tp); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -145,6 +145,20 @@ for s in $STAGES; do
         fi
         kill $spid; wait $spid 2>/dev/null; sleep 2
       done ;;
+    dense)
+      # A fresh prompt's attention: the Triton prefill kernel against cuDNN / FlashAttention per layer, then TTFT
+      # with the dense path on and off in turns, per weight format (DENSE_QUANTS; "none" is bf16).
+      models=""
+      for q in ${DENSE_QUANTS:-none fp8}; do
+        dir=/tmp/q8-$q
+        if [ "$q" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
+        else python3 bench/synthetic_model.py $dir --quantization $q > /dev/null; fi
+        models="$models $dir"
+      done
+      stage "dense prefill attention (bench/dense_prefill.py, models:$models)"
+      timeout "${DENSE_T:-300}" python3 bench/dense_prefill.py --models $models --json "$OUT/dense_prefill.json" \
+        ${DENSE_ARGS:-} > "$OUT/dense_prefill.txt" 2>&1; echo "rc=$?"
+      grep -E '^(\||Traceback|[A-Za-z]*Error)' "$OUT/dense_prefill.txt" | tail -30 ;;
     memcaps)
       # Issue 14's image chat under GPU memory caps, each cap with the flags the launcher fits to such a card
       # (app/fit.py), once per weight format (MEMCAPS_QUANTS), dummy weights at the 8B shapes.

@@ -68,7 +68,7 @@ def pose_as(capability: int) -> None:
     """The engine's GPU queries answer as the target would; cuBLAS-only paths are left to cuBLAS."""
     import torch.nn.functional as F
 
-    from engine.ops.triton import attention as t_attention, fp8_block, pdl, varlen_attention, wna16_fused
+    from engine.ops.triton import attention as t_attention, fp8_block, pdl, wna16_fused
     from triton.runtime import driver
 
     driver.set_active(TargetDriver(capability))
@@ -81,7 +81,7 @@ def pose_as(capability: int) -> None:
     fp8_block.has_fp8_tensor_cores = lambda device: capability >= 89
     fp8_block._cublas_blockwise_ok = lambda *a: False      # sm90 takes cuBLAS there: compile Triton's fallback
     wna16_fused.is_hopper = lambda device: capability >= 90
-    varlen_attention._cudnn_attention_usable = lambda *a: False
+    t_attention.cudnn_attention_usable = lambda *a: False
     torch.mm = lambda a, b, out=None: out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
     torch.addmm = lambda c, a, b, out=None, **kw: out if out is not None else torch.empty(
         a.shape[0], b.shape[1], dtype=a.dtype)

@@ -148,3 +148,29 @@ def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir, monkeypatch):
             assert got.shape == ref.shape
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert sorted(graphs.graphs) == [(256, 1, False), (256, 1, True), (256, 2, True)]
+
+
+def test_a_long_new_prompt_runs_its_attention_dense_and_matches_the_kernel(qwen3_vl_dir, monkeypatch):
+    """A new prompt of DENSE_PREFILL_MIN_TOKENS or more (eager: past the prefill graphs' sizes) takes torch's
+    fused attention on Hopper in bf16: the greedy tokens and log-probs of the Triton prefill kernel's run."""
+    import random
+
+    from engine.ops.triton import attention as attn
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16")
+    vocab = llm.get_tokenizer().vocab_size
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(vocab // 10, vocab) for _ in range(1500)]}
+    taken = []
+    dense = attn.dense_causal_attention
+    monkeypatch.setattr(attn, "dense_causal_attention", lambda *a: taken.append(a[4]) or dense(*a))
+
+    def run():
+        out = llm.generate(prompt, PARAMS)[0].outputs[0]
+        assert_pool_idle(llm)
+        return out.token_ids, out.logprobs
+
+    on = run()
+    hopper = attn.cudnn_attention_usable(torch.bfloat16, llm.engine.model_config.head_dim, torch.device("cuda"))
+    assert taken == ([1500] * llm.engine.model_config.num_hidden_layers if hopper else [])
+    monkeypatch.setattr(attn, "DENSE_PREFILL_MIN_TOKENS", 1 << 30)
+    assert_same_until_near_tie(on, run(), atol=0.05)

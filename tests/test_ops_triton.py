@@ -279,6 +279,45 @@ def test_paged_prefill_only(device, dtype, block_size, gen):
     check_paged(*make_batch(gen, [], prefills, 4, 1, 64, block_size, dtype, device, extra_tokens=3), dtype)
 
 
+def test_fresh_prefill_len_names_one_prompt_with_nothing_cached():
+    """The dense path's precondition: one prefill sequence whose keys are exactly its queries."""
+    from engine.ops.attention import fresh_prefill_len
+    gen = torch.Generator().manual_seed(0)
+    def md(decodes, prefills, extra=0):
+        return make_batch(gen, decodes, prefills, 2, 1, 8, 16, F32, "cpu", extra_tokens=extra)[3]
+    assert fresh_prefill_len(md([], [(300, 300)])) == 300
+    assert fresh_prefill_len(md([], [(300, 300)], extra=5)) == 300       # padded rows: not a sequence
+    assert fresh_prefill_len(md([], [(300, 320)])) == 0                  # a cached prefix (or an earlier chunk)
+    assert fresh_prefill_len(md([40], [(300, 300)])) == 0                # a decode in the batch
+    assert fresh_prefill_len(md([], [(300, 300), (20, 20)])) == 0        # two prompts (the prefill graphs' form)
+
+
+@pytest.mark.parametrize("hq,hk,block_size", [(8, 2, 16), (4, 4, 1), (6, 2, 32)])
+@pytest.mark.parametrize("extra", [0, 3])
+def test_dense_causal_attention_is_the_paged_reference(hq, hk, block_size, extra):
+    """One fresh prompt through torch's fused attention on K/V copied out of shuffled blocks: the paged
+    reference's result, padded rows zero (CPU, fp32; on Hopper the same function runs on cuDNN)."""
+    from engine.ops.attention import dense_causal_attention
+    gen = torch.Generator().manual_seed(1)
+    n = 157
+    q, k_cache, v_cache, md = make_batch(gen, [], [(n, n)], hq, hk, 64, block_size, F32, "cpu", extra_tokens=extra)
+    out = dense_causal_attention(q, k_cache, v_cache, md.block_tables[0], n, 0.125)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, 0.125), ATTN_TOL[F32], "dense attention")
+    assert out.is_contiguous() and (out[n:] == 0).all()
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([], [BF16, F16]))
+@pytest.mark.parametrize("n", [1024, 4097])
+def test_long_fresh_prefill(device, dtype, n, gen, monkeypatch):
+    """A long new prompt at the 8B's heads (32 / 8 x 128): on Hopper cuDNN's attention (DENSE_PREFILL_MIN_TOKENS),
+    elsewhere the prefill kernel; both the reference's result, and both with the threshold moved out of reach."""
+    import engine.ops.triton.attention as attn
+    batch = make_batch(gen, [], [(n, n)], 32, 8, 128, 16, dtype, device, extra_tokens=2)
+    check_paged(*batch, dtype)
+    monkeypatch.setattr(attn, "DENSE_PREFILL_MIN_TOKENS", 1 << 30)
+    check_paged(*batch, dtype)
+
+
 @pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [F32, BF16, F16]))
 @pytest.mark.parametrize("h,d", [(2, 72), (3, 64), (1, 128), (2, 96), (1, 48)])   # 72, 96, 48: head split in two
 def test_varlen_attention(device, dtype, h, d, gen):

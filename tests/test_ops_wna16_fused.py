@@ -142,6 +142,30 @@ def test_by_default_one_token_runs_the_gemv_and_2_to_64_tokens_the_fused_gemm(de
     assert tw.choose_config(1, N, K, 4, group).path == "gemv"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_past_64_tokens_the_gemm_runs_only_where_the_table_holds_a_config(device, monkeypatch):
+    """Beyond wna16.DEQUANT_MIN_M tokens dequantize + cuBLAS is the default; a TUNED_W4G128 entry for the shape
+    and bucket (measured faster there, Hopper) sends those tokens to the fused GEMM with its config."""
+    monkeypatch.delenv("ENGINE_WNA16_KERNELS", raising=False)
+    monkeypatch.setattr(tf, "is_hopper", lambda device: True)
+    K, N = 256, 64
+    tuned = tf.FusedConfig("gemm", block_n=32, block_k=128, block_m=64, num_warps=4, num_stages=2, swap_ab=True)
+    monkeypatch.setitem(tf.TUNED_W4G128, (N, K, 128), tuned)
+    qweight, scales, zeros = random_weights(K, N, 128, 4, F16, device)
+    configs = []
+    real = tf.fused_linear
+    monkeypatch.setattr(tf, "fused_linear", lambda *a: configs.append(a[-1]) or real(*a))
+    for M, expected in ((65, [tuned]), (128, [tuned]), (129, []), (300, [])):
+        configs.clear()
+        x = torch.randn(M, K).to(F16).to(device)
+        y = tw.wna16_linear(x, qweight, scales, zeros, 128, 4)
+        ref = wna16_linear_ref(x.float().cpu(), qweight.cpu(), scales.float().cpu(), zeros.float().cpu(), 128, 4)
+        assert configs == expected, M
+        assert ((y.float().cpu() - ref).norm() / ref.norm()).item() < TOL[F16], M
+    monkeypatch.setattr(tf, "is_hopper", lambda device: False)      # the table is Hopper's
+    assert tf.tuned_config(100, N, K, 4, 128, hopper=False) is None
+
+
 def test_prefill_sized_batches_and_small_groups_keep_the_older_paths():
     assert tf.choose_config(tf.DEQUANT_MIN_M, 4096, 4096, 4, 128) is None
     assert tf.choose_config(tf.DEQUANT_MIN_M - 1, 4096, 4096, 4, 128).path == "gemm"

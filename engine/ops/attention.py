@@ -49,6 +49,32 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def fresh_prefill_len(md: AttentionMetadata) -> int:
+    """n when the step is one prefill of n query tokens with nothing cached before them (its keys are exactly
+    its queries, so top-left causal attention over its own K/V computes it), else 0."""
+    if md.num_decodes or md.num_seqs != 1:
+        return 0
+    n = md.query_start_loc_cpu[1] - md.query_start_loc_cpu[0]
+    return n if n == md.seq_lens_cpu[0] else 0
+
+
+def dense_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           n: int, scale: float) -> torch.Tensor:
+    """Causal attention of one fresh sequence (fresh_prefill_len: n) through torch's fused attention: its K/V
+    copied out of the paged cache into contiguous [n, Hk, D] tensors (a few MB, against the attention's
+    O(n^2) work), GQA without repeating them. q: [T >= n, Hq, D] -> [T, Hq, D], rows past n zero as the
+    reference leaves them. The caller picks the backend (sdpa_kernel)."""
+    blocks = block_table[:-(-n // k_cache.shape[1])].long()
+    k, v = (c.index_select(0, blocks).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+    o = F.scaled_dot_product_attention(q[:n].transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
+                                       enable_gqa=True)[0].transpose(0, 1)
+    if q.shape[0] == n:
+        return o.contiguous()   # a no-op where the backend wrote [n, Hq, D] rows (cuDNN follows q's layout)
+    out = torch.zeros_like(q)
+    out[:n] = o
+    return out
+
+
 def _gather(k_cache, v_cache, block_tables, ctx: int):
     """K and V of the first `ctx` slots of each row's blocks: [B, ctx, Hk, D] each (fp32)."""
     nblocks = -(-ctx // k_cache.shape[1])

@@ -2,6 +2,10 @@
 encoder's non-causal varlen attention is in varlen_attention.py. Semantics: engine/ops/attention.py (the `*_ref`
 functions).
 
+One long prefill with nothing cached before it (a new prompt's time to first token) goes to cuDNN's fused
+attention instead on Hopper (`DENSE_PREFILL_MIN_TOKENS`), where it is faster than the kernel here
+(BENCHMARKS.md, "Prefill attention"); its K/V are copied out of the cache for it.
+
 All of them share `attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
 scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
 (token n of a sequence lives at block_tables[n // block_size], row n % block_size) or contiguously. A token's
@@ -19,8 +23,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.ops.attention import AttentionMetadata
+from engine.ops.attention import AttentionMetadata, dense_causal_attention, fresh_prefill_len
 from engine.ops.triton import pdl
 from engine.ops.triton.kv_cache import fp8e4m3_to_float, kernel_view
 
@@ -28,6 +33,9 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64   # keys per decode tile: 16 KB of K plus 16 KB of V per stage in bf16 at D=128
 SHORT_PREFILL_TOKENS = 2048   # prefills up to this many query tokens take 64-row tiles on Hopper (tile_config)
 MAX_SPLITS = 32   # H200 sweep (bench_ops --sweep-splits), batch 1: 32 splits beat 64 at every context (512-8192)
+# A fresh prefill of at least this many tokens runs on cuDNN (module docstring); read at call time (bench/
+# dense_prefill.py patches it). Prefill CUDA graphs never take it: they hold two sequences.
+DENSE_PREFILL_MIN_TOKENS = 1024
 
 
 @triton.jit
@@ -264,6 +272,13 @@ def _shared_memory(device: torch.device) -> int:
     return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
 
 
+@functools.cache
+def cudnn_attention_usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """cuDNN attention where it was measured to win (Hopper), for the dtypes and head sizes it takes."""
+    return (dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 128
+            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The head as the kernels tile it: a power of two, and at least 16 because tl.dot needs K >= 16 (the
     kernels' d mask keeps the padding out)."""
@@ -285,6 +300,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
     assert num_q_heads % num_kv_heads == 0
     q = q if q.stride(-1) == 1 else q.contiguous()
+    fresh = fresh_prefill_len(md)
+    if fresh >= DENSE_PREFILL_MIN_TOKENS and not kv_fp8 and cudnn_attention_usable(q.dtype, head_dim, q.device):
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return dense_causal_attention(q, k_cache, v_cache, md.block_tables[0], fresh, scale)
+        except RuntimeError:   # "No available kernel": cuDNN refuses some shapes; the kernels below take all
+            pass
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
     block_d = padded_head_dim(head_dim)

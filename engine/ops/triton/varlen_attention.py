@@ -9,11 +9,11 @@ Hopper, where it is faster: 211 against 252 us for 4096 patches x 16 heads x 72 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 import triton.language as tl
 
@@ -154,7 +154,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         k, v = k.contiguous(), v.contiguous()
     num_segments = cu_seqlens.numel() - 1
     if (num_segments == 1 and max_seqlen == num_tokens >= MIN_CUDNN_ROWS
-            and _cudnn_attention_usable(q.dtype, head_dim, q.device)):
+            and paged.cudnn_attention_usable(q.dtype, head_dim, q.device)):
         try:
             return _one_segment_cudnn(q, k, v, scale)
         except RuntimeError:   # "No available kernel": cuDNN refuses some shapes; the Triton kernel takes all
@@ -179,16 +179,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
-@functools.cache
-def _cudnn_attention_usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """cuDNN attention where it was measured to win (Hopper), for the dtypes and head sizes it takes."""
-    return (dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 128
-            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
-
-
 def _one_segment_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Every row attends to every row: [N, H, D] -> [N, H, D] (a transposed view of cuDNN's output)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=scale)
     return out[0].transpose(0, 1)

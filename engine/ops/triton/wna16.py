@@ -6,7 +6,8 @@ wna16_linear chooses by the number of tokens M (measured on an H100, BENCHMARKS.
   program (splitk.splitk_epilogue), and on sm90+ the kernel is a programmatic dependent launch (pdl.py).
 - 2 <= M <= DEQUANT_MIN_M: wna16_fused's GEMM, which dequantizes each packed tile in its K loop for the tensor
   cores (also the fallback: groups too small for a 16-deep dot go to dequantize-then-cuBLAS).
-- M > DEQUANT_MIN_M: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there).
+- M > DEQUANT_MIN_M: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there),
+  except at the shapes and token counts where wna16_fused.TUNED_W4G128 holds a GEMM config measured faster.
 ENGINE_WNA16_KERNELS=fused runs wna16_fused's kernels wherever they apply (its one-token GEMV too, and its GEMM up
 to wna16_fused.DEQUANT_MIN_M tokens), for A/B measurements. All paths are plain Triton (PDL's two instructions
 only where the GPU has them) and capture in CUDA graphs (no host syncs).
@@ -183,6 +184,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return out.reshape(*lead, N)
     if config is None and (fused_kernels_enabled() or 2 <= M <= DEQUANT_MIN_M):
         config = wna16_fused.choose_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
+    elif config is None and M > DEQUANT_MIN_M:
+        config = wna16_fused.tuned_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
     if isinstance(config, wna16_fused.FusedConfig):
         out = wna16_fused.fused_linear(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size,
                                        bits, bias, out, config)

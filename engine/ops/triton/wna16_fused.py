@@ -250,10 +250,16 @@ GEMV_MAX_M = 8              # the gemv takes up to 8 tokens (one program per tok
 DEQUANT_MIN_M = 1024
 
 # 4-bit group-128 configs per (N, K, M bucket) on Hopper where an H100 sweep's fastest differs from `default_config`
-# (`python bench/tune_wna16.py --buckets 8 16 32 64` prints this table; BENCHMARKS.md): at the 8B shapes the rule
-# gives the sweep's fastest for the other 15 (shape, bucket) pairs from 8 to 64 tokens.
+# (`python bench/tune_wna16.py --buckets 8 16 32 64 128 256` prints this table; BENCHMARKS.md): at the 8B shapes
+# the rule gives the sweep's fastest for the other 15 (shape, bucket) pairs from 8 to 64 tokens. Past
+# wna16.DEQUANT_MIN_M tokens the GEMM runs only where this table holds a config (`tuned_config`): the shapes
+# where it measured faster than dequantize + cuBLAS (qkv and gate_up; o and down lose to cuBLAS there).
 TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {
     (4096, 4096, 16): FusedConfig('gemm', block_n=64, split_k=4, num_stages=4, swap_ab=True),  # 11.6 us
+    # dequantize + cuBLAS: 48.8 us
+    (6144, 4096, 256): FusedConfig('gemm', block_n=128, num_warps=8, num_stages=4, block_m=128, swap_ab=True),  # 42.3 us
+    # dequantize + cuBLAS: 176.8 us
+    (24576, 4096, 256): FusedConfig('gemm', block_n=128, num_warps=8, num_stages=3, block_m=256, swap_ab=True),  # 120.5 us
 }
 
 
@@ -296,13 +302,19 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: b
     return FusedConfig("gemm", block_n=128, block_k=block_k, block_m=256, num_warps=8, num_stages=3)
 
 
+def tuned_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig | None:
+    """TUNED_W4G128's config for this shape and M's bucket, if it holds one."""
+    if bits != 4 or group_size != 128 or not hopper or M >= DEQUANT_MIN_M:
+        return None
+    return TUNED_W4G128.get((N, K, m_bucket(M)))
+
+
 def choose_config(M: int, N: int, K: int, bits: int, group_size: int, hopper: bool = True) -> FusedConfig | None:
     """The fused kernel and tiles for M tokens, or None where dequantize-then-cuBLAS (or the older kernels) run:
     prefill-sized M, and groups too small or odd for a 16-deep dot."""
     if M >= DEQUANT_MIN_M:
         return None
-    tuned = TUNED_W4G128.get((N, K, m_bucket(M))) if bits == 4 and group_size == 128 and hopper else None
-    cfg = tuned or default_config(M, N, K, bits, group_size, hopper)
+    cfg = tuned_config(M, N, K, bits, group_size, hopper) or default_config(M, N, K, bits, group_size, hopper)
     if cfg.path == "gemm" and _fit_block_k(cfg.block_k, group_size, 32 // bits) < 16:
         if M > GEMV_MAX_M:
             return None
