@@ -64,8 +64,7 @@ def dense_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     copied out of the paged cache into contiguous [n, Hk, D] tensors (a few MB, against the attention's
     O(n^2) work), GQA without repeating them. q: [T >= n, Hq, D] -> [T, Hq, D], rows past n zero as the
     reference leaves them. The caller picks the backend (sdpa_kernel)."""
-    blocks = block_table[:-(-n // k_cache.shape[1])].long()
-    k, v = (c.index_select(0, blocks).flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+    k, v = (t.transpose(1, 2) for t in _gather(k_cache, v_cache, block_table[None], n, q.dtype))
     o = F.scaled_dot_product_attention(q[:n].transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
                                        enable_gqa=True)[0].transpose(0, 1)
     if q.shape[0] == n:
@@ -75,12 +74,12 @@ def dense_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _gather(k_cache, v_cache, block_tables, ctx: int):
-    """K and V of the first `ctx` slots of each row's blocks: [B, ctx, Hk, D] each (fp32)."""
+def _gather(k_cache, v_cache, block_tables, ctx: int, dtype: torch.dtype = torch.float32):
+    """K and V of the first `ctx` slots of each row's blocks: [B, ctx, Hk, D] each, in `dtype`."""
     nblocks = -(-ctx // k_cache.shape[1])
     blocks = block_tables[:, :nblocks].long()
     shape = (blocks.shape[0], -1) + k_cache.shape[2:]
-    return (k_cache[blocks].reshape(shape)[:, :ctx].float(), v_cache[blocks].reshape(shape)[:, :ctx].float())
+    return (k_cache[blocks].reshape(shape)[:, :ctx].to(dtype), v_cache[blocks].reshape(shape)[:, :ctx].to(dtype))
 
 
 def _attend(q, k, v, scale, seq_lens, causal: bool):
