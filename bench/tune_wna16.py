@@ -61,6 +61,14 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
             for split in (1, 2, 4):
                 for warps in (4, 8):
                     out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps))
+        # The swap-AB gemm with the token padded to 16 rows: its packed weights feed tl.dot, so Triton pipelines
+        # their loads through shared memory (cp.async, num_stages deep), where the GEMVs keep one tile in flight.
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for split in (2, 4, 8, 16):
+                    for stages in (3, 4, 6):
+                        out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=16,
+                                                  num_warps=4, num_stages=stages, swap_ab=True))
         return out
     if bucket <= 32:
         for bm in sorted({16, max(16, bucket)}):

@@ -96,7 +96,7 @@ def test_gemv_8bit_and_even_columns(device):
 def test_gemm_matches_reference(device, bits, group):
     K, N = 512, 80
     dtypes = (F16,) if device == "cpu" else (F16, BF16)
-    for i, M in enumerate((9, 16, 33, 70)):
+    for i, M in enumerate((9, 1, 16, 33, 70)):
         for dtype in dtypes:
             cfg = tf.FusedConfig("gemm", block_n=32 if i % 2 else 64, block_k=128, split_k=(1, 2)[i % 2],
                                  block_m=16 if M <= 16 else 32 if M <= 33 else 64, swap_ab=i % 2 == 1,
