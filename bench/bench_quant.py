@@ -1,15 +1,16 @@
 """Quantized linear layers at Qwen3-VL-8B's decoder shapes on CUDA: bf16 cuBLAS vs wna16 (4-bit, group 128) vs
 fp8_block (128x128 blocks: the automatic path, and weight-only), each timed as replays of one CUDA graph.
 
-    python bench/bench_quant.py [--quick] [--sweep] [--json out.json]
+    python bench/bench_quant.py [--quick] [--sweep [gemv] [fused]] [--json out.json]
 
 Per shape and token count M: ms per call, effective GB/s (the bytes the op must move: weights, scales,
 activations in and out) and TFLOP/s (2*M*N*K), next to the floor predicted from bytes at 3.36 TB/s (cuBLAS's
 measured batch-1 weight read) and FLOPs at 785 (bf16) / 1205 (FP8) TFLOP/s. Each graph calls the op on several
 copies of the weights (>= 150 MB in all) so that small weights are not served from the 60 MB L2.
 Then the whole decoder per step (36 layers x qkv, o, gate_up, down in one graph, distinct weights per layer).
---sweep also times the FP8 one-token GEMV's tiles per shape and prints the fastest (the 4-bit kernels' sweep is
-bench/tune_wna16.py); the decoder then also runs with the fastest per shape (kind fp8-gemv-best).
+--sweep also times one-token FP8 tiles per shape (the weight-only GEMV's, the fused W8A8 kernel's) and prints the
+fastest (the 4-bit kernels' sweep is bench/tune_wna16.py); the decoder then also runs with the fastest per shape
+(kinds fp8-gemv-best, fp8-fused-best).
 """
 from __future__ import annotations
 
@@ -154,6 +155,11 @@ def _fp8_gemv_best(x, w, *rest):
     return tf.fp8_block_linear(x, w, *rest, config=cfg)
 
 
+def _fp8_fused_best(x, w, *rest):
+    cfg = BEST_FP8_FUSED.get((x.shape[1], w.shape[0])) if x.shape[0] == 1 else None
+    return tf.fp8_block_linear(x, w, *rest, config=cfg)
+
+
 def _fp8_mixed(x):
     # One token: the Triton W8A8 kernel where K is small (its grid has no split-K), cuBLAS for down (K=12288).
     return _fp8_triton(x) if x.shape[0] == 1 and x.shape[1] <= 4096 else None
@@ -161,9 +167,12 @@ def _fp8_mixed(x):
 
 DECODER_ONLY = {  # one-token variants timed on the whole decoder only
     "fp8-gemv-best": (make_fp8, _fp8_gemv_best, "1", "fp8", BF16_RATE),   # the sweep's fastest GEMV tiles per shape
+    "fp8-fused-best": (make_fp8, _fp8_fused_best, "0", "fp8", FP8_RATE),  # the sweep's fastest fused tiles per shape
     "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best"]
+DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best",
+                 "fp8-fused-best"]
+SWEPT = {"fp8-gemv-best": BEST_FP8_GEMV, "fp8-fused-best": BEST_FP8_FUSED}   # decoder kinds that need a sweep
 
 
 def set_env(env):
@@ -223,6 +232,7 @@ def probe_cublas_blockwise():
 
 
 BEST_FP8_GEMV: dict[tuple[int, int], tf.Fp8Config] = {}   # (K, N) -> fastest one-token GEMV tiles (sweep())
+BEST_FP8_FUSED: dict[tuple[int, int], tf.Fp8Config] = {}  # (K, N) -> fastest one-token fused W8A8 tiles
 
 
 def fp8_gemv_configs():
@@ -233,15 +243,30 @@ def fp8_gemv_configs():
             if bn * bk <= 8192]
 
 
-def sweep():
-    """FP8 one-token GEMV tiles per decoder shape -> the fastest three; fills BEST_FP8_GEMV."""
+def fp8_fused_configs():
+    """The one-launch W8A8 kernel's tiles: columns per program, the weight tile on either side of the dot (swap-AB:
+    an fp8 wgmma on Hopper), split-K, pipeline depth."""
+    return [tf.Fp8Config("fused", block_m=16, block_n=bn, split_k=split, num_warps=8 if bn == 256 else 4,
+                         num_stages=stages, swap_ab=swap)
+            for swap in (False, True) for bn in (64, 128, 256) for split in (1, 2, 4, 8, 16) for stages in (3, 4)]
+
+
+SWEEPS = {  # name -> (configs, ENGINE_FP8_WEIGHT_ONLY, table the fastest go to)
+    "gemv": (fp8_gemv_configs, "1", BEST_FP8_GEMV),
+    "fused": (fp8_fused_configs, "0", BEST_FP8_FUSED),
+}
+
+
+def sweep(which: str):
+    """FP8 one-token tiles of one kernel per decoder shape -> the fastest three; fills its BEST_ table."""
+    configs, env, best_table = SWEEPS[which]
     out = {}
-    set_env("1")
+    set_env(env)
     for name, K, N in LAYER:
         fp8 = [make_fp8(K, N) for _ in range(max(2, int(ROTATE_BYTES // weight_bytes("fp8", K, N)) + 1))]
         x = torch.randn(1, K, device="cuda", dtype=DT)
         res = []
-        for cfg in fp8_gemv_configs():
+        for cfg in configs():
             try:
                 ms = time_graph([lambda w=w: tf.fp8_block_linear(x, *w, config=cfg) for w in fp8], reps=10) / len(fp8)
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
@@ -249,11 +274,11 @@ def sweep():
                 continue
             res.append((ms, cfg))
         best = sorted(res, key=lambda r: r[0])[:3]
-        BEST_FP8_GEMV[(K, N)] = best[0][1]
+        best_table[(K, N)] = best[0][1]
         for ms, cfg in best:
             nbytes = weight_bytes("fp8", K, N) + 2 * (K + N)
-            print(f"sweep {name:8s} M=1 {ms * 1e3:8.1f} us {nbytes / ms / 1e9:5.2f} TB/s  {cfg}", flush=True)
-        out[f"{name} M=1"] = [(ms, repr(cfg)) for ms, cfg in best]
+            print(f"sweep {which} {name:8s} M=1 {ms * 1e3:8.1f} us {nbytes / ms / 1e9:5.2f} TB/s  {cfg}", flush=True)
+        out[f"{which} {name} M=1"] = [(ms, repr(cfg)) for ms, cfg in best]
         del fp8
         torch.cuda.empty_cache()
     return out
@@ -262,7 +287,9 @@ def sweep():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
-    ap.add_argument("--sweep", action="store_true", help="also time the FP8 GEMV's tiles")
+    ap.add_argument("--sweep", nargs="*", choices=list(SWEEPS),
+                    help="also time one-token FP8 tiles: of the weight-only GEMV and/or the fused W8A8 kernel "
+                         "(bare --sweep: both)")
     ap.add_argument("--tokens", type=int, nargs="+", help="M of the per-shape runs (default 1 16 64 256 8192)")
     ap.add_argument("--kinds", nargs="+", help="kinds to run (default: all)")
     ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256], help="M of the whole-decoder runs")
@@ -271,8 +298,10 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     result = {"probe": probe_cublas_blockwise()}
     print("\n".join(result["probe"]), flush=True)
-    if args.sweep:
-        result["sweep"] = sweep()
+    if args.sweep is not None:
+        result["sweep"] = {}
+        for which in args.sweep or list(SWEEPS):
+            result["sweep"] |= sweep(which)
     rows = []
     kinds = args.kinds or list(KINDS) + list(DECODER_ONLY)
     for M in args.tokens or ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
@@ -289,7 +318,8 @@ def main():
     dec = {}
     for M in args.decoder_tokens:
         for kind in (k for k in DECODER_KINDS if k in kinds):
-            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and (M > 1 or not BEST_FP8_GEMV)) or \
+            if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and M > 1) or \
+                    (kind in SWEPT and not SWEPT[kind]) or \
                     M > FUSED_ONLY_UP_TO.get(kind, M):
                 continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)

@@ -305,13 +305,15 @@ def test_fp8_fused_kernel_under_its_switch(gen, M, monkeypatch):
 def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch):
     from engine.ops.triton import fp8_block as tf
     from engine.ops.triton import splitk
-    cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
     for serial in (True, False):
         if not serial:       # no counters: the partials are summed by a second kernel
             monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
         for M in (1, 5, 16):
-            wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
-            _check_fp8(wo, w8a8, BF16, weight_only=False)
+            for swap_ab, block_n in ((False, 128), (True, 64), (True, 128), (True, 256)):
+                cfg = tf.Fp8Config("fused", block_m=16, block_n=block_n, split_k=split, swap_ab=swap_ab,
+                                   num_warps=8 if block_n == 256 else 4)
+                wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
+                _check_fp8(wo, w8a8, BF16, weight_only=False)
     monkeypatch.undo()
     assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0
 
@@ -474,11 +476,13 @@ def test_fp8_weight_only_paths_in_the_interpreter(gen, path, monkeypatch):
     assert locks is None or int(locks.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("split,serial", [(1, True), (2, True), (4, True), (4, False)])
+@pytest.mark.parametrize("split,serial,swap_ab", [(1, True, False), (2, True, True), (4, True, False),
+                                                   (4, False, True), (1, True, True)])
 @interpreter_test
-def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, monkeypatch):
+def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, swap_ab, monkeypatch):
     """The one-launch W8A8 kernel: x quantized per token and 128-group inside the K loop, K split in ranges summed
-    by the tile's last program (serial) or by a second kernel. The interpreter rounds to e4m3 its own way (not
+    by the tile's last program (serial) or by a second kernel, the weight tile on either side of the dot. The
+    interpreter rounds to e4m3 its own way (not
     always to nearest), so the reference takes x quantized by the interpreter's per_token_group_quant kernel: the
     same rounding; what is checked is the kernel's indexing, scales and split-K sums."""
     from engine.ops.triton import fp8_block as tf
@@ -489,7 +493,7 @@ def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, monkeypatch):
         w, s = random_fp8(N, K, (128, 128), device="cpu")
         x = torch.randn(M, K, generator=gen).to(BF16)
         b = torch.randn(N, generator=gen).to(BF16)
-        cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split)
+        cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split, swap_ab=swap_ab)
         y = tf.fp8_block_linear(x, w, s, (128, 128), b, config=cfg)
         xq, xs = tf.per_token_group_quant(x, 128)
         xd = (xq.float().reshape(M, -1, 128) * xs.reshape(M, -1, 1)).reshape(M, K)

@@ -102,10 +102,12 @@ def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, s
 def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, stride_xm,
                        stride_bn, stride_bsn, stride_bsk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                       HAS_BIAS: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr):
     # Program (tile, K range): each K step is one scale block; the tile's rows of x are quantized there as
     # _act_quant_kernel does (scale = amax / 448, q = x / scale in e4m3), so no quantized copy of x is written or
     # read, and the weights stream on the FP8 tensor cores. Split-K partials end in splitk_epilogue.
+    # SWAP_AB: out^T = W x^T, the weight tile on the dot's M side: Hopper's wgmma takes M in 64-row steps, so a
+    # 16-token tile otherwise runs as an fp16 mma (its e4m3 operands converted) instead of an fp8 wgmma.
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -118,17 +120,25 @@ def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     bs_ptrs = bs_ptr + (offs_n // BN_BLK) * stride_bsn + (k_begin // BK_BLK) * stride_bsk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for _ in range(k_begin, k_begin + K_SPLIT, BK_BLK):
         x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
         a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
         a = tl.clamp(x / a_s[:, None], -FP8_MAX, FP8_MAX).to(b_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
         b_s = tl.load(bs_ptrs, mask=n_mask, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if SWAP_AB:
+            acc += tl.dot(tl.trans(b), tl.trans(a)) * b_s[:, None] * a_s[None, :]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         x_ptrs += BK_BLK
         b_ptrs += BK_BLK
         bs_ptrs += stride_bsk
+    if SWAP_AB:
+        acc = tl.trans(acc)
     splitk_epilogue(acc, offs_m, offs_n, M, N, N, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k, SPLIT, SERIAL,
                     HAS_BIAS)
 
@@ -215,6 +225,7 @@ class Fp8Config:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    swap_ab: bool = False    # "fused": out^T = W x^T (the weight tile on the dot's M side)
 
 
 # Token counts where the paths cross over (measured on an H200, BENCHMARKS.md).
@@ -366,7 +377,7 @@ def _fused_w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
         x2, weight, weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
         M, N, K // split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
         BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, SERIAL=to.serial,
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     to.finish(bias, out)
     return out
 
