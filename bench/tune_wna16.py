@@ -135,7 +135,8 @@ def row(K, N, M, ms, kind="w4g128"):
 def configs_for(K, N, M):
     """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
     twins."""
-    out = list(dict.fromkeys(candidates(M) + [tf.default_config(M, N, K, 4, 128)]))
+    rules = [tf.default_config(M, N, K, 4, 128)] + ([tw.choose_config(1, N, K, 4, 128)] if M == 1 else [])
+    out = list(dict.fromkeys(candidates(M) + rules))
     return out + [replace(c, serial=False) for c in out
                   if isinstance(c, tf.FusedConfig) and c.serial and c.path == "gemv" and c.split_k > 1]
 
@@ -163,6 +164,7 @@ def sweep(shapes, buckets, jobs):
                 continue
             times = {c: ms for ms, c in res}
             default = times.get(tf.default_config(M, N, K, 4, 128), float("nan"))
+            old_rule = times.get(tw.choose_config(1, N, K, 4, 128), float("nan")) if M == 1 else float("nan")
             # The two split-K reductions on the same config (serial: one launch; pass: a second kernel), median
             # of the time ratios over the split-8 GEMV configs.
             pairs = [(times[c], times[replace(c, serial=False)]) for c in times
@@ -175,7 +177,8 @@ def sweep(shapes, buckets, jobs):
                 print(f"  top {name:8s} M={M:4d} {ms * 1e3:7.1f} us {row(K, N, M, ms)['TB/s']:.2f} TB/s  {cfg}")
             second = res[1][0] if len(res) > 1 else float("nan")
             print(f"sweep {name:8s} M={M:4d} best {res[0][0] * 1e3:7.1f} us  2nd {second * 1e3:7.1f}  "
-                  f"default {default * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  {res[0][1]}", flush=True)
+                  f"default {default * 1e3:7.1f}  wna16 gemv {old_rule * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  "
+                  f"{res[0][1]}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return best
@@ -197,10 +200,15 @@ def print_table(best):
 
 
 def kernels_op(which: str):
-    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels."""
+    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels; "old" at one token is
+    wna16's GEMV with its rule's tiles (the automatic choice there takes a TUNED_W4G128 entry, which the sweep
+    fills)."""
     def op(x, *w):
         os.environ["ENGINE_WNA16_KERNELS"] = which
-        return tw.wna16_linear(x, *w)
+        qweight, scales, zeros, group, bits = w
+        old_gemv = which == "old" and x.shape[0] == 1
+        cfg = tw.choose_config(1, qweight.shape[1], x.shape[1], bits, group) if old_gemv else None
+        return tw.wna16_linear(x, *w, config=cfg)
     return op
 
 
@@ -241,6 +249,9 @@ def main():
     ap.add_argument("--buckets", type=int, nargs="+", help="M buckets to sweep (default: all, or --quick's)")
     ap.add_argument("--top", type=int, default=5, help="configs printed per shape and bucket, fastest first")
     ap.add_argument("--no-sweep", action="store_true", help="only the A/B tables (the committed table)")
+    ap.add_argument("--ab-tokens", type=int, nargs="+", help="M of the per-shape A/B (default: all, or --quick's)")
+    ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256],
+                    help="M of the whole-decoder A/B")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -254,10 +265,10 @@ def main():
         print_table(best)
         tf.TUNED_W4G128.update({k: cfg for k, (_, cfg) in best.items()})   # the A/B below runs the tuned table
         result["best"] = {f"{k}": (ms * 1e3, repr(cfg)) for k, (ms, cfg) in best.items()}
-    result["shapes"] = ab_table(shapes, (1, 8, 64, 256) if args.quick else AB_TOKENS)
+    result["shapes"] = ab_table(shapes, args.ab_tokens or ((1, 8, 64, 256) if args.quick else AB_TOKENS))
     dec = {}
     print("\nwhole decoder's linears per step (36 layers x qkv, o, gate_up, down; one graph), ms:")
-    for M in (1, 64, 256):
+    for M in args.decoder_tokens:
         dec[f"bf16 M={M}"] = decoder_linears_ms(bf16_op, make_bf16, M)
         dec[f"old M={M}"] = decoder_linears_ms(old_op, make_w4, M)
         dec[f"fused M={M}"] = decoder_linears_ms(fused_op, make_w4, M)
