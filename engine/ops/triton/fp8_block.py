@@ -102,7 +102,7 @@ def _w8a8_block_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, s
 def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, stride_xm,
                        stride_bn, stride_bsn, stride_bsk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, GDC: tl.constexpr):
     # Program (tile, K range): each K step is one scale block; the tile's rows of x are quantized there as
     # _act_quant_kernel does (scale = amax / 448, q = x / scale in e4m3), so no quantized copy of x is written or
     # read, and the weights stream on the FP8 tensor cores. Split-K partials end in splitk_epilogue.
@@ -124,6 +124,7 @@ def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl.wait(GDC)   # a one-token launch is a programmatic dependent (pdl.py): x is the kernel before's output
     for _ in range(k_begin, k_begin + K_SPLIT, BK_BLK):
         x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
         a_s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
@@ -137,6 +138,7 @@ def _w8a8_fused_kernel(x_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr
         x_ptrs += BK_BLK
         b_ptrs += BK_BLK
         bs_ptrs += stride_bsk
+    pdl.launch_dependents(GDC)
     if SWAP_AB:
         acc = tl.trans(acc)
     splitk_epilogue(acc, offs_m, offs_n, M, N, N, bias_ptr, out_ptr, ws_ptr, lock_ptr, tile, pid_k, SPLIT, SERIAL,
@@ -377,7 +379,8 @@ def _fused_w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
         x2, weight, weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
         M, N, K // split, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
         BN_BLK=bn, BK_BLK=bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, SERIAL=to.serial,
-        HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.options(x2.device, M))
     to.finish(bias, out)
     return out
 
