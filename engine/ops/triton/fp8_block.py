@@ -268,11 +268,13 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
     # rows); for larger K (down_proj) its grid, which has no split-K, is too small and cuBLAS wins.
     one_token_triton = M == 1 and K <= 4096
     if w8a8 and M <= FUSED_MAX_M and fused_kernels_enabled():
-        # 128 columns per program halve the in-loop quantization per weight against 64 (3.8 instructions per
-        # weight on sm90, 2.6 on sm89, in the SASS); split-K fills the GPU, each range at least 4 scale blocks.
+        # 128 columns per program halve the in-loop quantization per weight against 64; on sm90 the weight tile
+        # is the dot's A side (swap-AB), so the product is an fp8 wgmma (2.5 loop instructions per weight in the
+        # SASS, 106 registers) instead of an fp16 mma on converted operands (3.8, 155); sm89's 16-row fp8 mma
+        # takes the tile as it is (2.6). Split-K fills the GPU, each range at least 4 scale blocks.
         split = split_for(triton.cdiv(N, 128), K // bk, cap=max(1, min(16, K // bk // 4)))
         return Fp8Config("fused", block_m=16, block_n=128, split_k=split, num_warps=4,
-                         num_stages=4 if hopper else 3)
+                         num_stages=4 if hopper else 3, swap_ab=hopper)
     if w8a8 and not one_token_triton and _cublas_blockwise_ok(x, N, K, block_size):
         return Fp8Config("cublas")
     if w8a8 and (M >= W8A8_TRITON_MIN_M or one_token_triton):
