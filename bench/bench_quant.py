@@ -248,7 +248,8 @@ def fp8_fused_configs():
     an fp8 wgmma on Hopper), split-K, pipeline depth."""
     return [tf.Fp8Config("fused", block_m=16, block_n=bn, split_k=split, num_warps=8 if bn == 256 else 4,
                          num_stages=stages, swap_ab=swap)
-            for swap in (False, True) for bn in (64, 128, 256) for split in (1, 2, 4, 8, 16) for stages in (3, 4)]
+            for swap in (False, True) for bn in ((64, 128, 256) if swap else (128,)) for split in (1, 2, 4, 8, 16)
+            for stages in (3, 4)]
 
 
 SWEEPS = {  # name -> (configs, ENGINE_FP8_WEIGHT_ONLY, table the fastest go to)
