@@ -172,7 +172,6 @@ DECODER_ONLY = {  # one-token variants timed on the whole decoder only
 }
 DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best",
                  "fp8-fused-best"]
-SWEPT = {"fp8-gemv-best": BEST_FP8_GEMV, "fp8-fused-best": BEST_FP8_FUSED}   # decoder kinds that need a sweep
 
 
 def set_env(env):
@@ -233,6 +232,7 @@ def probe_cublas_blockwise():
 
 BEST_FP8_GEMV: dict[tuple[int, int], tf.Fp8Config] = {}   # (K, N) -> fastest one-token GEMV tiles (sweep())
 BEST_FP8_FUSED: dict[tuple[int, int], tf.Fp8Config] = {}  # (K, N) -> fastest one-token fused W8A8 tiles
+SWEPT = {"fp8-gemv-best": BEST_FP8_GEMV, "fp8-fused-best": BEST_FP8_FUSED}   # decoder kinds that need a sweep
 
 
 def fp8_gemv_configs():

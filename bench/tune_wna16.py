@@ -132,11 +132,18 @@ def row(K, N, M, ms, kind="w4g128"):
     return {"us": ms * 1e3, "TB/s": nbytes / ms / 1e9, "TFLOP/s": 2 * M * N * K / ms / 1e9, "floor_us": floor * 1e3}
 
 
+PATHS = None    # --paths: the kernel families swept (None: all)
+
+
+def family(cfg) -> str:
+    return "wna16" if isinstance(cfg, tw.Wna16Config) else cfg.path
+
+
 def configs_for(K, N, M):
-    """The candidates, the default rule's config and (to compare the two split-K reductions) their serial=False
-    twins."""
+    """The candidates (of the --paths families), the default rules' configs and (to compare the two split-K
+    reductions) the gemv's serial=False twins."""
     rules = [tf.default_config(M, N, K, 4, 128)] + ([tw.choose_config(1, N, K, 4, 128)] if M == 1 else [])
-    out = list(dict.fromkeys(candidates(M) + rules))
+    out = list(dict.fromkeys([c for c in candidates(M) if PATHS is None or family(c) in PATHS] + rules))
     return out + [replace(c, serial=False) for c in out
                   if isinstance(c, tf.FusedConfig) and c.serial and c.path == "gemv" and c.split_k > 1]
 
@@ -249,6 +256,8 @@ def main():
     ap.add_argument("--buckets", type=int, nargs="+", help="M buckets to sweep (default: all, or --quick's)")
     ap.add_argument("--top", type=int, default=5, help="configs printed per shape and bucket, fastest first")
     ap.add_argument("--no-sweep", action="store_true", help="only the A/B tables (the committed table)")
+    ap.add_argument("--paths", nargs="+", choices=["gemv", "gemm", "wna16"],
+                    help="kernel families to sweep (default: all): wna16_fused's gemv or gemm, wna16's GEMV")
     ap.add_argument("--ab-tokens", type=int, nargs="+", help="M of the per-shape A/B (default: all, or --quick's)")
     ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256],
                     help="M of the whole-decoder A/B")
@@ -258,8 +267,8 @@ def main():
     shapes = LAYER
     result = {}
     if not args.no_sweep:
-        global TOP
-        TOP = args.top
+        global TOP, PATHS
+        TOP, PATHS = args.top, args.paths
         buckets = args.buckets or ((1, 8, 64, 256) if args.quick else GEMV_BUCKETS + GEMM_BUCKETS)
         best = sweep(shapes, buckets, args.jobs)
         print_table(best)
