@@ -399,7 +399,9 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch)
     # before their K loop. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
     # without PDL (a kernel reading its input early would not).
     from engine.ops import rms_norm, silu_and_mul
+    from engine.ops.triton import fp8_block as tfp8
     from engine.ops.triton import pdl
+    from engine.ops.triton import wna16 as tw4
     from engine.ops.triton.fp8_block import Fp8Config
     from engine.ops.triton.wna16_fused import FusedConfig
     if not pdl.enabled(torch.device("cuda"), 1):
@@ -411,13 +413,13 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch)
                   for _ in range(4)]
         cfg = Fp8Config("fused", block_m=16, block_n=128, split_k=4, num_stages=4, swap_ab=True) \
             if weights == "fp8-fused" else None
-        linear = lambda x, w: fp8_block_linear(x, *w, (128, 128), config=cfg)  # noqa: E731
+        linear = lambda x, w: tfp8.fp8_block_linear(x, *w, (128, 128), config=cfg)  # noqa: E731
     else:
         layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
                    random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
         cfg = FusedConfig("gemm", block_n=64, split_k=4, block_m=16, num_stages=4, swap_ab=True) \
             if weights == "4-bit-gemm" else None
-        linear = lambda x, w: wna16_linear(x, *w, 128, 4, config=cfg)  # noqa: E731
+        linear = lambda x, w: tw4.wna16_linear(x, *w, 128, 4, config=cfg)  # noqa: E731
     norm_w = (torch.rand(K, device="cuda") + 0.5).to(BF16)
     inputs = [torch.randn(1, K, device="cuda", dtype=BF16) for _ in range(2)]
 
