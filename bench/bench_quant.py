@@ -97,11 +97,14 @@ def _fp8(cfg=None):
 
 def _fp8_fused(x, *args):
     """fp8_block_linear under ENGINE_FP8_KERNELS=fused (up to 16 tokens: one launch, x quantized in the K loop)."""
+    before = os.environ.get("ENGINE_FP8_KERNELS")
     os.environ["ENGINE_FP8_KERNELS"] = "fused"
     try:
         return tf.fp8_block_linear(x, *args)
     finally:
-        os.environ["ENGINE_FP8_KERNELS"] = "old"
+        os.environ.pop("ENGINE_FP8_KERNELS")
+        if before is not None:
+            os.environ["ENGINE_FP8_KERNELS"] = before
 
 
 def _w4_dequant(x):
@@ -144,7 +147,7 @@ KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP 
     "w4g128": (make_w4, _w4(), None, "w4g128", BF16_RATE),                 # automatic path
     "w4-dq": (make_w4, _w4(_w4_dequant), None, "w4g128", BF16_RATE),       # dequantize + cuBLAS forced (M > 1)
     "w4-swept": (make_w4, _w4_swept, None, "w4g128", BF16_RATE),           # W4_SWEPT's fused tiles past 64 tokens
-    "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (H200: cuBLAS W8A8)
+    "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (Hopper: fused to 16, cuBLAS)
     "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
     "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
     "fp8-fused": (make_fp8, _fp8_fused, "0", "fp8", FP8_RATE),             # ENGINE_FP8_KERNELS=fused (M <= 16)

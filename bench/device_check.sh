@@ -90,11 +90,11 @@ for s in $STAGES; do
       for q in ${QUANTS:-none awq fp8}; do
         stage "offline benchmark, weights: $q"
         fmt=${q%+kv8}; kv=auto; [ "$fmt" != "$q" ] && kv=fp8
-        q_fmt=$fmt; fmt=${q_fmt%+fused}; kernels=old; [ "$fmt" != "$q_fmt" ] && kernels=fused
+        q_fmt=$fmt; fmt=${q_fmt%+fused}; fp8k=auto; w4k=old; [ "$fmt" != "$q_fmt" ] && fp8k=fused && w4k=fused
         dir=/tmp/q8-$fmt
         if [ "$fmt" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
         else python3 bench/synthetic_model.py $dir --quantization $fmt > /dev/null; fi
-        ENGINE_FP8_KERNELS=$kernels ENGINE_WNA16_KERNELS=$kernels timeout "${QBENCH_T:-200}" python3 bench/offline.py \
+        ENGINE_FP8_KERNELS=$fp8k ENGINE_WNA16_KERNELS=$w4k timeout "${QBENCH_T:-200}" python3 bench/offline.py \
           --model $dir --load-format dummy --kv-cache-dtype $kv ${QBENCH_ARGS:-} \
           --out "$OUT/offline_$q.json" > "$OUT/offline_$q.txt" 2>&1; echo "rc=$?"
         grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4

@@ -63,6 +63,8 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
                     out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps))
         # The swap-AB gemm with the token padded to 16 rows: its packed weights feed tl.dot, so Triton pipelines
         # their loads through shared memory (cp.async, num_stages deep), where the GEMVs keep one tile in flight.
+        # On an H100 it lost to wna16's GEMV at every 8B shape (o 10.6 against 8.2 us, down 22.9 against 16.0;
+        # docs/perf-log.md, sixteenth session).
         for bn in (64, 128):
             for bk in (64, 128):
                 for split in (2, 4, 8, 16):
@@ -207,15 +209,10 @@ def print_table(best):
 
 
 def kernels_op(which: str):
-    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels; "old" at one token is
-    wna16's GEMV with its rule's tiles (the automatic choice there takes a TUNED_W4G128 entry, which the sweep
-    fills)."""
+    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels."""
     def op(x, *w):
         os.environ["ENGINE_WNA16_KERNELS"] = which
-        qweight, scales, zeros, group, bits = w
-        old_gemv = which == "old" and x.shape[0] == 1
-        cfg = tw.choose_config(1, qweight.shape[1], x.shape[1], bits, group) if old_gemv else None
-        return tw.wna16_linear(x, *w, config=cfg)
+        return tw.wna16_linear(x, *w)
     return op
 
 

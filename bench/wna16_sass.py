@@ -101,7 +101,7 @@ def main():
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
     for c in GEMM:
         w, st = c["num_warps"], c["num_stages"]
-        consts = common | {"SPLIT": 1, "SERIAL": False, "GROUP_M": 8, "GDC": False} | \
+        consts = common | {"SPLIT": 1, "SERIAL": False, "GROUP_M": 8} | \
             {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}
         report(f"sm{args.cap} gemm BM={c['BLOCK_M']} BN={c['BLOCK_N']} BK={c['BLOCK_K']} swap={c['SWAP_AB']} "
                f"warps={w} stages={st}", tf._wna16_gemm_kernel, consts, w, st,

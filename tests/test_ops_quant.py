@@ -315,7 +315,8 @@ def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch)
                 wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
                 _check_fp8(wo, w8a8, BF16, weight_only=False)
     monkeypatch.undo()
-    assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0
+    locks = splitk._LOCKS.get(torch.device("cuda", 0))     # none at split 1 when this test runs alone
+    assert locks is None or int(locks.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("path", ["gemv", "dequant"])
@@ -391,19 +392,16 @@ def test_programmatic_dependent_launch_is_for_one_token_launches_on_hopper(monke
 
 
 @gpu_test
-@pytest.mark.parametrize("weights", ["4-bit", "4-bit-gemm", "fp8", "fp8-fused"])
+@pytest.mark.parametrize("weights", ["4-bit", "fp8", "fp8-fused"])
 def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch):
     # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
     # a one-token GEMV (4-bit, or FP8 weight-only) loads weights before it waits for the RMSNorm or SwiGLU before
-    # it, and those wait for the GEMV before them; the one-token GEMMs (4-bit swap-AB, FP8 one-launch W8A8) wait
-    # before their K loop. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
+    # it, and those wait for the GEMV before them; the FP8 one-launch W8A8 kernel waits before its K loop. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
     # without PDL (a kernel reading its input early would not).
     from engine.ops import rms_norm, silu_and_mul
     from engine.ops.triton import fp8_block as tfp8
     from engine.ops.triton import pdl
-    from engine.ops.triton import wna16 as tw4
     from engine.ops.triton.fp8_block import Fp8Config
-    from engine.ops.triton.wna16_fused import FusedConfig
     if not pdl.enabled(torch.device("cuda"), 1):
         pytest.skip("programmatic dependent launch needs sm90+")
     K, inter = 4096, 2048
@@ -417,9 +415,7 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch)
     else:
         layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
                    random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
-        cfg = FusedConfig("gemm", block_n=64, split_k=4, block_m=16, num_stages=4, swap_ab=True) \
-            if weights == "4-bit-gemm" else None
-        linear = lambda x, w: tw4.wna16_linear(x, *w, 128, 4, config=cfg)  # noqa: E731
+        linear = lambda x, w: wna16_linear(x, *w, 128, 4)  # noqa: E731
     norm_w = (torch.rand(K, device="cuda") + 0.5).to(BF16)
     inputs = [torch.randn(1, K, device="cuda", dtype=BF16) for _ in range(2)]
 

@@ -307,7 +307,7 @@ def test_dense_causal_attention_is_the_paged_reference(hq, hk, block_size, extra
 
 
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16, F16]))
-@pytest.mark.parametrize("n", [1024, 4097])
+@pytest.mark.parametrize("n", [3072, 4097])    # DENSE_PREFILL_MIN_TOKENS and past it
 def test_long_fresh_prefill(device, dtype, n, gen, monkeypatch):
     """A long new prompt at the 8B's heads (32 / 8 x 128): on Hopper cuDNN's attention (DENSE_PREFILL_MIN_TOKENS),
     elsewhere the prefill kernel; both the reference's result, and both with the threshold moved out of reach."""

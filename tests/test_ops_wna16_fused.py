@@ -143,10 +143,9 @@ def test_by_default_one_token_runs_the_gemv_and_2_to_64_tokens_the_fused_gemm(de
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_at_one_token_and_past_64_the_gemm_runs_only_where_the_table_holds_a_config(device, monkeypatch):
-    """Beyond wna16.DEQUANT_MIN_M tokens dequantize + cuBLAS is the default, at one token wna16's GEMV; a
-    TUNED_W4G128 entry for the shape and bucket (measured faster there, Hopper) sends those tokens to the fused
-    GEMM with its config."""
+def test_past_64_tokens_the_gemm_runs_only_where_the_table_holds_a_config(device, monkeypatch):
+    """Beyond wna16.DEQUANT_MIN_M tokens dequantize + cuBLAS is the default; a TUNED_W4G128 entry for the shape
+    and bucket (measured faster there, Hopper) sends those tokens to the fused GEMM with its config."""
     monkeypatch.delenv("ENGINE_WNA16_KERNELS", raising=False)
     monkeypatch.setattr(tf, "is_hopper", lambda device: True)
     K, N = 256, 64
@@ -156,8 +155,7 @@ def test_at_one_token_and_past_64_the_gemm_runs_only_where_the_table_holds_a_con
     configs = []
     real = tf.fused_linear
     monkeypatch.setattr(tf, "fused_linear", lambda *a: configs.append(a[-1]) or real(*a))
-    monkeypatch.setitem(tf.TUNED_W4G128, (N, K, 1), tuned)       # one token: the table's config too
-    for M, expected in ((1, [tuned]), (65, [tuned]), (128, [tuned]), (129, []), (300, [])):
+    for M, expected in ((65, [tuned]), (128, [tuned]), (129, []), (300, [])):
         configs.clear()
         x = torch.randn(M, K).to(F16).to(device)
         y = tw.wna16_linear(x, qweight, scales, zeros, 128, 4)

@@ -33,9 +33,10 @@ LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 64   # keys per decode tile: 16 KB of K plus 16 KB of V per stage in bf16 at D=128
 SHORT_PREFILL_TOKENS = 2048   # prefills up to this many query tokens take 64-row tiles on Hopper (tile_config)
 MAX_SPLITS = 32   # H200 sweep (bench_ops --sweep-splits), batch 1: 32 splits beat 64 at every context (512-8192)
-# A fresh prefill of at least this many tokens runs on cuDNN (module docstring); read at call time (bench/
-# dense_prefill.py patches it). Prefill CUDA graphs never take it: they hold two sequences.
-DENSE_PREFILL_MIN_TOKENS = 1024
+# A fresh prefill of at least this many tokens runs on cuDNN (module docstring): the measured crossover of time
+# to first token (below it the K/V copy and the extra launches per layer cost more than cuDNN saves; BENCHMARKS.md).
+# Read at call time (bench/dense_prefill.py patches it). Prefill CUDA graphs never take it: they hold two sequences.
+DENSE_PREFILL_MIN_TOKENS = 3072
 
 
 @triton.jit

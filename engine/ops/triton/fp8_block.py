@@ -3,9 +3,11 @@
 Two families of paths (QUANT_CONTRACT.md), chosen per call by fp8_block_linear below:
 - W8A8, on GPUs with FP8 tensor cores (sm89+): activations quantized to e4m3 per token and group of bk
   (`per_token_group_quant`), then a block-scaled GEMM: cuBLAS through torch._scaled_mm where it takes block
-  scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`. With
-  ENGINE_FP8_KERNELS=fused, up to FUSED_MAX_M tokens run `_w8a8_fused_kernel` instead: one launch that quantizes
-  its rows of x in the K loop (the same e4m3 values and scales) and splits K to fill the GPU (not yet measured).
+  scales (sm90, 128x128 weight blocks), else the Triton kernel `_w8a8_block_kernel`. On Hopper (elsewhere with
+  ENGINE_FP8_KERNELS=fused) up to FUSED_MAX_M tokens run `_w8a8_fused_kernel` instead: one launch that quantizes
+  its rows of x in the K loop (the same e4m3 values and scales), takes the weight tile on the dot's M side
+  (swap-AB: an fp8 wgmma) and splits K to fill the GPU; measured faster at 1 and 8 tokens (BENCHMARKS.md).
+  ENGINE_FP8_KERNELS=old keeps the two launches.
 - weight-only: a GEMV for one token (e4m3 converted in registers and multiplied in float32 with the activations,
   which carry the block scales; split-K summed in one launch; PDL on sm90), and dequantize-then-cuBLAS for more
   tokens. This is the path of sm80/86 (no FP8 tensor
@@ -235,15 +237,17 @@ W8A8_MIN_M = 1           # cuBLAS's block-scaled GEMM streams FP8 weights faster
 W8A8_TRITON_MIN_M = 2    # where cuBLAS has no block scales (sm89), one token goes to the weight-only GEMV
 CUBLAS_ROW_ALIGN = 8     # cuBLAS refuses 1x128 activation scales for token counts that are not a multiple
 
-FUSED_MAX_M = 16         # ENGINE_FP8_KERNELS=fused: _w8a8_fused_kernel's one row tile
+FUSED_MAX_M = 16         # _w8a8_fused_kernel's one row tile
 
 _cublas_refused: set[torch.dtype] = set()
 
 
-def fused_kernels_enabled() -> bool:
-    """ENGINE_FP8_KERNELS=fused sends W8A8 steps of up to FUSED_MAX_M tokens to _w8a8_fused_kernel; read per
-    call, for A/B measurements in one process."""
-    return os.environ.get("ENGINE_FP8_KERNELS", "old") == "fused"
+def fused_kernels_enabled(hopper: bool) -> bool:
+    """Whether W8A8 steps of up to FUSED_MAX_M tokens go to _w8a8_fused_kernel. ENGINE_FP8_KERNELS: "auto"
+    (default) on Hopper, where it measured faster (BENCHMARKS.md); "fused" on every GPU with FP8 tensor cores;
+    "old" never. Read per call, for A/B measurements in one process."""
+    mode = os.environ.get("ENGINE_FP8_KERNELS", "auto")
+    return mode == "fused" or (mode == "auto" and hopper)
 
 
 def weight_only_forced() -> bool:
@@ -267,7 +271,7 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
     # One token with K <= 4096: the Triton kernel streams the weights faster than cuBLAS (it needs no padded
     # rows); for larger K (down_proj) its grid, which has no split-K, is too small and cuBLAS wins.
     one_token_triton = M == 1 and K <= 4096
-    if w8a8 and M <= FUSED_MAX_M and fused_kernels_enabled():
+    if w8a8 and M <= FUSED_MAX_M and fused_kernels_enabled(hopper):
         # 128 columns per program halve the in-loop quantization per weight against 64; on sm90 the weight tile
         # is the dot's A side (swap-AB), so the product is an fp8 wgmma (2.5 loop instructions per weight in the
         # SASS, 106 registers) instead of an fp16 mma on converted operands (3.8, 155); sm89's 16-row fp8 mma

@@ -3,13 +3,13 @@ before it still runs, so launch latency and a weight-streaming kernel's first lo
 
 Two constexpr-guarded instructions (GDC: emitted only where `enabled` says so; sm80-89 have neither):
 - `launch_dependents`: once every program of this kernel has passed it, the next kernel (if launched with PDL:
-  `options`) may launch. The one-token linears (4-bit GEMV and swap-AB GEMM, FP8 weight-only GEMV and one-launch
-  W8A8) call it after their K loop; the small kernels between the linears (RMSNorm, SwiGLU, q/k norm + RoPE,
+  `options`) may launch. The one-token linears (4-bit GEMV, FP8 weight-only GEMV and one-launch W8A8)
+  call it after their K loop; the small kernels between the linears (RMSNorm, SwiGLU, q/k norm + RoPE,
   decode attention) at their top, through `start`.
 - `wait`: returns when the kernel before has finished and its writes are visible. A kernel launched with
   `options` loads nothing another kernel writes, and stores nothing, before it: the small kernels wait at their
-  top (`start`); a GEMV first loads its first weight tile, which no kernel writes; the GEMMs wait before their
-  K loop (their pipelined loads of x start there).
+  top (`start`); a GEMV first loads its first weight tile, which no kernel writes; the one-launch W8A8 kernel
+  waits before its K loop (its pipelined loads of x start there).
 Kernels launched without PDL wait for the one before as always, so ordering holds down the stream (a kernel's
 wait returns after the one before has finished, which waited for its own predecessor). CUDA graphs capture the
 programmatic edges. Only one-token launches use PDL: with more tokens the linears are GEMMs that neither let the

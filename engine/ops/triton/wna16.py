@@ -3,8 +3,7 @@
 wna16_linear chooses by the number of tokens M (measured on an H100, BENCHMARKS.md):
 - M == 1: this module's GEMV. Each program streams a column strip of the packed weight; the fields-as-floats
   arithmetic (_fields_step) spends one LOP3 and one FMA per weight. Split-K ranges are summed by the tile's last
-  program (splitk.splitk_epilogue), and on sm90+ the kernel is a programmatic dependent launch (pdl.py). Where
-  wna16_fused.TUNED_W4G128 holds a one-token config for the shape (measured faster), that config runs instead.
+  program (splitk.splitk_epilogue), and on sm90+ the kernel is a programmatic dependent launch (pdl.py).
 - 2 <= M <= DEQUANT_MIN_M: wna16_fused's GEMM, which dequantizes each packed tile in its K loop for the tensor
   cores (also the fallback: groups too small for a 16-deep dot go to dequantize-then-cuBLAS).
 - M > DEQUANT_MIN_M: dequantize the whole weight to x.dtype, then cuBLAS (the GEMM is compute-bound there),
@@ -185,7 +184,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return out.reshape(*lead, N)
     if config is None and (fused_kernels_enabled() or 2 <= M <= DEQUANT_MIN_M):
         config = wna16_fused.choose_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
-    elif config is None and (M == 1 or M > DEQUANT_MIN_M):
+    elif config is None and M > DEQUANT_MIN_M:
         config = wna16_fused.tuned_config(M, N, K, bits, group_size, wna16_fused.is_hopper(x.device))
     if isinstance(config, wna16_fused.FusedConfig):
         out = wna16_fused.fused_linear(x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), group_size,

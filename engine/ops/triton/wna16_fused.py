@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.triton import pdl
 from engine.ops.triton.splitk import fit_split, grouped_tile, split_for, split_targets, splitk_epilogue
 
 ONE_BITS = 0x3F800000   # float32 bits of 1.0
@@ -193,7 +192,7 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
                        stride_xm, stride_qk, stride_sg, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        SWAP_AB: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       EVEN_N: tl.constexpr, GDC: tl.constexpr):
+                       EVEN_N: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     dtype: tl.constexpr = x_ptr.dtype.element_ty
@@ -210,8 +209,6 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # A one-token launch is a programmatic dependent (pdl.py): x is the kernel before's output.
-    pdl.wait(GDC)
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
         q = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
         g_off = (k0 // GROUP) * stride_sg + offs_n   # scales are small: int32 offsets
@@ -225,7 +222,6 @@ def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
             acc = tl.dot(a, tl.trans(w), acc)
         q_ptrs += BLOCK_KP * stride_qk
         x_ptrs += BLOCK_K
-    pdl.launch_dependents(GDC)
     if SWAP_AB:
         res = tl.trans(acc)
     else:
@@ -375,6 +371,6 @@ def fused_linear(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         _wna16_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_KP=block_k // pack, **common)
     else:
         _wna16_gemm_kernel[grid](*args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                                 GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common, **pdl.options(x2.device, M))
+                                 GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, **common)
     to.finish(bias, out)
     return out
