@@ -132,8 +132,9 @@ def launch_everything(capability: int) -> None:
                 wna16.wna16_linear(x, qweight, scales, zeros, 128, 4, config=fused)
             weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
-            if capability >= 89 and tokens <= fp8_block.FUSED_MAX_M:   # Hopper's default, sm89's opt-in
-                os.environ["ENGINE_FP8_KERNELS"] = "fused"
+            if capability >= 89 and tokens <= fp8_block.FUSED_MAX_M:
+                # The one-launch kernel is Hopper's default and sm89's opt-in: the other choice too.
+                os.environ["ENGINE_FP8_KERNELS"] = "old" if capability >= 90 else "fused"
                 quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
                 del os.environ["ENGINE_FP8_KERNELS"]
     # Split-K's second-kernel reduction: what a graph captured before any eager launch runs (splitk.split_locks).
