@@ -263,7 +263,8 @@ def _cublas_blockwise_ok(x: torch.Tensor, N: int, K: int, block_size: tuple[int,
 
 
 def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) -> Fp8Config:
-    """Path and tiles by token count and GPU; the choices are the fastest measured at the 8B shapes on an H200."""
+    """Path and tiles by token count and GPU: the fastest measured at the 8B shapes (H200; the one-launch kernel's
+    tiles on an H100)."""
     M = x.shape[0]
     bk = block_size[1]
     w8a8 = not weight_only_forced() and has_fp8_tensor_cores(x.device) and K % bk == 0 and M >= W8A8_MIN_M
@@ -272,11 +273,10 @@ def choose_config(x: torch.Tensor, N: int, K: int, block_size: tuple[int, int]) 
     # rows); for larger K (down_proj) its grid, which has no split-K, is too small and cuBLAS wins.
     one_token_triton = M == 1 and K <= 4096
     if w8a8 and M <= FUSED_MAX_M and fused_kernels_enabled(hopper):
-        # 128 columns per program halve the in-loop quantization per weight against 64; on sm90 the weight tile
-        # is the dot's A side (swap-AB), so the product is an fp8 wgmma (2.5 loop instructions per weight in the
-        # SASS, 106 registers) instead of an fp16 mma on converted operands (3.8, 155); sm89's 16-row fp8 mma
-        # takes the tile as it is (2.6). Split-K fills the GPU, each range at least 4 scale blocks.
-        if hopper:   # an H100 sweep's fastest tiles (64 columns, 3 stages; split 8, 2 for gate_up's 24576 columns)
+        # Hopper: swap-AB (an fp8 wgmma) with an H100 sweep's fastest tiles, split 2 for gate_up's 24576 columns.
+        # sm89 (opt-in): 128 columns halve the in-loop quantization per weight; split-K fills the GPU, each range
+        # at least 4 scale blocks.
+        if hopper:
             return Fp8Config("fused", block_m=16, block_n=64, split_k=2 if N >= 16384 else 8, num_warps=4,
                              num_stages=3, swap_ab=True)
         split = split_for(triton.cdiv(N, 128), K // bk, cap=max(1, min(16, K // bk // 4)))
