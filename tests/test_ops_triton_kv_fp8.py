@@ -110,3 +110,18 @@ def test_paged_decode_splits_fp8(device, dtype, splits, gen, monkeypatch):
         monkeypatch.setattr(attn, "decode_num_splits", lambda *args: splits)
     decodes = [0, 1, 65, 600, int(torch.randint(1, 600, (1,), generator=gen))]
     check_paged_fp8(*fp8_batch(gen, decodes, [], 8, 2, 128, 16, dtype, device), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([], [BF16, F16, F32]))
+def test_native_fp8_decode_gives_the_integer_decodes_bits(device, dtype, gen, monkeypatch):
+    """sm89+ decodes e4m3 with the GPU's conversion, older GPUs with integer operations: both yield the exact
+    e4m3 values, so attention gives the same bits either way (decodes with splits, and prefill chunks)."""
+    import engine.ops.triton.attention as attn
+    if not attn.fp8_native(torch.device(device)):
+        pytest.skip("this GPU has no e4m3 conversion (sm89+)")
+    decodes = [1, 65, 600, int(torch.randint(1, 600, (1,), generator=gen))]
+    q, k_cache, v_cache, md = fp8_batch(gen, decodes, [(129, 600), (64, 127)], 8, 2, 128, 16, dtype, device)
+    scale = q.shape[-1] ** -0.5
+    native = attn.paged_attention(q, k_cache, v_cache, md, scale)
+    monkeypatch.setattr(attn, "fp8_native", lambda device: False)
+    assert torch.equal(native, attn.paged_attention(q, k_cache, v_cache, md, scale))

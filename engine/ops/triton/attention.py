@@ -13,8 +13,13 @@ head row (D contiguous elements) is the unit of coalescing either way, so every 
 any positive integer works, powers of two turn // and % into shifts) takes the same code path.
 
 An fp8 KV cache (--kv-cache-dtype fp8) arrives as bytes (kv_cache.kernel_view) with KV_FP8 set: each K and V
-tile is decoded to q's dtype right after its load, so the dots and the softmax run as on a model-dtype cache and
-only the bytes read change. KV_FP8 is a constexpr: the model-dtype kernels compile exactly as without it.
+tile is decoded right after its load, to fp16 when q is 16-bit (q joins it there; fp32 q keeps fp32), so the
+softmax runs as on a model-dtype cache and only the bytes read change. fp16 holds every e4m3 value exactly, and
+bf16's values up to 65504 (q is clamped there); its dots keep more of p's bits than bf16's. The decode is the
+instruction count that matters: the kernels are memory-bound on a model-dtype cache, and with the integer decode
+(kv_cache.fp8e4m3_to_float) an fp8 tile cost ~3.4x the loop instructions of a bf16 one (sm90 SASS), as long as
+reading twice the bytes. FP8_NATIVE (sm89+) decodes with the GPU's conversion instead. Both are constexprs: the
+model-dtype kernels compile exactly as without them.
 """
 from __future__ import annotations
 
@@ -42,11 +47,15 @@ DENSE_PREFILL_MIN_TOKENS = 3072
 @triton.jit
 def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
             offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+            FP8_NATIVE: tl.constexpr):
     """Online softmax of q ([M, BLOCK_D]) against keys n_lo..n_hi-1. k_ptr/v_ptr already point at the kv
     head (and, unpaged, at the segment's first token). MASKED: mask keys >= n_hi (the range's ragged end);
     CAUSAL: also keys after each row's position q_pos. Unmasked ranges must hold whole tiles only. KV_FP8: K and
-    V are e4m3 bytes, decoded to q's dtype after the load."""
+    V are e4m3 bytes, decoded after the load to fp16 (16-bit q, taken there too) or fp32 (module docstring)."""
+    if KV_FP8:
+        if q.dtype.primitive_bitwidth == 16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         pos = start_n + offs_n
@@ -59,7 +68,7 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = fp8e4m3_to_float(k, q.dtype)
+            k = fp8e4m3_to_float(k, q.dtype, FP8_NATIVE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if CAUSAL:
             s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -68,7 +77,7 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            v = fp8e4m3_to_float(v, q.dtype)
+            v = fp8e4m3_to_float(v, q.dtype, FP8_NATIVE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
 
@@ -93,7 +102,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, GDC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, GDC: tl.constexpr):
     # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
     # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
     # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
@@ -123,7 +132,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + head_off, v_ptr + head_off,
                             bt_ptr + seq.to(tl.int64) * stride_bt, n_lo, n_hi, offs_g, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
+                            PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
+                            FP8_NATIVE=FP8_NATIVE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -166,7 +176,8 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_o
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_decodes, num_seqs,
                     stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+                    FP8_NATIVE: tl.constexpr):
     # Grid (q head, query block); the head varies fastest, so the heads sharing a kv head run side by side
     # and reuse its K/V from L2. Query block b of prefill sequence i has the global id
     # qsl[i] // BLOCK_M + i + b: ids increase with i and each sequence owns at least cdiv(q_len, BLOCK_M)
@@ -209,13 +220,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
+                            PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
+                            FP8_NATIVE=FP8_NATIVE)
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
                             qk_scale, stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
-                            PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8)
+                            PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
+                            FP8_NATIVE=FP8_NATIVE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (seq_len 0) stay 0, like the reference
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@functools.cache
+def _fp8_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton converts e4m3 on this device (sm89+; not in the CPU interpreter)."""
+    return device.type == "cuda" and _fp8_capable(device.index if device.index is not None
+                                                  else torch.cuda.current_device())
 
 
 @functools.cache
@@ -316,6 +340,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bt = md.block_tables
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     qsl = md.query_start_loc_cpu
+    native = kv_fp8 and fp8_native(q.device)
 
     num_decodes = md.num_decodes
     if num_decodes > 0:
@@ -332,7 +357,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
-            num_warps=warps, num_stages=stages, **gdc)
+            FP8_NATIVE=native, num_warps=warps, num_stages=stages, **gdc)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
@@ -348,7 +373,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, bt, md.seq_lens, md.query_start_loc, out, qk_scale, num_decodes, num_seqs,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, KV_FP8=kv_fp8, num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, KV_FP8=kv_fp8, FP8_NATIVE=native, num_warps=warps,
+            num_stages=stages)
     if qsl[num_seqs] < num_tokens:  # tokens outside every sequence: zeros, as the reference leaves them
         out[qsl[num_seqs]:].zero_()
     return out

@@ -22,10 +22,14 @@ def kernel_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 @triton.jit
-def fp8e4m3_to_float(b, DTYPE: tl.constexpr):
-    """e4m3fn bytes (uint8) -> their values in DTYPE. The byte's exponent and mantissa bits, moved into an fp16's
+def fp8e4m3_to_float(b, DTYPE: tl.constexpr, NATIVE: tl.constexpr):
+    """e4m3fn bytes (uint8) -> their values in DTYPE (exact in fp16, bf16 and fp32). NATIVE (sm89+): the GPU's
+    own conversion (two values per instruction). Else the byte's exponent and mantissa bits, moved into an fp16's
     (sign to bit 15, the rest shifted left by 7), are an fp16 whose value is the e4m3 value / 2^8 for normals and
-    subnormals alike (the exponent biases are 15 and 7); scaling by 2^8 in fp32 is exact."""
+    subnormals alike (the exponent biases are 15 and 7); scaling by 2^8 in fp32 is exact. The NaN bytes
+    (0x7f/0xff), which the encoder never writes, decode as NaN natively and as 480 from the bits."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(DTYPE)
     h = b.to(tl.uint16)
     bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
     return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
