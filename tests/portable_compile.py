@@ -82,6 +82,7 @@ def pose_as(capability: int) -> None:
     fp8_block._cublas_blockwise_ok = lambda *a: False      # sm90 takes cuBLAS there: compile Triton's fallback
     wna16_fused.is_hopper = lambda device: capability >= 90
     t_attention.cudnn_attention_usable = lambda *a: False
+    t_attention.fp8_native = lambda device: capability >= 89   # an fp8 KV cache's e4m3 decode
     torch.mm = lambda a, b, out=None: out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
     torch.addmm = lambda c, a, b, out=None, **kw: out if out is not None else torch.empty(
         a.shape[0], b.shape[1], dtype=a.dtype)
