@@ -150,15 +150,17 @@ def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir, monkeypatch):
     assert sorted(graphs.graphs) == [(256, 1, False), (256, 1, True), (256, 2, True)]
 
 
-def test_a_long_new_prompt_runs_its_attention_dense_and_matches_the_kernel(qwen3_vl_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_long_new_prompt_runs_its_attention_dense_and_matches_the_kernel(qwen3_vl_dir, monkeypatch,
+                                                                           kv_cache_dtype):
     """A new prompt of DENSE_PREFILL_MIN_TOKENS or more (eager: past the prefill graphs' sizes; the threshold
-    lowered to 1024 here for a short prompt) takes torch's fused attention on Hopper in bf16: the greedy tokens and
-    log-probs of the Triton prefill kernel's run."""
+    lowered to 1024 here for a short prompt) takes torch's fused attention on Hopper in bf16, on a bf16 or an fp8
+    cache: the greedy tokens and log-probs of the Triton prefill kernel's run."""
     import random
 
     from engine.ops.triton import attention as attn
     monkeypatch.setattr(attn, "DENSE_PREFILL_MIN_TOKENS", 1024)
-    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16")
+    llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
     prompt = {"prompt_token_ids": [rng.randrange(vocab // 10, vocab) for _ in range(1500)]}

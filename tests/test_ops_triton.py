@@ -308,11 +308,14 @@ def test_dense_causal_attention_is_the_paged_reference(hq, hk, block_size, extra
 
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16, F16]))
 @pytest.mark.parametrize("n", [3072, 4097])    # DENSE_PREFILL_MIN_TOKENS and past it
-def test_long_fresh_prefill(device, dtype, n, gen, monkeypatch):
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_long_fresh_prefill(device, dtype, n, kv, gen, monkeypatch):
     """A long new prompt at the 8B's heads (32 / 8 x 128): on Hopper cuDNN's attention (DENSE_PREFILL_MIN_TOKENS),
-    elsewhere the prefill kernel; both the reference's result, and both with the threshold moved out of reach."""
+    elsewhere the prefill kernel; both the reference's result, and both with the threshold moved out of reach.
+    An fp8 cache takes the same paths (its K/V decoded)."""
     import engine.ops.triton.attention as attn
-    batch = make_batch(gen, [], [(n, n)], 32, 8, 128, 16, dtype, device, extra_tokens=2)
+    q, k_cache, v_cache, md = make_batch(gen, [], [(n, n)], 32, 8, 128, 16, dtype, device, extra_tokens=2)
+    batch = (q, as_kv_cache(k_cache, kv), as_kv_cache(v_cache, kv), md)
     check_paged(*batch, dtype)
     monkeypatch.setattr(attn, "DENSE_PREFILL_MIN_TOKENS", 1 << 30)
     check_paged(*batch, dtype)

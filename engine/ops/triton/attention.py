@@ -4,7 +4,7 @@ functions).
 
 One long prefill with nothing cached before it (a new prompt's time to first token) goes to cuDNN's fused
 attention instead on Hopper (`DENSE_PREFILL_MIN_TOKENS`), where it is faster than the kernel here
-(BENCHMARKS.md, "Prefill attention"); its K/V are copied out of the cache for it.
+(BENCHMARKS.md, "Prefill attention"); its K/V are copied out of the cache for it (an fp8 cache's decoded).
 
 All of them share `attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
 scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
@@ -320,18 +320,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share one dense layout"
-    (k_cache, kv_fp8), (v_cache, _) = kernel_view(k_cache), kernel_view(v_cache)
-    assert kv_fp8 or q.dtype == k_cache.dtype == v_cache.dtype, \
-        f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
     assert num_q_heads % num_kv_heads == 0
     q = q if q.stride(-1) == 1 else q.contiguous()
     fresh = fresh_prefill_len(md)
-    if fresh >= DENSE_PREFILL_MIN_TOKENS and not kv_fp8 and cudnn_attention_usable(q.dtype, head_dim, q.device):
-        try:
+    if fresh >= DENSE_PREFILL_MIN_TOKENS and cudnn_attention_usable(q.dtype, head_dim, q.device):
+        try:   # an fp8 cache's K/V are decoded to q's dtype as they are copied out (exact)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return dense_causal_attention(q, k_cache, v_cache, md.block_tables[0], fresh, scale)
         except RuntimeError:   # "No available kernel": cuDNN refuses some shapes; the kernels below take all
             pass
+    (k_cache, kv_fp8), (v_cache, _) = kernel_view(k_cache), kernel_view(v_cache)
+    assert kv_fp8 or q.dtype == k_cache.dtype == v_cache.dtype, \
+        f"q {q.dtype} vs cache {k_cache.dtype}: tl.dot needs one dtype"
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     group = num_q_heads // num_kv_heads
     block_d = padded_head_dim(head_dim)
