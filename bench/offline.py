@@ -44,9 +44,12 @@ def ttft(llm: LLM, length: int, vocab: int, repeats: int = 5) -> float:
 def decode_rate(llm: LLM, batch: int, prompt_len: int, new: int, vocab: int) -> dict:
     """Decode speed at a batch size: (time for `new` tokens - time for new/2) / (new/2) per step. Both runs
     contain the same prefill and the same mixed prefill+decode steps (all prompts are in by step new/2 for
-    these sizes), so the difference is pure decode steps of the whole batch."""
+    these sizes), so the difference is pure decode steps of the whole batch. A first, untimed run compiles what
+    this batch size launches for the first time (a compile inside one timed run once made the difference
+    negative)."""
     prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
     half = new // 2
+    timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=half, ignore_eos=True))
     t_half = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=half, ignore_eos=True))
     tn = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     step = (tn - t_half) / (new - half)
