@@ -2,7 +2,7 @@
 # One call on the GPU machine: environment, Triton kernel tests, GPU engine tests, offline benchmark.
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
-#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense
+#                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
 #                                          hf serve imageab memcaps tp); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
@@ -100,6 +100,10 @@ for s in $STAGES; do
         grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4
         grep -E '^\| ' "$OUT/offline_$q.txt" | tail -10
       done ;;
+    kvfp8)
+      stage "paged attention on an fp8 KV cache against a bf16 one (bench/kv_fp8_attention.py)"
+      timeout "${KVFP8_T:-150}" python3 bench/kv_fp8_attention.py --json "$OUT/kv_fp8_attention.json" \
+        > "$OUT/kv_fp8_attention.txt" 2>&1; echo "rc=$?"; tail -10 "$OUT/kv_fp8_attention.txt" ;;
     intake)
       stage "image intake on this host (process_chat alone), trees in turns"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null
