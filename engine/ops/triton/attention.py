@@ -4,7 +4,7 @@ functions).
 
 One long prefill with nothing cached before it (a new prompt's time to first token) goes to cuDNN's fused
 attention instead on Hopper (`DENSE_PREFILL_MIN_TOKENS`), where it is faster than the kernel here
-(BENCHMARKS.md, "Prefill attention"); its K/V are copied out of the cache for it (an fp8 cache's decoded).
+(BENCHMARKS.md, "Dense prefill attention"); its K/V are copied out of the cache for it (an fp8 cache's decoded).
 
 All of them share `attend`, the online-softmax loop over one range of keys (fp32 statistics, exp2 with the
 scale folded in, tl.dot with fp32 accumulation). Keys are addressed per token: through the block table
@@ -15,11 +15,11 @@ any positive integer works, powers of two turn // and % into shifts) takes the s
 An fp8 KV cache (--kv-cache-dtype fp8) arrives as bytes (kv_cache.kernel_view) with KV_FP8 set: each K and V
 tile is decoded right after its load, to fp16 when q is 16-bit (q joins it there; fp32 q keeps fp32), so the
 softmax runs as on a model-dtype cache and only the bytes read change. fp16 holds every e4m3 value exactly, and
-bf16's values up to 65504 (q is clamped there); its dots keep more of p's bits than bf16's. The decode is the
-instruction count that matters: the kernels are memory-bound on a model-dtype cache, and with the integer decode
-(kv_cache.fp8e4m3_to_float) an fp8 tile cost ~3.4x the loop instructions of a bf16 one (sm90 SASS), as long as
-reading twice the bytes. FP8_NATIVE (sm89+) decodes with the GPU's conversion instead. Both are constexprs: the
-model-dtype kernels compile exactly as without them.
+bf16's values up to 65504 (q is clamped there); its dots keep more of p's bits than bf16's. The decode's
+instructions are what an fp8 tile costs beyond its bytes: the kernels are memory-bound on a model-dtype cache,
+and the integer decode (kv_cache.fp8e4m3_to_float, for sm80/86) makes them instruction-bound (BENCHMARKS.md,
+"fp8 KV cache attention"), so FP8_NATIVE (sm89+) decodes with the GPU's conversion instead. Both are constexprs:
+the model-dtype kernels compile exactly as without them.
 """
 from __future__ import annotations
 
