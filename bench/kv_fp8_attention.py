@@ -3,7 +3,10 @@ graph replays, as the engine runs them) and a long prefill through the Triton ke
 e4m3 decoded with the GPU's conversion (FP8_NATIVE, sm89+, the default there) and with the integer decode older
 GPUs use; both must give the same bits.
 
-    python bench/kv_fp8_attention.py [--json out.json]
+    python bench/kv_fp8_attention.py [--json out.json] [--sweep-decode-tiles]
+
+--sweep-decode-tiles times the fp8 decode (native) at batch 256 over decode tiles (BLOCK_N, warps, stages) and
+checks each against the engine's tile's output.
 
 GB/s counts the K/V bytes each call must read (the cache's element size), for the bf16 and fp8 rows alike.
 """
@@ -52,11 +55,46 @@ def run_case(label: str, q, k_cache, v_cache, md, graph: bool) -> dict:
     return row
 
 
+SWEEP_TILES = [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 8, 3), (64, 8, 3), (32, 4, 4), (64, 4, 4)]
+
+
+def sweep_decode_tiles() -> list[dict]:
+    scale = D ** -0.5
+    default = attn._decode_config
+    print("| case | tile (BLOCK_N, warps, stages) | bf16 cache µs | fp8 native µs | fp8 max abs diff to the engine's tile |"
+          "\n|---|---|---|---|---|")
+    rows = []
+    for batch, ctx in [(256, 608), (256, 2048), (1, 8192)]:
+        q, k, v, md = paged_batch([ctx] * batch, [])
+        k8, v8 = to_kv_cache_dtype(k, FP8_KV_DTYPE), to_kv_cache_dtype(v, FP8_KV_DTYPE)
+        base = attn.paged_attention(q, k8, v8, md, scale)
+        for tile in SWEEP_TILES:
+            attn._decode_config = lambda dtype, device, tile=tile: tile
+            try:
+                out = attn.paged_attention(q, k8, v8, md, scale)
+                diff = (out.float() - base.float()).abs().max().item()
+                fp8_us = time_us(lambda: attn.paged_attention(q, k8, v8, md, scale), graph=True)
+                bf16_us = time_us(lambda: attn.paged_attention(q, k, v, md, scale), graph=True)
+            finally:
+                attn._decode_config = default
+            rows.append({"case": f"decode {batch} x {ctx}", "tile": tile, "bf16_us": bf16_us, "fp8_native_us": fp8_us,
+                         "max_abs_diff": diff})
+            print(f"| decode {batch} x {ctx} | {tile} | {bf16_us:.1f} | {fp8_us:.1f} | {diff:.2e} |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep-decode-tiles", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.sweep_decode_tiles:
+        rows = sweep_decode_tiles()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "sweep": rows}, f, indent=1)
+        return
     print(f"{torch.cuda.get_device_name()}; fp8 native decode here: {attn.fp8_native(torch.device('cuda'))}")
     print("| case | bf16 cache µs (GB/s) | fp8, native decode | fp8, integer decode | same bits |\n|---|---|---|---|---|")
     rows = []
