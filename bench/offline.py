@@ -42,19 +42,35 @@ def ttft(llm: LLM, length: int, vocab: int, repeats: int = 5) -> float:
 
 
 def decode_rate(llm: LLM, batch: int, prompt_len: int, new: int, vocab: int) -> dict:
-    """Decode speed at a batch size: (time for `new` tokens - time for new/2) / (new/2) per step. Both runs
-    contain the same prefill and the same mixed prefill+decode steps (all prompts are in by step new/2 for
-    these sizes), so the difference is pure decode steps of the whole batch. A first, untimed run compiles what
-    this batch size launches for the first time (a compile inside one timed run once made the difference
-    negative)."""
-    prompts = random_prompts(batch, prompt_len, vocab, seed=100 + batch)
-    half = new // 2
-    timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=half, ignore_eos=True))
-    t_half = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=half, ignore_eos=True))
-    tn = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    step = (tn - t_half) / (new - half)
-    return {"batch": batch, "prompt": prompt_len, "new": new, "ms_per_step": step * 1e3,
-            "decode_tok_s": batch / step, "total_s": tn}
+    """Decode speed at a batch size: new // 2 engine steps timed once every prompt is prefilled, so each timed step
+    is one token for each of the `batch` requests (none finishes inside the window), after 3 untimed ones. (Until
+    2026-12-06 this was the difference of two generate() runs of new and new // 2 tokens; at batch 256 each held a
+    131k-token prefill, and the difference moved by 2 ms between calls of one tree.)"""
+    engine = llm.engine
+    steps = new // 2
+    # Early prompts decode while later ones prefill (batch * prompt_len / 8192 steps at the default step size):
+    # room for twice that, the untimed steps and the timed ones.
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16 + batch * prompt_len // 4096, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=100 + batch)):
+        engine.add_request(f"decode-{batch}-{i}", prompt, params)
+    requests = engine.scheduler.requests
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    step = (time.perf_counter() - start) / steps
+    assert len(requests) == batch, "a request finished inside the timed window"
+    for rid in list(requests):
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "prompt": prompt_len, "steps": steps, "ms_per_step": step * 1e3,
+            "decode_tok_s": batch / step}
 
 
 def throughput(llm: LLM, n: int, prompt_len: int, new: int, vocab: int) -> dict:
