@@ -26,7 +26,7 @@ from engine.model.quantization.layers import UnquantizedLinearMethod
 from engine.model.quantization.loading import QuantizedTensorCollector
 from engine.model.quantization.parse import resolve_quantization
 from engine.model.quantization.weights import FLOAT_BIAS, FLOAT_WEIGHT, LeafLayout
-from engine.model.vocab_parallel_embedding import VocabParallelEmbedding
+from engine.model.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.weight_files import CheckpointTensor, Index, gguf_config, gguf_weights, safetensors_weights
 
 logger = init_logger(__name__)
@@ -110,6 +110,7 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str, device: t
     else:
         _load_named(model, _counted(safetensors_weights(Path(path), device), model), fp8_kv_cache)
     load_progress.report("weights loaded", load_progress.WEIGHTS_END)
+    _process_weights_after_loading(model)
     on_device = [p for p in model.parameters() if p.device.type == device.type]
     in_host = [p for p in model.parameters() if p.device.type != device.type]
     quant = model.config.quantization
@@ -119,6 +120,16 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str, device: t
     if in_host:
         logger.info("Token embeddings in host memory (%.2f GB, --cpu-embeddings; not in the weights above): the GPU "
                     "reads the rows of each step's tokens over PCIe", _nbytes(in_host) / 1e9)
+
+
+def _process_weights_after_loading(model: nn.Module) -> None:
+    """The layers' last conversions, once every weight is in place (CPU bf16: oneDNN's blocked layout)."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, ParallelLMHead):
+        lm_head.process_weights_after_loading(tied=model.config.tie_word_embeddings)
 
 
 def _nbytes(params: list[torch.Tensor]) -> int:

@@ -36,12 +36,21 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 class UnquantizedLinearMethod:
-    """weight [out, in] in the model dtype, as nn.Linear holds it."""
+    """weight [out, in] in the model dtype, as nn.Linear holds it; on the CPU a bf16 weight is repacked after
+    loading into oneDNN's blocked layout (ops.prepack_linear_weight: the same products, without a reorder per
+    call)."""
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.weight = _frozen(torch.empty(layer.out_features, layer.in_features))
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed = ops.prepack_linear_weight(layer.weight.data)
+        if packed is not None:
+            layer.weight = _frozen(packed)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.weight.is_mkldnn:
+            return ops.packed_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
@@ -78,6 +87,9 @@ class WNA16LinearMethod:
         layer.zeros = _frozen(torch.empty(groups, n))
         layer.perm = _frozen(torch.empty(in_features, dtype=torch.int64)) if scheme.act_order else None
         layer.perm_loaded = False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing: load_shard repacks each shard as it arrives."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.perm is not None:
@@ -154,6 +166,9 @@ class Fp8BlockLinearMethod:
         layer.weight = _frozen(torch.empty(layer.out_features, layer.in_features, dtype=torch.float8_e4m3fn))
         layer.weight_scale_inv = _frozen(torch.empty(-(-layer.out_features // self.block_size[0]),
                                                      -(-layer.in_features // bk), dtype=torch.float32))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing: the kernels take the checkpoint's layout."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return ops.fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_size, bias)

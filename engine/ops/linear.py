@@ -1,0 +1,27 @@
+"""Unquantized linear layers on the CPU, with the weight kept in oneDNN's blocked layout.
+
+torch's bf16 `F.linear` on the CPU runs oneDNN, which reorders the plain [N, K] weight into its blocked layout on
+every call; at one decode token that reorder is most of the gap to the memory bound, a quarter of the decoder's
+linear time (BENCHMARKS.md, "CPU"). `prepack_linear_weight` reorders once, at load; `packed_linear` then runs the
+same oneDNN product, so the results are the same bits as `F.linear` on the plain weight (its reference; tests).
+fp32 weights stay plain: MKL's sgemm takes them as they are. The packed weight is an opaque oneDNN tensor that
+only `packed_linear` reads."""
+from __future__ import annotations
+
+import torch
+
+
+def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] in oneDNN's blocked layout, or None where that does not apply: not a bf16 weight in host
+    memory, or a torch built without oneDNN's linear ops."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ packed^T (+ bias): `F.linear(x, weight, bias)` for the weight `packed` was made from."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -1,0 +1,66 @@
+"""On the CPU a bf16 unquantized linear keeps its weight in oneDNN's blocked layout (ops.prepack_linear_weight),
+so that oneDNN does not reorder it on every call: the products stay F.linear's, bit for bit, and a bf16 model on
+the CPU loads that way and generates what it generates with plain weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import SamplingParams, ops
+from engine_helpers import make_llm
+
+BF16 = torch.bfloat16
+
+
+def packed_or_skip(w: torch.Tensor) -> torch.Tensor:
+    packed = ops.prepack_linear_weight(w)
+    if packed is None:
+        pytest.skip("this torch has no oneDNN linear ops")
+    return packed
+
+
+@pytest.mark.parametrize("lead,k,n", [((1,), 576, 960), ((7,), 64, 48), ((3, 5), 128, 256), ((300,), 1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_f_linear_bit_for_bit(lead, k, n, bias, gen):
+    x = torch.randn(*lead, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if bias else None
+    assert torch.equal(ops.packed_linear(x, packed_or_skip(w), b), F.linear(x, w, b))
+
+
+def test_a_strided_input_gives_the_same_bits(gen):
+    x = torch.randn(4, 2 * 64, generator=gen).to(BF16)[:, ::2]
+    w = torch.randn(32, 64, generator=gen).to(BF16)
+    assert torch.equal(ops.packed_linear(x, packed_or_skip(w)), F.linear(x, w))
+
+
+def test_only_bf16_weights_in_host_memory_are_packed():
+    assert ops.prepack_linear_weight(torch.randn(8, 16)) is None                 # fp32: MKL takes it as it is
+    assert ops.prepack_linear_weight(torch.randn(8, 16, dtype=torch.float16)) is None
+
+
+def test_a_bf16_model_on_the_cpu_runs_on_packed_weights_with_the_same_tokens(qwen3_vl_dir, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": list(range(40, 80))}
+    packed = make_llm(qwen3_vl_dir, device="cpu", dtype="bfloat16")
+    model = packed.engine.runner.model
+    linears = [m for m in model.modules() if hasattr(m, "quant_method")]
+    if not linears[0].weight.is_mkldnn:
+        pytest.skip("this torch has no oneDNN linear ops")
+    assert all(m.weight.is_mkldnn for m in linears)
+    assert model.lm_head.weight.is_mkldnn                                       # untied: packed too
+    import engine.model.vocab_parallel_embedding as vpe
+    monkeypatch.setattr(ops, "prepack_linear_weight", lambda w: None)
+    monkeypatch.setattr(vpe, "prepack_linear_weight", lambda w: None)
+    plain = make_llm(qwen3_vl_dir, device="cpu", dtype="bfloat16")
+    assert not plain.engine.runner.model.lm_head.weight.is_mkldnn
+    want = plain.generate(prompt, params)[0].outputs[0]
+    got = packed.generate(prompt, params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs   # the same bits all the way
+
+
+def test_a_tied_lm_head_stays_plain(qwen3_dir):
+    llm = make_llm(qwen3_dir, device="cpu", dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert model.lm_head.weight is model.decoder.embed_tokens.weight and not model.lm_head.weight.is_mkldnn
