@@ -22,17 +22,17 @@ def packed_or_skip(w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("lead,k,n", [((1,), 576, 960), ((7,), 64, 48), ((3, 5), 128, 256), ((300,), 1536, 576)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_is_f_linear_bit_for_bit(lead, k, n, bias, gen):
+def test_a_prepacked_weight_gives_f_linears_bits(lead, k, n, bias, gen):
     x = torch.randn(*lead, k, generator=gen).to(BF16)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
     b = torch.randn(n, generator=gen).to(BF16) if bias else None
-    assert torch.equal(ops.packed_linear(x, packed_or_skip(w), b), F.linear(x, w, b))
+    assert torch.equal(ops.linear(x, packed_or_skip(w), b), F.linear(x, w, b))
 
 
 def test_a_strided_input_gives_the_same_bits(gen):
     x = torch.randn(4, 2 * 64, generator=gen).to(BF16)[:, ::2]
     w = torch.randn(32, 64, generator=gen).to(BF16)
-    assert torch.equal(ops.packed_linear(x, packed_or_skip(w)), F.linear(x, w))
+    assert torch.equal(ops.linear(x, packed_or_skip(w)), F.linear(x, w))
 
 
 def test_only_bf16_weights_in_host_memory_are_packed():

@@ -396,8 +396,9 @@ def test_programmatic_dependent_launch_is_for_one_token_launches_on_hopper(monke
 def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch):
     # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
     # a one-token GEMV (4-bit, or FP8 weight-only) loads weights before it waits for the RMSNorm or SwiGLU before
-    # it, and those wait for the GEMV before them; the FP8 one-launch W8A8 kernel waits before its K loop. A chain of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as
-    # without PDL (a kernel reading its input early would not).
+    # it, and those wait for the GEMV before them; the FP8 one-launch W8A8 kernel waits before its K loop. A chain
+    # of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as without PDL (a kernel reading its
+    # input early would not).
     from engine.ops import rms_norm, silu_and_mul
     from engine.ops.triton import fp8_block as tfp8
     from engine.ops.triton import pdl

@@ -17,7 +17,7 @@ from torch import nn
 from engine.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                                tensor_model_parallel_all_reduce)
 from engine.errors import ModelLoadError
-from engine.ops import embedding, embedding_ref, packed_linear, prepack_linear_weight
+from engine.ops import embedding, embedding_ref, linear, prepack_linear_weight
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: page-locked for every CUDA context, mapped into the GPUs'
 # address space (under unified addressing at the host pointer's own address).
@@ -112,7 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 [S, vocab]. Under tensor parallelism every rank must call it (it gathers
         every rank's vocabulary slice) and every rank gets the full logits."""
-        logits = packed_linear(hidden, self.weight) if self.weight.is_mkldnn else F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :self.num_embeddings]
         return logits.float()

@@ -2,13 +2,14 @@
 
 torch's bf16 `F.linear` on the CPU runs oneDNN, which reorders the plain [N, K] weight into its blocked layout on
 every call; at one decode token that reorder is most of the gap to the memory bound, a quarter of the decoder's
-linear time (BENCHMARKS.md, "CPU"). `prepack_linear_weight` reorders once, at load; `packed_linear` then runs the
+linear time (BENCHMARKS.md, "CPU"). `prepack_linear_weight` reorders once, at load; `linear` then runs the
 same oneDNN product, so the results are the same bits as `F.linear` on the plain weight (its reference; tests).
 fp32 weights stay plain: MKL's sgemm takes them as they are. The packed weight is an opaque oneDNN tensor that
-only `packed_linear` reads."""
+only `linear` reads."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -22,6 +23,8 @@ def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ packed^T (+ bias): `F.linear(x, weight, bias)` for the weight `packed` was made from."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a plain weight or one that prepack_linear_weight made (the same bits)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

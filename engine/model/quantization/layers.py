@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import ops
@@ -49,9 +48,7 @@ class UnquantizedLinearMethod:
             layer.weight = _frozen(packed)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.weight.is_mkldnn:
-            return ops.packed_linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return ops.linear(x, layer.weight, bias)
 
 
 class WNA16LinearMethod:

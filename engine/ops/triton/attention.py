@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.ops.attention import AttentionMetadata, dense_causal_attention, fresh_prefill_len
 from engine.ops.triton import pdl
+from engine.ops.triton.fp8_block import has_fp8_tensor_cores
 from engine.ops.triton.kv_cache import fp8e4m3_to_float, kernel_view
 
 LOG2E = 1.4426950408889634
@@ -231,15 +232,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-@functools.cache
-def _fp8_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
 def fp8_native(device: torch.device) -> bool:
-    """Whether Triton converts e4m3 on this device (sm89+; not in the CPU interpreter)."""
-    return device.type == "cuda" and _fp8_capable(device.index if device.index is not None
-                                                  else torch.cuda.current_device())
+    """Whether Triton converts e4m3 on this device: where it has FP8 tensor cores (sm89+), not in the CPU
+    interpreter."""
+    return device.type == "cuda" and has_fp8_tensor_cores(device)
 
 
 @functools.cache
