@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps tp); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps tp ab); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -99,6 +99,22 @@ for s in $STAGES; do
           --out "$OUT/offline_$q.json" > "$OUT/offline_$q.txt" 2>&1; echo "rc=$?"
         grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4
         grep -E '^\| ' "$OUT/offline_$q.txt" | tail -10
+      done ;;
+    ab)
+      # The offline benchmark of the tree before a change (OLD_TREE, e.g. .old from `git archive BASE engine bench`)
+      # and of this tree, per weight format (AB_QUANTS: "none" is bf16), in turns on this machine.
+      for q in ${AB_QUANTS:-none awq fp8}; do
+        dir=/tmp/q8-$q
+        if [ "$q" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
+        else python3 bench/synthetic_model.py $dir --quantization $q > /dev/null; fi
+        for side in old new; do
+          stage "offline benchmark, weights: $q, tree: $side"
+          tree=$PWD; [ $side = old ] && tree=${OLD_TREE:-.old}
+          (cd "$tree" && PYTHONPATH=$PWD timeout "${QBENCH_T:-200}" python3 bench/offline.py --model $dir \
+            --load-format dummy ${QBENCH_ARGS:-} --out "$OUT/ab_${q}_$side.json" > "$OUT/ab_${q}_$side.txt" 2>&1)
+          echo "rc=$?"; grep -E 'Error|error' "$OUT/ab_${q}_$side.txt" | head -4
+          grep -E '^\| ' "$OUT/ab_${q}_$side.txt" | tail -9
+        done
       done ;;
     kvfp8)
       stage "paged attention on an fp8 KV cache against a bf16 one (bench/kv_fp8_attention.py)"

@@ -109,14 +109,14 @@ def main() -> None:
     process = llm.engine.input_processor.process_chat
     prompt = process(msgs(1))
     [image] = prompt.images
-    pixels = image.pixels_on(llm.engine.device)
+    pixels = llm.engine.input_processor.image_processor.to_pixel_values(image.raw.to(llm.engine.device))
     grid = torch.tensor([image.grid_thw])
     with torch.inference_mode():
-        encode = lambda: llm.engine.model.encode_images(pixels, grid)  # noqa: E731
+        encode = lambda: llm.engine.model_executor.driver_worker.model.encode_images(pixels, grid)  # noqa: E731
         vision, vision_busy = kernel_table(encode)
         vision_wall = wall_ms(encode)
-        graphs = llm.engine.runner.vision_graphs
-        dtype = llm.engine.model.lm_head.weight.dtype
+        graphs = llm.engine.model_executor.driver_worker.model_runner.vision_graphs
+        dtype = llm.engine.model_executor.driver_worker.model.lm_head.weight.dtype
         graph_wall = (wall_ms(lambda: graphs.encode(pixels.to(dtype), grid)) if graphs is not None
                       else float("nan"))
     # Fresh images each call (no encoder- or prefix-cache hits), processed before the clock starts.

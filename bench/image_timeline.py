@@ -81,7 +81,8 @@ def install_probes() -> None:
     from engine.inputs.chat_template import ChatTemplate
     from engine.inputs.image_processor import ImageProcessor
     from engine.llm_engine import LLMEngine
-    from engine.runner import InflightStep, ModelRunner
+    from engine.worker.inflight import InflightStep
+    from engine.worker.model_runner import ModelRunner
     from engine.server import protocol, serving
     from engine.server.sse import SSEWriter
 

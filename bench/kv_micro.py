@@ -50,12 +50,12 @@ def prefix_cache_ttft(llm: LLM, prompt_tokens: int) -> dict:
 
 
 def swap_cost(llm: LLM, counts=(16, 64, 256)) -> list[dict]:
-    cache = llm.engine.cache
-    per_block = llm.engine.cache.bytes_per_block(llm.engine.model_config, llm.engine.args.block_size,
-                                                llm.engine.kv_cache_dtype)
+    cache = llm.engine.model_executor.driver_worker.cache
+    per_block = llm.engine.model_executor.driver_worker.cache.bytes_per_block(llm.engine.model_config, llm.engine.args.block_size,
+                                                llm.engine.kv_cache_config.cache_dtype)
     rows = []
     for n in counts:
-        n = min(n, llm.engine.num_gpu_blocks, llm.engine.num_cpu_blocks)
+        n = min(n, llm.engine.kv_cache_config.num_gpu_blocks, llm.engine.kv_cache_config.num_cpu_blocks)
         pairs = [(i, i) for i in range(n)]
         cache.swap_out(pairs)      # warm-up
         sync()

@@ -106,12 +106,12 @@ def image_ttft(llm: LLM, size: int, repeats: int = 3) -> dict | None:
         load_image(data)
         t4 = time.perf_counter()
         [image] = prompt.images
-        pixels = image.pixels_on(llm.engine.device)
+        pixels = llm.engine.input_processor.image_processor.to_pixel_values(image.raw.to(llm.engine.device))
         grid = torch.tensor([image.grid_thw])
         sync()
         t5 = time.perf_counter()
         with torch.inference_mode():
-            llm.engine.model.encode_images(pixels, grid)
+            llm.engine.model_executor.driver_worker.model.encode_images(pixels, grid)
         sync()
         t6 = time.perf_counter()
         if seed:
@@ -155,7 +155,7 @@ def main() -> None:
               **({"num_gpu_blocks_override": 512} if args.quick else {}))
     vocab = llm.get_tokenizer().vocab_size
     res = {"startup_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "num_gpu_blocks": llm.engine.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype}
+           else "cpu", "num_gpu_blocks": llm.engine.kv_cache_config.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype}
     small = args.quick
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     res["ttft_512_ms"] = ttft(llm, 64 if small else 512, vocab) * 1e3

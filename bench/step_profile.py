@@ -36,7 +36,7 @@ def profile_steps(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int)
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / steps * 1e3
     # The graph alone, replayed on the last batch's inputs.
-    runner = engine.runner
+    runner = engine.model_executor.driver_worker.model_runner
     so = engine.scheduler.schedule()
     c0 = time.perf_counter()
     runner.update_states(so)
@@ -62,7 +62,7 @@ def profile_steps(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int)
 def profile_prefill(llm: LLM, length: int, vocab: int, repeats: int = 5) -> dict:
     """One prefill step of `length` tokens: host preparation, CPU time to launch the eager forward, GPU time
     of the forward, and the whole time to first token through generate()."""
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.model_executor.driver_worker.model_runner
     rng = random.Random(length)
     rows = []
     for r in range(repeats):
@@ -104,7 +104,7 @@ def launch_costs(llm: LLM, tokens: int = 512) -> dict:
     q = torch.randn(tokens, hq, d, device=dev, dtype=dt)
     k = torch.randn(tokens, hk, d, device=dev, dtype=dt)
     cos = torch.randn(tokens, d // 2, device=dev)
-    kc = llm.engine.runner.kv_caches[0]
+    kc = llm.engine.model_executor.driver_worker.model_runner.kv_caches[0]
     slots = torch.arange(tokens, device=dev)
     gu = torch.randn(tokens, 2 * cfg.intermediate_size, device=dev, dtype=dt)
     lin = torch.nn.Linear(h, h, bias=False, device=dev, dtype=dt)
@@ -143,12 +143,12 @@ def kernel_tables(llm: LLM, vocab: int, path: str) -> None:
                                                                           for _ in range(prompt)]}, params)
             if batch > 1:
                 engine.step()
-                graphs, engine.runner.graphs = engine.runner.graphs, None
+                graphs, engine.model_executor.driver_worker.model_runner.graphs = engine.model_executor.driver_worker.model_runner.graphs, None
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
             if batch > 1:
-                engine.runner.graphs = graphs
+                engine.model_executor.driver_worker.model_runner.graphs = graphs
             f.write(f"==== {name}\n")
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             for rid in list(engine.scheduler.requests):

@@ -29,7 +29,7 @@ def measure(model: str, tp: int, quick: bool) -> dict:
     llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, max_model_len=10240, max_num_seqs=256,
               gpu_memory_utilization=0.85, **({"num_gpu_blocks_override": 512, "enforce_eager": True} if quick else {}))
     vocab = llm.get_tokenizer().vocab_size
-    res = {"tp": tp, "startup_s": time.perf_counter() - t0, "num_gpu_blocks": llm.engine.num_gpu_blocks,
+    res = {"tp": tp, "startup_s": time.perf_counter() - t0, "num_gpu_blocks": llm.engine.kv_cache_config.num_gpu_blocks,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     res["ttft_tokens"] = 256 if quick else 8192

@@ -106,7 +106,8 @@ class EngineArgs:
         1, aliases=("-tp",),
         help="number of tensor-parallel ranks: the engine process and N-1 worker processes, each holding 1/N of "
              "the weights and KV heads (one GPU per rank, cuda:0..N-1; on CPU any N, over gloo)")
-    seed: int = flag(0)
+    seed: int = flag(0, help="seed of the engine's random state (vLLM's --seed): the same requests in the same "
+                             "order sample the same tokens after a restart; a request's own seed still wins")
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
     def __post_init__(self) -> None:

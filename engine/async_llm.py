@@ -82,8 +82,7 @@ class AsyncLLM:
         # The grammar engine's view of the vocabulary takes a second or two to build: ready before the first
         # structured-output request, built beside the engine loop.
         self._workers.submit(self.engine.structured_output.ll_tokenizer)
-        if self.engine.executor is not None:
-            self.engine.executor.add_failure_callback(self._on_rank_failure)
+        self.engine.model_executor.add_failure_callback(self._on_rank_failure)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -236,9 +235,9 @@ class AsyncLLM:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
-        if self._thread.is_alive() and self.engine.executor is not None:
+        if self._thread.is_alive():
             # The loop is stuck in a step: telling the workers to stop would race its collectives.
-            self.engine.executor.shutdown(graceful=False)
+            self.engine.model_executor.shutdown(graceful=False)
         self.engine.shutdown()
 
     def _on_rank_failure(self, message: str) -> None:

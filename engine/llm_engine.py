@@ -1,37 +1,33 @@
-"""LLMEngine: the engine core. add_request() queues work; each step() schedules and launches one batch (one
-forward + sampling on the device), then finishes the previous one (its tokens, stop checks, detokenization)
-while the device computes, and returns what changed. The offline LLM and the server's engine thread drive it."""
+"""LLMEngine: the engine core. add_request() queues work; each step() schedules one batch and has the executor
+launch it on every rank (one forward + sampling on the device), then finishes the previous one (its tokens, stop
+checks, detokenization) while the device computes, and returns what changed. It owns the scheduler, the KV cache
+manager, the output processor and one executor, and never touches a worker, the runner, the KV cache or the
+model. The offline LLM and the server's engine thread drive it."""
 from __future__ import annotations
 
 import gc
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from engine import load_progress
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.executor import RankInfo, TensorParallelExecutor, check_tensor_parallel_size
-from engine.distributed.worker import Worker, resolve_dtype
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
-from engine.inputs.types import ProcessedPrompt
+from engine.executor import Executor, InflightStep
 from engine.inputs.setup import build_input_processor
+from engine.inputs.types import ProcessedPrompt
 from engine.kv_map import block_map
 from engine.logger import init_logger
-from engine.memory import GiB
 from engine.model.loader import load_model_config
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.runner import InflightStep
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import Grammar, StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -40,70 +36,32 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         start = time.perf_counter()
         self.args = args
-        self.device = _resolve_device(args.device)
+        device = _resolve_device(args.device)
         self.model_config: ModelConfig = load_model_config(args.model, args.quantization, args.load_format)
-        self.dtype = resolve_dtype(args.dtype, self.model_config, self.device)
         self.model_name = args.served_model_name or Path(args.model).name
-        self.tensor_parallel_size = tp = args.tensor_parallel_size
+        self.tensor_parallel_size = args.tensor_parallel_size
         logger.info("Initializing engine: model=%s, architecture=%s, dtype=%s, device=%s, block_size=%d, "
                     "prefix_caching=%s, scheduling_policy=%s, tensor_parallel_size=%d", args.model,
-                    self.model_config.architecture, str(self.dtype).removeprefix("torch."), self.device,
-                    args.block_size, args.enable_prefix_caching, args.scheduling_policy, tp)
-        check_tensor_parallel_size(tp, self.device, self.model_config)     # before any process starts
-        self.executor: TensorParallelExecutor | None = None
-        if tp > 1:
-            self.executor = TensorParallelExecutor(args, self.device)
-            self.device = self.executor.device          # rank 0's: cuda:0 on GPUs
-        try:
-            self._init_rank0(args)
-        except BaseException:
-            if self.executor is not None:
-                self.executor.shutdown(graceful=False)
-            raise
-        self.ranks = (self.executor.ranks if self.executor is not None
-                      else [RankInfo(0, os.getpid(), _device_name(self.device))])
-        if self.executor is not None:
-            self.executor.mark_ready()
-        logger.info("Engine ready in %.2f seconds", time.perf_counter() - start)
-
-    def _init_rank0(self, args: EngineArgs) -> None:
-        """Rank 0's model share, KV pool and runner (each worker builds its own the same way), then the engine
-        core around them: scheduler, KV cache manager, output processing."""
+                    self.model_config.architecture, args.dtype, device, args.block_size,
+                    args.enable_prefix_caching, args.scheduling_policy, args.tensor_parallel_size)
         self.input_processor = build_input_processor(args, self.model_config)
         self.tokenizer = self.input_processor.tokenizer
-        load_progress.report("building the model", 0.03)
-
-        max_len = args.max_model_len or self.model_config.max_position_embeddings
-        self.worker = worker = Worker(args, self.model_config, self.dtype, self.device,
-                                      self.input_processor.image_processor)
-        self.gpu_memory_limit = worker.gpu_memory_limit
-        worker.load_model(max_len)
-        self.model = worker.model
-
-        load_progress.report("sizing the KV cache", 0.87)
-        plan = worker.init_kv_cache(max_len)
-        self.num_gpu_blocks, self.num_cpu_blocks = worker.num_gpu_blocks, worker.num_cpu_blocks
-        self.kv_bytes_per_block = plan.bytes_per_block
-        self.kv_cache_dtype = worker.kv_cache_dtype
-        self.scratch_blocks = worker.scratch_blocks
-        self.max_model_len = worker.max_model_len
+        # Structured-output matchers by request id: rank 0's runner takes each when its request first runs.
+        self.grammars: dict[str, Grammar] = {}
+        try:
+            self.model_executor = Executor.create(args, self.model_config, device,
+                                                  self.input_processor.image_processor, self.grammars)
+        except BaseException:
+            self.input_processor.shutdown()
+            raise
+        kv = self.kv_cache_config = self.model_executor.kv_cache_config
+        self.dtype, self.device = self.model_executor.dtype, self.model_executor.device
+        self.ranks = self.model_executor.ranks
+        self.max_model_len = kv.max_model_len
         self.input_processor.max_prompt_tokens = self.max_model_len
-        if self.max_model_len < max_len:
-            under = "" if self.gpu_memory_limit is None else \
-                f" under --gpu-memory-limit {self.gpu_memory_limit / GiB:.2f} GiB"
-            logger.warning("max_model_len reduced from %d to %d: the KV pool holds %d tokens%s", max_len,
-                           self.max_model_len, self.num_gpu_blocks * args.block_size, under)
         self.max_num_batched_tokens = args.batched_tokens_budget
-        self.cache, self.runner = worker.cache, worker.runner
-        self.kv = KVCacheManager(self.num_gpu_blocks, self.num_cpu_blocks, args.block_size,
-                                 args.enable_prefix_caching)
+        self.kv = KVCacheManager(kv.num_gpu_blocks, kv.num_cpu_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
-        plan.log(self)
-        if worker.use_graphs:
-            load_progress.report("capturing CUDA graphs", 0.9)
-            worker.capture_cuda_graphs()
-        elif self.device.type == "cuda":
-            logger.info("CUDA graphs off (--enforce-eager, or no Triton): eager steps")
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
@@ -114,6 +72,8 @@ class LLMEngine:
         # collection, a stall for every running stream. vLLM freezes them too.
         gc.collect()
         gc.freeze()
+        logger.info("Engine ready in %.2f seconds: dtype=%s, device=%s", time.perf_counter() - start,
+                    str(self.dtype).removeprefix("torch."), self.device)
 
     # ---- requests ------------------------------------------------------------------------------------------
     def process_prompt(self, prompt) -> ProcessedPrompt:
@@ -143,12 +103,10 @@ class LLMEngine:
         if so is not None:
             if so.compiled is None:      # compiled once; each request forks its own matcher
                 so.compiled = self.structured_output.compile(so)
-            req.grammar = so.compiled.fork()
+            self.grammars[request_id] = so.compiled.fork()
         req.bad_words_token_ids = self.bad_words_token_ids(params.bad_words or [])
         # A multi-token bad word is banned after its other tokens, which must be on the host.
         req.needs_host_tokens |= any(len(ids) > 1 for ids in req.bad_words_token_ids)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed % 2**64)
         self.outputs.add(req)
         self.scheduler.add_request(req)
         return req
@@ -202,6 +160,8 @@ class LLMEngine:
         outputs. A thousand aborts cost one pass over the scheduler's queues."""
         reqs = {rid: req for rid in request_ids if (req := self.scheduler.requests.get(rid)) is not None}
         self.scheduler.finish_requests(list(reqs.values()), RequestStatus.FINISHED_ABORTED)
+        for rid in reqs:
+            self.grammars.pop(rid, None)        # never scheduled: the runner did not take its matcher
         return [self.outputs.finish(req) for req in reqs.values()]
 
     def has_unfinished_requests(self) -> bool:
@@ -221,34 +181,18 @@ class LLMEngine:
         launched = None
         if not so.is_empty:
             self.stats.on_schedule(so)
-            if self.executor is None:
-                launched = self.runner.launch(so, self._inflight)
-            else:
-                launched = self._launch_on_all_ranks(so)
-        else:
-            if self.executor is not None and so.finished_req_ids:
-                self.executor.execute(so)               # the workers forget them too
-            self.runner.update_states(so)               # it may still have finished requests to forget
+            launched = self.model_executor.execute_model(so)
+        elif so.finished_req_ids:
+            self.model_executor.execute_model(so)     # nothing to run: the workers forget finished requests
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
         self._inflight = launched
         return outputs
 
-    def _launch_on_all_ranks(self, so: SchedulerOutput) -> InflightStep:
-        """Send step `so` to the workers, then launch it here. From the send on, every rank must run the step's
-        collectives: rank 0 failing inside the step leaves the others waiting in one, so it ends the engine."""
-        try:
-            self.executor.execute(so)
-            return self.runner.launch(so, self._inflight)
-        except Exception as e:
-            self.executor.step_failed(e)       # ends the process, unless it is already shutting down
-            raise
-
     def shutdown(self) -> None:
-        """Stop the worker processes (tensor parallelism) and the input threads; from the thread that runs the
-        steps, between steps. The engine cannot run afterwards."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        """Stop the workers and the input threads; from the thread that runs the steps, between steps. The
+        engine cannot run afterwards."""
+        self.model_executor.shutdown()
         self.input_processor.shutdown()
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
@@ -282,7 +226,7 @@ class LLMEngine:
 
     def get_block_map(self) -> dict:
         """Who holds which GPU block, run-length encoded (engine/kv_map.py); read from any thread."""
-        return block_map(self.kv, self.kv_bytes_per_block)
+        return block_map(self.kv, self.kv_cache_config.bytes_per_block)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -291,10 +235,3 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device=cuda was asked for but no CUDA GPU is available (use device=cpu)")
     return torch.device(name)
-
-
-def _device_name(device: torch.device) -> str:
-    """cuda:0 rather than cuda: the GPU this process runs on, as /stats reports it."""
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)

@@ -18,8 +18,12 @@ class StructuredOutputsParams:
     grammar: str | None = None             # Lark or GBNF/EBNF
     json_object: bool | None = None        # any JSON object
     disable_any_whitespace: bool = False   # JSON without optional whitespace
-    # Set when the server compiled it ahead (a worker thread, not the engine loop); each request forks it.
+    # Set when the server compiled it ahead (a worker thread, not the engine loop); each request forks it. A
+    # cache of rank 0's engine core: it never travels with a step (__getstate__).
     compiled: object = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "compiled": None}
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]

@@ -97,15 +97,15 @@ class StatLogger:
     def snapshot(self) -> dict:
         e = self.engine
         kv, sched, counters = e.kv, e.scheduler, e.scheduler.counters
-        total, free = e.num_gpu_blocks, kv.num_free_blocks
-        cpu_total, cpu_free = e.num_cpu_blocks, kv.num_free_cpu_blocks
-        enc = e.runner.encoder_cache
+        cfg = e.kv_cache_config
+        total, free = cfg.num_gpu_blocks, kv.num_free_blocks
+        cpu_total, cpu_free = cfg.num_cpu_blocks, kv.num_free_cpu_blocks
         return {
             "model": e.model_name,
             "block_size": e.args.block_size,
-            "bytes_per_block": e.kv_bytes_per_block,
-            "kv_cache_dtype": str(e.kv_cache_dtype).removeprefix("torch."),
-            "kv_bytes_per_token": e.kv_bytes_per_block // e.args.block_size,
+            "bytes_per_block": cfg.bytes_per_block,
+            "kv_cache_dtype": str(cfg.cache_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": cfg.bytes_per_block // e.args.block_size,
             "num_total_gpu_blocks": total,
             "num_free_gpu_blocks": free,
             "num_used_gpu_blocks": total - free,
@@ -129,9 +129,7 @@ class StatLogger:
             "num_swap_ins": counters.num_swap_ins,
             "num_blocks_swapped_out": counters.num_blocks_swapped_out,
             "num_blocks_swapped_in": counters.num_blocks_swapped_in,
-            "encoder_cache_hits": enc.hits,
-            "encoder_cache_misses": enc.misses,
-            "encoder_cache_entries": len(enc.entries),
+            **e.model_executor.encoder_cache_stats(),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_steps": self.num_steps,

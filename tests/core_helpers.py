@@ -27,7 +27,7 @@ def make_request(request_id: str, prompt: int | list[int], max_tokens: int = 16,
 def image(content_hash: str, offset: int, length: int) -> ImageItem:
     """An image placeholder span; only its place and content hash matter to the core."""
     return ImageItem(raw=torch.zeros(1, 1, 3, dtype=torch.uint8), grid_thw=(1, 2, 2), content_hash=content_hash,
-                     to_pixels=lambda raw, dtype=None: raw, offset=offset, length=length)
+                     offset=offset, length=length)
 
 
 class StepLoop:

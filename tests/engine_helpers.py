@@ -24,8 +24,9 @@ def assert_pool_idle(llm: LLM) -> None:
     engine = llm.engine
     kv = engine.kv
     assert not engine.has_unfinished_requests()
-    assert kv.num_free_blocks == engine.num_gpu_blocks, "GPU blocks leaked"
-    assert kv.num_free_cpu_blocks == engine.num_cpu_blocks, "CPU swap blocks leaked"
+    assert kv.num_free_blocks == engine.kv_cache_config.num_gpu_blocks, "GPU blocks leaked"
+    assert kv.num_free_cpu_blocks == engine.kv_cache_config.num_cpu_blocks, "CPU swap blocks leaked"
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks), "a block kept a reference"
     assert not kv.requests, "the KV cache manager kept a request's record"
-    assert not engine.runner.requests, "the runner kept a finished request's data"
+    assert not engine.model_executor.driver_worker.model_runner.requests, "the runner kept a finished request's data"
+    assert not engine.grammars, "a structured-output matcher outlived its request"

@@ -27,7 +27,9 @@ def hf_greedy(model_dir, prompt: ProcessedPrompt, max_new_tokens: int, image_tok
     ids = torch.tensor([prompt.prompt_token_ids])
     kwargs = {"attention_mask": torch.ones_like(ids)}
     if prompt.images:
-        kwargs["pixel_values"] = torch.cat([im.pixel_values for im in prompt.images])
+        from engine.inputs.image_processor import ImageProcessor
+        to_pixels = ImageProcessor.from_model_dir(str(model_dir)).to_pixel_values
+        kwargs["pixel_values"] = torch.cat([to_pixels(im.raw) for im in prompt.images])
         kwargs["image_grid_thw"] = torch.tensor([im.grid_thw for im in prompt.images])
         # Without mm_token_type_ids transformers silently falls back to 1-D positions.
         kwargs["mm_token_type_ids"] = (ids == image_token_id).int()

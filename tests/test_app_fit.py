@@ -56,14 +56,14 @@ def test_the_sum_uses_the_readmes_figures():
 def test_the_engine_constants_the_sum_mirrors_are_the_engines():
     """app/ cannot import the engine (torch): the figures it copies are checked against the engine here."""
     import app.memory_estimate as est
-    from engine.cuda_graphs import scratch_blocks_needed
+    from engine.worker.cuda_graphs import scratch_blocks_needed
     from engine.inputs.image_processor import ImageProcessor
-    from engine.memory import LIMIT_SLACK_BYTES as engine_slack
+    from engine.worker.memory import LIMIT_SLACK_BYTES as engine_slack
     assert est.LIMIT_SLACK_BYTES == engine_slack
     assert est.GRAPH_SCRATCH_TOKENS == scratch_blocks_needed(16) * 16
     assert est.PROCESSOR_MAX_PIXELS == ImageProcessor().max_pixels
-    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.vision_graphs import MAX_GRAPH_PATCHES
+    from engine.worker.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.worker.vision_graphs import MAX_GRAPH_PATCHES
     assert est.GRAPH_PREFILL_TOKENS == PREFILL_BUCKETS[-1] and est.MAX_GRAPH_PATCHES == MAX_GRAPH_PATCHES
     assert all(est.batch_size_ladder(n) == batch_size_ladder(n) for n in (1, 5, 16, 64, 100, 256, 1024))
 
@@ -91,7 +91,7 @@ def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():
 
 
 def test_under_a_limit_a_pool_too_small_for_the_prefill_graphs_sets_aside_the_decode_graphs_alone():
-    """As the engine does (engine/kv_sizing.py): where the prefill graphs' pool would leave 8192 tokens or fewer,
+    """As the engine does (engine/worker/kv_sizing.py): where the prefill graphs' pool would leave 8192 tokens or fewer,
     only the decode graphs' (much smaller) pool comes out of the limit, and the prefill graphs are left out."""
     flags = ["--mm-processor-kwargs", '{"max_pixels": 1048576}', "--cpu-embeddings", "--kv-cache-dtype", "fp8",
              "--max-num-batched-tokens", "1024", "--max-num-seqs", "16", "--encoder-cache-size", "1024",
@@ -175,7 +175,7 @@ def test_without_defaults_that_fit_the_cheapest_steps_come_first():
 
 def test_a_pool_too_small_for_the_prefill_graphs_keeps_the_decode_graphs():
     """The prefill graphs' 4096 tokens of scratch blocks are dropped from a pool of 8192 tokens or fewer, and the
-    decode graphs stay (engine/cuda_graphs.py): on an 8 GiB card no --enforce-eager; eager decode steps are ~10x
+    decode graphs stay (engine/worker/cuda_graphs.py): on an 8 GiB card no --enforce-eager; eager decode steps are ~10x
     slower. Under a limit, where the graph pools come out of the limit too, no CUDA graphs is the last resort for
     the minimum context."""
     eight = fit(card(8), W4, SHAPE4)

@@ -42,9 +42,11 @@ def test_transformers5_layout_pixels_match_transformers(qwen3_vl_transformers5_d
 @pytest.mark.parametrize("name", sorted(IMAGE_CONVERSATIONS))
 def test_both_layouts_give_the_same_prompt(qwen3_vl_dir, qwen3_vl_transformers5_dir, name):
     messages = IMAGE_CONVERSATIONS[name]()
-    old, new = (input_processor(d).process_chat(messages) for d in (qwen3_vl_dir, qwen3_vl_transformers5_dir))
+    processors = [input_processor(d) for d in (qwen3_vl_dir, qwen3_vl_transformers5_dir)]
+    old, new = (p.process_chat(messages) for p in processors)
     assert new.prompt_token_ids == old.prompt_token_ids
-    pixels = [torch.cat([image.pixel_values for image in prompt.images]) for prompt in (new, old)]
+    pixels = [torch.cat([p.image_processor.to_pixel_values(image.raw) for image in prompt.images])
+              for p, prompt in zip(processors, (old, new))]
     assert torch.equal(*pixels)
 
 

@@ -114,7 +114,7 @@ def test_on_the_cpu_the_flag_changes_nothing_and_says_so(model, conversations, r
     model_dir = request.getfixturevalue(model)
     expected = greedy_tokens(make_llm(model_dir, device="cpu"), conversations)
     llm = make_llm(model_dir, device="cpu", cpu_embeddings=True)
-    table = llm.engine.model.decoder.embed_tokens
+    table = llm.engine.model_executor.driver_worker.model.decoder.embed_tokens
     assert not table.in_host_memory and table.weight.device.type == "cpu"
     assert said(engine_log, ON_CPU)
     assert greedy_tokens(llm, conversations) == expected
@@ -123,7 +123,7 @@ def test_on_the_cpu_the_flag_changes_nothing_and_says_so(model, conversations, r
 def test_a_model_whose_lm_head_shares_the_table_warns_and_serves(qwen3_dir, engine_log):
     expected = greedy_tokens(make_llm(qwen3_dir), [TEXT])
     llm = make_llm(qwen3_dir, cpu_embeddings=True)
-    model = llm.engine.model
+    model = llm.engine.model_executor.driver_worker.model
     assert model.lm_head.weight is model.decoder.embed_tokens.weight and not model.decoder.embed_tokens.in_host_memory
     assert said(engine_log, TIED)
     assert greedy_tokens(llm, [TEXT]) == expected

@@ -41,7 +41,7 @@ def greedy_tokens(llm, conversations) -> list[list[int]]:
 
 
 def assert_table_in_host_memory(llm) -> None:
-    model = llm.engine.model
+    model = llm.engine.model_executor.driver_worker.model
     table = model.decoder.embed_tokens
     assert table.in_host_memory and table.weight.device.type == "cpu" and table.weight.is_pinned()
     assert model.lm_head.weight.is_cuda
@@ -152,7 +152,7 @@ def test_same_greedy_tokens_with_and_without_the_flag(model, conversations, eage
     llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=eager, cpu_embeddings=True)
     assert_table_in_host_memory(llm)
     if not eager:
-        assert llm.engine.runner.graphs is not None, "CUDA graphs captured with the host table"
+        assert llm.engine.model_executor.driver_worker.model_runner.graphs is not None, "CUDA graphs captured with the host table"
     assert greedy_tokens(llm, conversations) == expected
 
 

@@ -65,7 +65,7 @@ def assert_same_until_near_tie(got, ref, atol: float, steps: int | None = None) 
 def test_gpu_fp32_matches_cpu(qwen3_vl_dir, cpu_reference, eager):
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=eager)
     if not eager:
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.model_executor.driver_worker.model_runner.graphs
         assert graphs is not None and any(k[0] == "prefill" for k in graphs.graphs), "graphs should be captured"
     # One at a time: single-sequence prefills (text ones replay a prefill graph); then all together.
     for batched in (False, True):
@@ -77,12 +77,12 @@ def test_gpu_fp32_matches_cpu(qwen3_vl_dir, cpu_reference, eager):
 def test_a_pool_too_small_for_the_prefill_scratch_keeps_the_decode_graphs(qwen3_vl_dir, cpu_reference, monkeypatch):
     """Where the KV pool cannot spare the prefill graphs' scratch blocks (a small card), only the decode graphs are
     captured: prefill chunks run eagerly, decode steps replay, and the tokens are the CPU engine's."""
-    from engine.distributed import worker
+    from engine.worker import worker
     monkeypatch.setattr(worker, "prefill_scratch_blocks", lambda num_gpu_blocks, block_size: 0)
     monkeypatch.setattr(worker, "scratch_blocks_needed", lambda block_size: 0)   # make_llm's fixed pool size
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=False)
-    graphs = llm.engine.runner.graphs
-    assert graphs is not None and not llm.engine.scratch_blocks
+    graphs = llm.engine.model_executor.driver_worker.model_runner.graphs
+    assert graphs is not None and not llm.engine.model_executor.driver_worker.scratch_blocks
     assert {k[0] for k in graphs.graphs} == {"decode"}
     for batched in (False, True):
         for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs(llm, batched), cpu_reference):
@@ -128,10 +128,10 @@ def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir, monkeypatch):
     """The vision encoder's CUDA graphs (padded to a bucket of patches, one graph per bucket, segment count and
     padding) give what the eager encoder gives, also when a replay's padding rows hold an earlier image's
     pixels, and for one image that fills its bucket (no padding segment)."""
-    from engine import vision_graphs
+    from engine.worker import vision_graphs
     monkeypatch.setattr(vision_graphs, "BUCKET_PATCHES", 256)   # the tiny model takes at most 256 patches
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", enforce_eager=False)
-    graphs, visual = llm.engine.runner.vision_graphs, llm.engine.model.visual
+    graphs, visual = llm.engine.model_executor.driver_worker.model_runner.vision_graphs, llm.engine.model_executor.driver_worker.model.visual
     assert graphs is not None, "a multimodal model gets vision graphs with CUDA graphs on"
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     # The third replays the first's graph; 256 x 256 pixels are 256 patches, a bucket without padding rows.
@@ -139,7 +139,8 @@ def test_vision_graphs_match_the_eager_encoder(qwen3_vl_dir, monkeypatch):
         images = [noise_image(w, h, seed) for seed, (w, h) in enumerate(sizes)]
         items = llm.engine.input_processor.process(
             {"prompt": placeholder * len(images), "multi_modal_data": {"image": images}}).images
-        pixels = torch.cat([it.pixels_on(llm.engine.device) for it in items])
+        to_pixels = llm.engine.input_processor.image_processor.to_pixel_values
+        pixels = torch.cat([to_pixels(it.raw.to(llm.engine.device)) for it in items])
         grid = torch.tensor([it.grid_thw for it in items])
         with torch.inference_mode():
             eager = visual(pixels, grid)

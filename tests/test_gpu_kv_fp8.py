@@ -26,9 +26,9 @@ def cpu_fp8_reference(qwen3_vl_dir):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_gpu_fp8_kv_matches_cpu_fp8_kv(qwen3_vl_dir, cpu_fp8_reference, eager):
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=eager)
-    assert llm.engine.cache.gpu_cache.dtype == torch.float8_e4m3fn
+    assert llm.engine.model_executor.driver_worker.cache.gpu_cache.dtype == torch.float8_e4m3fn
     if not eager:
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.model_executor.driver_worker.model_runner.graphs
         assert graphs is not None and any(k[0] == "prefill" for k in graphs.graphs), "graphs should be captured"
     for batched in (False, True):
         for got, ref in zip(outputs(llm, batched), cpu_fp8_reference):
@@ -40,7 +40,7 @@ def test_gpu_bf16_fp8_kv_graphs_match_eager(qwen3_vl_dir):
     eager = outputs(make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
                              enforce_eager=True))
     graphs_llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=False)
-    assert graphs_llm.engine.runner.graphs is not None
+    assert graphs_llm.engine.model_executor.driver_worker.model_runner.graphs is not None
     for got, ref in zip(outputs(graphs_llm), eager):
         # Padded graph buckets may tile the prefill differently from the exact-length eager step: bf16 rounding.
         assert_same_until_near_tie(got, ref, atol=0.05)

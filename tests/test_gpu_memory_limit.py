@@ -7,7 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import ModelLoadError
-from engine.memory import GiB, non_torch_bytes
+from engine.worker.memory import GiB, non_torch_bytes
 from engine_helpers import make_llm, noise_image
 from test_engine_parity import image_part
 
@@ -27,7 +27,7 @@ def test_process_stays_under_the_limit_and_cannot_exceed_it(qwen3_vl_dir, uncapp
     llm = make_llm(qwen3_vl_dir, device="cuda", dtype="bfloat16", enforce_eager=False, num_gpu_blocks_override=None,
                    gpu_memory_limit=limit / GiB)
     engine = llm.engine
-    assert engine.gpu_memory_limit == limit and engine.num_gpu_blocks > 0
+    assert engine.kv_cache_config.gpu_memory_limit == limit and engine.kv_cache_config.num_gpu_blocks > 0
     chat = [{"role": "user", "content": [image_part(noise_image(256, 256, 1)), {"type": "text", "text": "Hi"}]}]
     out = llm.generate(engine.input_processor.process_chat(chat), SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8

@@ -26,7 +26,7 @@ def quantized(request, qwen3_vl_dir, tmp_path_factory):
 def test_gpu_quantized_matches_cpu_references(quantized, eager):
     quant_dir, cpu_reference = quantized
     llm = make_llm(quant_dir, device="cuda", dtype="bfloat16", enforce_eager=eager)
-    layers = [m for m in llm.engine.model.modules()
+    layers = [m for m in llm.engine.model_executor.driver_worker.model.modules()
               if hasattr(m, "quant_method") and not isinstance(m.quant_method, UnquantizedLinearMethod)]
     assert layers and all(p.is_cuda for m in layers for p in m.parameters()), "quantized layers on the GPU"
     for batched in (False, True):

@@ -40,7 +40,7 @@ def test_two_gpus_give_the_tokens_of_one(qwen3_vl_dir, one_gpu, eager):
     try:
         assert [r["device"] for r in llm.engine.get_stats()["ranks"]] == ["cuda:0", "cuda:1"]
         if not eager:
-            assert llm.engine.runner.graphs is not None, "graphs should be captured on rank 0"
+            assert llm.engine.model_executor.driver_worker.model_runner.graphs is not None, "graphs should be captured on rank 0"
         got = outputs(llm)
         swaps = llm.engine.get_stats()["num_swap_outs"]
     finally:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs, add_cli_args
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 from engine.errors import ModelLoadError
 from engine.ops.attention import paged_attention_ref
 from engine.ops.kv_cache import FP8_KV_DTYPE, store_kvcache_ref
@@ -61,9 +61,9 @@ def test_fp8_halves_bytes_per_block_and_doubles_the_pool(qwen3_vl_dir):
                   max_model_len=512, swap_space=0.001, enforce_eager=True)
         engine, config = llm.engine, llm.engine.model_config
         stats = engine.stats.snapshot()
-        counts[kv_dtype] = (engine.num_gpu_blocks, engine.num_cpu_blocks, stats["bytes_per_block"])
-        assert engine.cache.gpu_cache.dtype == (torch.bfloat16 if kv_dtype == "auto" else FP8)
-        assert engine.cache.cpu_cache.dtype == engine.cache.gpu_cache.dtype
+        counts[kv_dtype] = (engine.kv_cache_config.num_gpu_blocks, engine.kv_cache_config.num_cpu_blocks, stats["bytes_per_block"])
+        assert engine.model_executor.driver_worker.cache.gpu_cache.dtype == (torch.bfloat16 if kv_dtype == "auto" else FP8)
+        assert engine.model_executor.driver_worker.cache.cpu_cache.dtype == engine.model_executor.driver_worker.cache.gpu_cache.dtype
         assert stats["kv_cache_dtype"] == ("bfloat16" if kv_dtype == "auto" else "float8_e4m3fn")
         assert stats["kv_bytes_per_token"] == stats["bytes_per_block"] // 16
     per_token_bf16 = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2

@@ -13,7 +13,7 @@ import torch
 from engine.args import EngineArgs, add_cli_args
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit,
+from engine.worker.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit,
                            check_limit, check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message,
                            profile_cuda, usable_bytes, weights_out_of_memory)
 from engine_helpers import make_llm
@@ -207,12 +207,12 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     they report is the fixed part: the reserve is a full encoder cache and the allocator's slack (no graphs off
     CUDA), and the graph-pool estimate is every graph's output plus the vision graph's static inputs, with the
     prefill graphs or without them (their largest step, a padded decode batch, runs too)."""
-    from engine.cache_engine import CacheEngine
-    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.kv_sizing import _decoder_graph_pool_bytes, _largest_image, _profile, _vision_graph_pool_bytes
+    from engine.worker.cache_engine import CacheEngine
+    from engine.worker.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.worker.kv_sizing import _decoder_graph_pool_bytes, _largest_image, _profile, _vision_graph_pool_bytes
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
-    engine, cfg = llm.engine.worker, llm.engine.model_config     # rank 0's Worker: what kv_sizing sizes
+    engine, cfg = llm.engine.model_executor.driver_worker, llm.engine.model_config     # rank 0's Worker: what kv_sizing sizes
     fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
     fake.install(monkeypatch)
     fake.alloc(GiB)                                           # the "weights"
@@ -239,11 +239,11 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_scratch_sets_aside_the_d
     """The prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are dropped where that
     is half the pool or more; the decode graphs need none and stay (eager decode steps are ~10x slower). Under a
     limit the profile then sets aside the decode graphs' pool alone, and the KV pool gets the difference."""
-    import engine.cuda_graphs as cuda_graphs
-    from engine.kv_sizing import _profile
+    import engine.worker.cuda_graphs as cuda_graphs
+    from engine.worker.kv_sizing import _profile
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
-    worker, cfg = llm.engine.worker, llm.engine.model_config
+    worker, cfg = llm.engine.model_executor.driver_worker, llm.engine.model_config
     monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
     assert cuda_graphs.scratch_blocks_needed(16) == 256
     fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
@@ -269,11 +269,11 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_scratch_sets_aside_the_d
 def test_under_a_limit_the_profile_measures_the_largest_prefill_graph_with_small_steps(qwen3_vl_dir, monkeypatch):
     """With --max-num-batched-tokens under the largest prefill bucket (2048), the profile's scratch KV cache still
     holds that bucket's tokens: the graph-pool measure writes them (an 8 GiB H100 run read out of bounds)."""
-    import engine.cuda_graphs as cuda_graphs
-    from engine.kv_sizing import _profile
+    import engine.worker.cuda_graphs as cuda_graphs
+    from engine.worker.kv_sizing import _profile
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8, max_num_batched_tokens=256)
-    worker = llm.engine.worker
+    worker = llm.engine.model_executor.driver_worker
     monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
     fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
     fake.install(monkeypatch)
@@ -283,7 +283,7 @@ def test_under_a_limit_the_profile_measures_the_largest_prefill_graph_with_small
 
 
 def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size():
-    from engine.cuda_graphs import prefill_scratch_blocks
+    from engine.worker.cuda_graphs import prefill_scratch_blocks
     assert prefill_scratch_blocks(512, 16) == 0          # 2 x 2048 tokens would be half of this pool
     assert prefill_scratch_blocks(513, 16) == 256
     assert prefill_scratch_blocks(10_000, 32) == 128
@@ -292,6 +292,6 @@ def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size()
 # ---- on the CPU, the limit does not apply --------------------------------------------------------------------
 def test_on_cpu_the_limit_is_ignored_with_a_warning(qwen3_dir, engine_log):
     llm = make_llm(qwen3_dir, device="cpu", gpu_memory_limit=8)
-    assert llm.engine.gpu_memory_limit is None
+    assert llm.engine.kv_cache_config.gpu_memory_limit is None
     assert any("--gpu-memory-limit 8.00 GiB applies to CUDA devices only" in r.getMessage()
                for r in engine_log.records)

@@ -16,7 +16,7 @@ def test_dense_image_rows_give_the_same_tokens_and_logprobs(qwen3_vl_dir, monkey
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
     indexed = llm.chat([chat], params)[0].outputs[0]
 
-    model = llm.engine.model
+    model = llm.engine.model_executor.driver_worker.model
     eager_forward = model.forward
     seen = []
 

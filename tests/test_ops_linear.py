@@ -44,7 +44,7 @@ def test_a_bf16_model_on_the_cpu_runs_on_packed_weights_with_the_same_tokens(qwe
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompt = {"prompt_token_ids": list(range(40, 80))}
     packed = make_llm(qwen3_vl_dir, device="cpu", dtype="bfloat16")
-    model = packed.engine.runner.model
+    model = packed.engine.model_executor.driver_worker.model_runner.model
     linears = [m for m in model.modules() if hasattr(m, "quant_method")]
     if not linears[0].weight.is_mkldnn:
         pytest.skip("this torch has no oneDNN linear ops")
@@ -54,7 +54,7 @@ def test_a_bf16_model_on_the_cpu_runs_on_packed_weights_with_the_same_tokens(qwe
     monkeypatch.setattr(ops, "prepack_linear_weight", lambda w: None)
     monkeypatch.setattr(vpe, "prepack_linear_weight", lambda w: None)
     plain = make_llm(qwen3_vl_dir, device="cpu", dtype="bfloat16")
-    assert not plain.engine.runner.model.lm_head.weight.is_mkldnn
+    assert not plain.engine.model_executor.driver_worker.model_runner.model.lm_head.weight.is_mkldnn
     want = plain.generate(prompt, params)[0].outputs[0]
     got = packed.generate(prompt, params)[0].outputs[0]
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs   # the same bits all the way
@@ -62,5 +62,5 @@ def test_a_bf16_model_on_the_cpu_runs_on_packed_weights_with_the_same_tokens(qwe
 
 def test_a_tied_lm_head_stays_plain(qwen3_dir):
     llm = make_llm(qwen3_dir, device="cpu", dtype="bfloat16")
-    model = llm.engine.runner.model
+    model = llm.engine.model_executor.driver_worker.model_runner.model
     assert model.lm_head.weight is model.decoder.embed_tokens.weight and not model.lm_head.weight.is_mkldnn

@@ -191,5 +191,5 @@ def test_encoder_cache_is_bounded(qwen3_vl_dir):
     for seed in range(5):   # 96x96 -> 9 tokens each: at most two fit in 20
         chat(llm, [{"role": "user", "content": [image_part(noise_image(96, 96, 30 + seed)),
                                                 {"type": "text", "text": "?"}]}])
-    cache = llm.engine.runner.encoder_cache
+    cache = llm.engine.model_executor.driver_worker.model_runner.encoder_cache
     assert cache.num_tokens <= 20 and len(cache.entries) == 2

@@ -91,7 +91,7 @@ def test_qwen3_vl_quantized_matches_transformers_on_dequantized_weights(vl, name
 
 def test_qwen3_vl_quantized_layers_are_the_checkpoints(vl):
     """The decoder projections hold the format's weights; ignored ones, the vision tower and lm_head stay float."""
-    model = vl.llm.engine.model
+    model = vl.llm.engine.model_executor.driver_worker.model
     expected = Fp8BlockLinearMethod if vl.spec.method == "fp8" else WNA16LinearMethod
     layers = model.decoder.layers
     assert isinstance(layers[0].self_attn.qkv_proj.quant_method, expected)

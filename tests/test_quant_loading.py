@@ -157,11 +157,11 @@ def qwen3_wide_dir(tmp_path_factory):
 @pytest.mark.parametrize("method", ["fp8", "awq", "gptq", "compressed-tensors"])
 def test_dummy_weights_in_each_format(qwen3_wide_dir, method):
     llm = make_llm(qwen3_wide_dir, load_format="dummy", quantization=method)
-    proj = llm.engine.model.decoder.layers[0].self_attn.qkv_proj
+    proj = llm.engine.model_executor.driver_worker.model.decoder.layers[0].self_attn.qkv_proj
     assert isinstance(proj.quant_method, Fp8BlockLinearMethod if method == "fp8" else WNA16LinearMethod)
     [out] = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
-    logits = llm.engine.model.compute_logits(torch.zeros(1, 128))
+    logits = llm.engine.model_executor.driver_worker.model.compute_logits(torch.zeros(1, 128))
     assert torch.isfinite(logits).all()
 
 

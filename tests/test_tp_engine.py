@@ -25,7 +25,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.args import EngineArgs
 from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from engine.distributed.executor import check_tensor_parallel_size, worker_view
+from engine.executor.multiproc import check_tensor_parallel_size
 from engine.errors import ModelLoadError
 from engine.model.loader import load_model_config
 from engine.sampling_params import StructuredOutputsParams
@@ -106,7 +106,7 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     expected = run_workload(make_llm(model_dir, **TIGHT, **preemption), with_images)
 
     llm = make_llm(model_dir, tensor_parallel_size=tp, **TIGHT, **preemption)
-    workers = llm.engine.executor.workers
+    workers = llm.engine.model_executor.workers
     try:
         got = run_workload(llm, with_images)
         stats = llm.engine.get_stats()
@@ -130,12 +130,15 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
 
 
 def test_one_rank_is_the_engine_process_alone(qwen3_dir):
-    """TP=1 (the default) starts no process and sends nothing: no executor, no group."""
+    """TP=1 (the default) starts no process and sends nothing: one in-process worker, no group."""
     from engine.distributed.parallel_state import get_tp_size
+    from engine.executor.uniproc import UniProcExecutor
 
     before = psutil.Process().children(recursive=True)
     llm = make_llm(qwen3_dir)
-    assert llm.engine.executor is None and get_tp_size() == 1 and llm.engine.runner.tp_size == 1
+    executor = llm.engine.model_executor
+    assert isinstance(executor, UniProcExecutor) and get_tp_size() == 1
+    assert executor.driver_worker.model_runner.tp_size == 1
     assert psutil.Process().children(recursive=True) == before
     stats = llm.engine.get_stats()
     assert stats["tensor_parallel_size"] == 1
@@ -177,36 +180,34 @@ def test_more_ranks_than_visible_gpus_is_refused(qwen3_dir, monkeypatch):
 
 
 # ---- what travels to the workers ------------------------------------------------------------------------------
-def test_workers_get_each_step_without_what_only_rank_0_uses(qwen3_vl_dir):
-    """The grammar matcher, the seeded generator and the compiled constraint stay on rank 0 (the workers do not
-    sample); the prompt, its images' pixels and the sampling parameters travel; rank 0's own copy is untouched."""
+def test_a_step_travels_to_the_workers_as_plain_data(qwen3_vl_dir):
+    """A SchedulerOutput pickles as it is: the prompt, its images' uint8 pixels and the sampling parameters
+    travel; the compiled constraint (a cache of rank 0's engine core) does not, and rank 0's copy keeps it."""
     llm = make_llm(qwen3_vl_dir)
     prompt = llm.engine.input_processor.process_chat(IMAGES[0])
     params = SamplingParams(seed=3, prompt_logprobs=1, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
     params.structured_outputs.compiled = object()          # stands for llguidance's compiled grammar
-    new = NewRequestData("r0", prompt, params, {1}, torch.Generator().manual_seed(3), grammar=object())
+    new = NewRequestData("r0", prompt, params, {1})
     step = ScheduledRequest("r0", 8, 0, prompt.prompt_token_ids[:8], [0])
     so = SchedulerOutput(scheduled_new_reqs=[new], scheduled=[step], num_scheduled_tokens={"r0": 8})
 
-    sent = pickle.loads(pickle.dumps(worker_view(so)))
+    sent = pickle.loads(pickle.dumps(so))
     [got] = sent.scheduled_new_reqs
-    assert got.generator is None and got.grammar is None and got.sampling_params.structured_outputs is None
+    assert got.sampling_params.structured_outputs.regex == "[ab]+"
+    assert got.sampling_params.structured_outputs.compiled is None
     assert got.sampling_params.prompt_logprobs == 1 and got.sampling_params.seed == 3
     assert got.prompt.prompt_token_ids == prompt.prompt_token_ids
     assert torch.equal(got.prompt.images[0].raw, prompt.images[0].raw)
-    assert got.prompt.images[0].to_pixels is None          # the worker binds its own image processor
     assert torch.equal(got.prompt.mrope_positions, prompt.mrope_positions)
     assert sent.scheduled[0].block_ids == [0] and sent.num_scheduled_tokens == {"r0": 8}
-    assert new.grammar is not None and new.generator is not None and prompt.images[0].to_pixels is not None
-    later = SchedulerOutput(scheduled=[step], num_scheduled_tokens={"r0": 8})
-    assert worker_view(later) is later                     # no new request: sent as it is
+    assert params.structured_outputs.compiled is not None
 
 
 # ---- an idle engine ------------------------------------------------------------------------------------------
 def _wait_for_a_late_step(port: int) -> object:
     """On each rank: a group whose collectives time out after 1 s, whose host group waits as the executor's
     does; rank 0 sends its "step" only after 2.5 s."""
-    from engine.distributed.executor import STEP_WAIT_TIMEOUT_S
+    from engine.executor.multiproc import STEP_WAIT_TIMEOUT_S
     from engine.distributed.parallel_state import (broadcast_object, destroy_tensor_parallel, get_tp_rank,
                                                    init_tensor_parallel)
     rank = get_tp_rank()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.model.loader import build_model, load_model_config, load_weights

@@ -6,8 +6,6 @@ import enum
 import hashlib
 import time
 
-import torch
-
 from engine.inputs.types import ImageItem, ProcessedPrompt
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -51,9 +49,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.output_logprobs: list[dict[int, float]] = []
         self.prompt_logprobs: list[dict[int, float] | None] | None = None   # when asked: one per prompt token
-        self.generator: torch.Generator | None = None    # per-request RNG when a seed is given
         # Handed to the runner once (NewRequestData), which alone uses them from then on.
-        self.grammar = None                              # structured output: its matcher (engine.structured_output)
         self.bad_words_token_ids: list[list[int]] = []   # bad_words, tokenized by the engine
         # Its sampling reads every earlier token id (penalties, multi-token bad words): a step that samples it
         # is read before the next is scheduled (PendingTokens.on_scheduled). The engine adds bad words.

@@ -101,8 +101,7 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:       # the runner has not seen it yet
                 req.metrics.first_scheduled_time = now
                 out.scheduled_new_reqs.append(NewRequestData(rid, req.prompt, req.sampling_params,
-                                                             req.eos_token_ids, req.generator, req.grammar,
-                                                             req.bad_words_token_ids))
+                                                             req.eos_token_ids, req.bad_words_token_ids))
             start = req.num_computed_tokens
             req.num_computed_tokens = start + n
             out.scheduled.append(ScheduledRequest(rid, n, start, req.all_token_ids[start:start + n],

@@ -1,11 +1,11 @@
 """What the scheduler hands the model runner for one step: the whole contract between the two, as in vLLM v1.
 The runner learns a request's fixed data once (NewRequestData), then each step only what the step changes, and
-never asks the scheduler, a Request or the KV cache manager."""
+never asks the scheduler, a Request or the KV cache manager. Plain, picklable data: under tensor parallelism
+it is broadcast to every rank as it is. What only the sampling rank uses and cannot travel (a structured-output
+matcher) stays in rank 0's registry (LLMEngine.grammars); a seeded request's generator is made by the runner."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from engine.inputs.types import ProcessedPrompt
 from engine.sampling_params import SamplingParams
@@ -16,11 +16,9 @@ class NewRequestData:
     """A request's fixed data, sent the first step it is scheduled; the runner keeps it until the request's id
     comes back in finished_req_ids."""
     request_id: str
-    prompt: ProcessedPrompt                  # token ids, images, M-RoPE positions
+    prompt: ProcessedPrompt                  # token ids, images (uint8 pixels), M-RoPE positions
     sampling_params: SamplingParams
     eos_token_ids: set[int]
-    generator: torch.Generator | None        # its own RNG when a seed is given
-    grammar: object | None = None            # structured output: its matcher (engine.structured_output.Grammar)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # bad_words, tokenized by the engine
 
 

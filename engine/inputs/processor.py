@@ -194,7 +194,7 @@ class InputProcessor:
             length = t * h * w // merge ** 2
             ids += token_ids[prev:slot]
             items.append(ImageItem(raw=image.raw, grid_thw=image.grid_thw, offset=len(ids), length=length,
-                                   content_hash=image.content_hash, to_pixels=self.image_processor.to_pixel_values))
+                                   content_hash=image.content_hash))
             ids += [mc.image_token_id] * length
             prev = slot + 1
         ids += token_ids[prev:]

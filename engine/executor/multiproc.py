@@ -1,10 +1,10 @@
-"""Rank 0's side of tensor parallelism (vLLM's MultiprocExecutor): it starts the worker processes, sends them
-each step, watches them, and stops them.
+"""Tensor parallelism's executor (vLLM's MultiprocExecutor): rank 0's worker in this process, ranks 1..N-1 in
+processes it starts, sends each step, watches and stops.
 
 `--tensor-parallel-size N` makes the engine process rank 0 (scheduler, KV cache manager, tokenizer, HTTP, and its
-own share of the model) and spawns ranks 1..N-1 (engine/distributed/worker.py). Every step, rank 0 broadcasts
-the SchedulerOutput over the host group; each worker launches the same step on its runner, and the model's
-collectives keep the ranks in lockstep. At TP=1 there is no executor at all: no process, no broadcast.
+own share of the model) and spawns ranks 1..N-1 (engine/executor/worker_proc.py). Every step, rank 0 broadcasts
+the SchedulerOutput (plain data) over the host group; each worker launches the same step on its runner, and the
+model's collectives keep the ranks in lockstep.
 
 A rank that dies leaves the others blocked in a collective that cannot be interrupted safely (NCCL waits until
 its timeout), so the failure is handled from outside the step: a watcher thread sees the worker's exit, logs one
@@ -22,15 +22,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 
 from engine.args import EngineArgs
 from engine.config import ModelConfig
-from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
+from engine.executor.abstract import Executor, RankInfo
 from engine.logger import init_logger
+from engine.structured_output import Grammar
+from engine.worker.inflight import InflightStep
+from engine.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -40,16 +43,6 @@ STEP_WAIT_TIMEOUT_S = 10 * 365 * 24 * 3600.0
 JOIN_TIMEOUT_S = 5.0           # a worker told to stop has this long before it is killed
 FAILURE_GRACE_S = 1.0          # after a rank failure: time for the open streams' error events to go out
 WORKER_EXIT_WAIT_S = 2.0       # rank 0's step failed: how long to look for a dead worker behind it
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    pid: int
-    device: str
-
-    def as_dict(self) -> dict:
-        return {"rank": self.rank, "pid": self.pid, "device": self.device}
 
 
 def check_tensor_parallel_size(n: int, device: torch.device, config: ModelConfig) -> None:
@@ -72,33 +65,16 @@ def check_tensor_parallel_size(n: int, device: torch.device, config: ModelConfig
     config.verify_tensor_parallel(n)
 
 
-def worker_view(so: SchedulerOutput) -> SchedulerOutput:
-    """The step as the workers need it: new requests without what only rank 0 uses (the grammar matcher, the
-    seeded generator, the compiled output constraint) nor the images' host-side callables, which the workers
-    rebind to their own image processor. Everything else (prompts, images' pixels, sampling parameters for the
-    prompt-logprob chunks) travels as is."""
-    if not so.scheduled_new_reqs:
-        return so
-    return replace(so, scheduled_new_reqs=[_strip(new) for new in so.scheduled_new_reqs])
+class MultiprocExecutor(Executor):
+    """Spawns ranks 1..N-1, joins the group as rank 0, builds rank 0's worker, and owns the workers until
+    shutdown()."""
 
-
-def _strip(new: NewRequestData) -> NewRequestData:
-    params = new.sampling_params
-    if params.structured_outputs is not None:
-        params = replace(params, structured_outputs=None)
-    prompt = new.prompt
-    if prompt.images:
-        prompt = replace(prompt, images=[replace(i, to_pixels=None, _cpu_pixels=None) for i in prompt.images])
-    return replace(new, prompt=prompt, sampling_params=params, generator=None, grammar=None)
-
-
-class TensorParallelExecutor:
-    """Spawns ranks 1..N-1, joins the group as rank 0, and owns the workers until shutdown()."""
-
-    def __init__(self, args: EngineArgs, device: torch.device):
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, device: torch.device, image_processor,
+                 grammars: dict[str, Grammar]):
         from engine.distributed.parallel_state import init_tensor_parallel
-        from engine.distributed.worker import run_worker
+        from engine.executor.worker_proc import run_worker
 
+        check_tensor_parallel_size(args.tensor_parallel_size, device, model_config)   # before any process starts
         n = self.world_size = args.tensor_parallel_size
         # NVLink multicast (NVLS) stays off: NCCL reads it when it starts, in every rank (inherited).
         os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -124,7 +100,7 @@ class TensorParallelExecutor:
         atexit.register(self.shutdown, graceful=False)   # before multiprocessing's own exit handler runs
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
-        self.device = rank0_device = device if device.type == "cpu" else torch.device("cuda", 0)
+        rank0_device = device if device.type == "cpu" else torch.device("cuda", 0)
         self.ranks = [RankInfo(0, os.getpid(), str(rank0_device))] + [
             RankInfo(r, p.pid, "cpu" if device.type == "cpu" else f"cuda:{r}")
             for r, p in enumerate(self.workers, start=1)]
@@ -134,19 +110,24 @@ class TensorParallelExecutor:
             if rank0_device.type == "cuda":
                 torch.cuda.set_device(rank0_device)
             init_tensor_parallel(0, n, init_method, rank0_device, object_timeout_s=STEP_WAIT_TIMEOUT_S)
+            self.driver_worker = Worker(args, model_config, rank0_device, image_processor, grammars)
+            self.kv_cache_config = self.driver_worker.initialize()
         except BaseException:
             self.shutdown(graceful=False)
             raise
+        self._ready = True            # from now on the workers wait in their step loop
 
     # ---- steps ---------------------------------------------------------------------------------------------
-    def mark_ready(self) -> None:
-        """Rank 0 finished starting: from now on the workers wait in their step loop."""
-        self._ready = True
-
-    def execute(self, so: SchedulerOutput) -> None:
-        """Send step `so` to the workers; rank 0 launches it itself right after."""
+    def execute_model(self, so: SchedulerOutput) -> InflightStep:
+        """Send step `so` to the workers, then launch it here. From the send on, every rank must run the step's
+        collectives: rank 0 failing inside the step leaves the others waiting in one, so it ends the engine."""
         from engine.distributed.parallel_state import broadcast_object
-        broadcast_object(worker_view(so))
+        try:
+            broadcast_object(so)
+            return self.driver_worker.execute_model(so)
+        except Exception as e:
+            self.step_failed(e)       # ends the process, unless it is already shutting down
+            raise
 
     # ---- failure -------------------------------------------------------------------------------------------
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:

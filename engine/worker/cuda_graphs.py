@@ -14,6 +14,7 @@ All run on static buffers that each step's inputs are copied into.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
 from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.worker.worker import Worker
 
 logger = init_logger(__name__)
 # Every 64 tokens up to 2048: padding (computed, then dropped) stays under 64 rows, 6% of a 1024-token prefill.
@@ -235,23 +239,23 @@ def _bucket(n: int) -> int:
     return next((b for b in PREFILL_BUCKETS if b > n), 0)
 
 
-def enable_cuda_graphs(engine) -> None:
-    """Capture the decoder's graphs for `engine`: one rank's Worker (engine/distributed/worker.py). Every rank
+def enable_cuda_graphs(worker: Worker) -> None:
+    """Capture the decoder's graphs for one rank's `worker` (engine/worker/worker.py). Every rank
     captures the same graphs, the collectives inside them included."""
     if not triton_available():
         logger.warning("CUDA graphs need the Triton kernels (the torch references read host-side lengths); "
                        "running eagerly")
         return
-    runner = CUDAGraphRunner(engine.model, engine.runner.kv_caches, engine.args.max_num_seqs,
-                             engine.max_model_len, engine.args.block_size,
-                             engine.model_config.mrope_section is not None, engine.device,
-                             engine.scratch_blocks)
+    runner = CUDAGraphRunner(worker.model, worker.model_runner.kv_caches, worker.args.max_num_seqs,
+                             worker.max_model_len, worker.args.block_size,
+                             worker.model_config.mrope_section is not None, worker.device,
+                             worker.scratch_blocks)
     try:
         runner.capture()
     except torch.cuda.OutOfMemoryError:
         # Under tensor parallelism the other ranks may be inside a collective of the capture: this rank's error
         # ends the engine (a rank that dies stops all) rather than leaving the ranks with different graphs.
-        if engine.gpu_memory_limit is None or get_tp_size() > 1:
+        if worker.gpu_memory_limit is None or get_tp_size() > 1:
             raise
         runner = None
     if runner is None:
@@ -259,7 +263,7 @@ def enable_cuda_graphs(engine) -> None:
         torch.cuda.empty_cache()
         logger.warning("CUDA graphs off: capturing them ran out of memory under --gpu-memory-limit; eager steps")
         return
-    engine.runner.graphs = runner
-    if engine.model_config.is_multimodal:
-        from engine.vision_graphs import VisionGraphs
-        engine.runner.vision_graphs = VisionGraphs(engine.model.visual, engine.device)
+    worker.model_runner.graphs = runner
+    if worker.model_config.is_multimodal:
+        from engine.worker.vision_graphs import VisionGraphs
+        worker.model_runner.vision_graphs = VisionGraphs(worker.model.visual, worker.device)

@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
-from engine.cache_engine import CacheEngine
-from engine.cuda_graphs import PREFILL_BUCKETS, prefill_scratch_blocks
+from engine.worker.cache_engine import CacheEngine
+from engine.worker.cuda_graphs import PREFILL_BUCKETS, prefill_scratch_blocks
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, check_weights_fit, cpu_kv_budget,
-                           encoder_cache_bytes, no_kv_room_message, non_torch_bytes, profile_cuda,
-                           steps_out_of_memory)
+from engine.worker.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, check_weights_fit, cpu_kv_budget,
+                                  encoder_cache_bytes, no_kv_room_message, non_torch_bytes, profile_cuda,
+                                  steps_out_of_memory)
+
+if TYPE_CHECKING:
+    from engine.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -27,8 +31,8 @@ class KVCachePlan:
     profile: MemoryProfile | None = None
     dtype: torch.dtype | None = None     # the KV cache dtype (--kv-cache-dtype)
 
-    def log(self, engine) -> None:
-        args, bs = engine.args, engine.args.block_size
+    def log(self, worker: Worker) -> None:
+        args, bs = worker.args, worker.args.block_size
         gpu_bytes, cpu_bytes = self.num_gpu_blocks * self.bytes_per_block, self.num_cpu_blocks * self.bytes_per_block
         logger.info("Using PagedAttention for KV cache.")
         logger.info("KV cache block size: %d tokens", bs)
@@ -40,7 +44,7 @@ class KVCachePlan:
         if self.profile is not None and self.profile.limit_bytes is not None:
             logger.info("GPU memory utilization: not used (--gpu-memory-limit %.2f GiB)",
                         self.profile.limit_bytes / GiB)
-        elif engine.device.type == "cuda":
+        elif worker.device.type == "cuda":
             logger.info("GPU memory utilization: %.2f", args.gpu_memory_utilization)
         else:
             logger.info("GPU memory utilization: %.2f (not used on CPU; KV pool from %s)",
@@ -54,12 +58,12 @@ class KVCachePlan:
                         "total%s", p.weights_bytes / 1e9, p.activation_peak_bytes / 1e9, gpu_bytes / 1e9,
                         p.total_bytes / 1e9, cap)
         logger.info("CPU swap space: %d blocks (%.2f GiB)", self.num_cpu_blocks, cpu_bytes / GiB)
-        logger.info("Maximum concurrency for %d tokens per request: %.2fx", engine.max_model_len,
-                    self.num_gpu_blocks * bs / engine.max_model_len)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", worker.max_model_len,
+                    self.num_gpu_blocks * bs / worker.max_model_len)
 
 
-def plan_kv_cache(worker, max_len: int) -> KVCachePlan:
-    """The pool of one rank's Worker (engine/distributed/worker.py): profiled on CUDA, from --cpu-kv-cache-space
+def plan_kv_cache(worker: Worker, max_len: int) -> KVCachePlan:
+    """The pool of one rank's Worker (engine/worker/worker.py): profiled on CUDA, from --cpu-kv-cache-space
     on CPU, or as overridden; the same block counts on every rank."""
     args, cfg = worker.args, worker.model_config
     per_block = CacheEngine.bytes_per_block(cfg, args.block_size, worker.kv_cache_dtype)
@@ -93,7 +97,7 @@ def _smallest_over_ranks(num_gpu: int, num_cpu: int) -> tuple[int, int]:
     return min(c[0] for c in counts), min(c[1] for c in counts)
 
 
-def _profile(worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
+def _profile(worker: Worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
     """The memory profile on CUDA: weights as loaded, then the profiled steps (and, under a limit, the reserve)."""
     args, dev, limit = worker.args, worker.device, worker.gpu_memory_limit
     weights = torch.cuda.memory_allocated(dev)
@@ -124,11 +128,11 @@ def _profile(worker, max_len: int, bytes_per_block: int) -> MemoryProfile:
     return profile
 
 
-def _limit_reserves(worker, max_len: int, scratch: CacheEngine) -> tuple[int, int]:
+def _limit_reserves(worker: Worker, max_len: int, scratch: CacheEngine) -> tuple[int, int]:
     """Under a limit, what the utilization's headroom holds otherwise: the CUDA graph pools (when graphs will
     be captured), a full encoder cache and the allocator's slack (LIMIT_SLACK_BYTES); with the prefill graphs,
     and with the decode graphs alone."""
-    from engine.cuda_graphs import cuda_graphs_wanted
+    from engine.worker.cuda_graphs import cuda_graphs_wanted
 
     fixed = encoder_cache_bytes(worker.model_config, worker.args.encoder_cache_size, worker.dtype) + \
         LIMIT_SLACK_BYTES
@@ -140,11 +144,11 @@ def _limit_reserves(worker, max_len: int, scratch: CacheEngine) -> tuple[int, in
 
 
 @torch.inference_mode()
-def _decoder_graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefill: bool) -> int:
+def _decoder_graph_pool_bytes(worker: Worker, max_len: int, scratch: CacheEngine, prefill: bool) -> int:
     """The decoder graphs' private pool, measured on an eager run of its largest shape: the graphs share it,
     captured largest first (the 2048-token prefill bucket, or without prefill graphs the largest decode batch):
     that step's transient peak, plus every graph's output (each stays alive)."""
-    from engine.cuda_graphs import batch_size_ladder
+    from engine.worker.cuda_graphs import batch_size_ladder
 
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
     ladder = batch_size_ladder(worker.args.max_num_seqs)
@@ -155,10 +159,10 @@ def _decoder_graph_pool_bytes(worker, max_len: int, scratch: CacheEngine, prefil
 
 
 @torch.inference_mode()
-def _vision_graph_pool_bytes(worker, max_len: int) -> int:
+def _vision_graph_pool_bytes(worker: Worker, max_len: int) -> int:
     """The vision graphs' pool: the ViT's peak on the largest image a graph takes, plus that graph's static
     inputs (0 for a text-only model)."""
-    from engine.vision_graphs import MAX_GRAPH_PATCHES
+    from engine.worker.vision_graphs import MAX_GRAPH_PATCHES
 
     image = _largest_image(worker, max_len, MAX_GRAPH_PATCHES)
     if image is None:
@@ -182,7 +186,7 @@ def _peak_bytes(fn, device: torch.device) -> int:
     return peak
 
 
-def _largest_image(worker, max_len: int, max_patches: int | None = None):
+def _largest_image(worker: Worker, max_len: int, max_patches: int | None = None):
     """Random pixels and grid of the largest image a request may carry (its tokens within max_len, its patches
     within max_patches), or None for a text-only model."""
     processor = worker.image_processor
@@ -200,7 +204,7 @@ def _largest_image(worker, max_len: int, max_patches: int | None = None):
 
 
 @torch.inference_mode()
-def _worst_case_step(worker, tokens: int, max_len: int, scratch: CacheEngine) -> None:
+def _worst_case_step(worker: Worker, tokens: int, max_len: int, scratch: CacheEngine) -> None:
     """The largest step the scheduler can build: `tokens` (max_num_batched_tokens) prompt tokens through the
     decoder into the scratch KV cache, logits and top-p sampling for max_num_seqs rows, and the largest image
     through the ViT."""
@@ -224,10 +228,10 @@ def _worst_case_step(worker, tokens: int, max_len: int, scratch: CacheEngine) ->
         worker.model.encode_images(*image)
 
 
-def _padded_decode_forward(worker, rows: int, max_len: int, scratch: CacheEngine) -> torch.Tensor:
+def _padded_decode_forward(worker: Worker, rows: int, max_len: int, scratch: CacheEngine) -> torch.Tensor:
     """A decode step of `rows` rows as a decode graph runs its padding rows (no K/V read or written), with block
     tables as wide as max_len."""
-    from engine.cuda_graphs import padded_decode_metadata
+    from engine.worker.cuda_graphs import padded_decode_metadata
 
     cfg, dev, bs = worker.model_config, worker.device, worker.args.block_size
     md = padded_decode_metadata(torch.full((rows,), -1, dtype=torch.int64, device=dev),
@@ -238,7 +242,7 @@ def _padded_decode_forward(worker, rows: int, max_len: int, scratch: CacheEngine
     return worker.model(torch.zeros(rows, dtype=torch.int64, device=dev), positions, scratch.layer_caches(), md)
 
 
-def _prefill_forward(worker, tokens: int, scratch: CacheEngine) -> torch.Tensor:
+def _prefill_forward(worker: Worker, tokens: int, scratch: CacheEngine) -> torch.Tensor:
     """One sequence of `tokens` prompt tokens through the decoder into `scratch`; its hidden states."""
     from engine.ops import AttentionMetadata
 
