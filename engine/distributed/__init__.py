@@ -1,2 +1,2 @@
-"""Tensor parallelism: the process group of the ranks that share one model (parallel_state) and the worker
-processes that hold ranks 1..N-1."""
+"""Tensor parallelism's process group: the ranks that share one model and their collectives (parallel_state).
+The worker processes that hold ranks 1..N-1 are the executor's (engine/executor/)."""
