@@ -121,7 +121,7 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
 
 
 def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
-    """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (faster than Pillow here: BENCHMARKS.md):
+    """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (faster than Pillow here: docs/perf-log.md):
     the same values Pillow gives, since PNG is lossless. None for every other image, which Pillow decodes:
     palettes, grey, 16 bits, a tRNS colour key, an eXIf orientation, or bytes libspng refuses (Pillow then says
     what is wrong with them). pyspng keeps the GIL while libspng decodes (Pillow releases it): the process's
