@@ -34,7 +34,7 @@ def median_ms(fn, repeats: int = 7) -> float:
 def cpu_phases(llm: LLM, kind: str) -> dict:
     """Each CPU phase alone, median of 7, for one image of this kind."""
     from engine.inputs.image_cache import ImageCache
-    from engine.inputs.image_io import decode_data_url, load_image
+    from engine.inputs.image_io import decode_data_url, decode_image
     from engine.server.protocol import _loads
     url = image_data_url(kind)
     data = image_bytes(kind)
@@ -44,7 +44,7 @@ def cpu_phases(llm: LLM, kind: str) -> dict:
     cold = copy.copy(llm.engine.input_processor)
     cold.image_cache = ImageCache(max_bytes=0)    # keeps nothing: every call decodes
     return {"kind": describe(kind), "bytes": len(data), "json_loads": median_ms(lambda: _loads(body)),
-            "base64": median_ms(lambda: decode_data_url(url)), "decode": median_ms(lambda: load_image(data)),
+            "base64": median_ms(lambda: decode_data_url(url)), "decode": median_ms(lambda: decode_image(data)),
             # The whole request processing: cold (nothing kept), and for the image re-sent by a later chat turn.
             "process_chat_cold": median_ms(lambda: cold.process_chat(msgs)),
             "process_chat_resent": median_ms(lambda: llm.engine.input_processor.process_chat(msgs))}

@@ -89,7 +89,7 @@ def image_ttft(llm: LLM, size: int, repeats: int = 3) -> dict | None:
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from serve import image_data_url
-    from engine.inputs.image_io import decode_data_url, load_image
+    from engine.inputs.image_io import decode_data_url, decode_image
     pre, model, b64, png, vision = [], [], [], [], []
     for seed in range(repeats + 1):
         url = image_data_url("noise", seed, (size, size))
@@ -103,7 +103,7 @@ def image_ttft(llm: LLM, size: int, repeats: int = 3) -> dict | None:
         t2 = time.perf_counter()
         data = decode_data_url(url)
         t3 = time.perf_counter()
-        load_image(data)
+        decode_image(data)
         t4 = time.perf_counter()
         [image] = prompt.images
         pixels = llm.engine.input_processor.image_processor.to_pixel_values(image.raw.to(llm.engine.device))

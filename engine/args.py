@@ -73,7 +73,9 @@ class EngineArgs:
                     "only its tokens' rows, over PCIe): frees its GPU memory for the KV cache, 1.24 GB for "
                     "Qwen3-VL-8B in bf16. No effect on the CPU, nor for a model whose lm_head shares the table "
                     "(tie_word_embeddings: a warning says so)")
-    load_format: str = flag("auto", choices=LOAD_FORMATS)
+    load_format: str = flag("auto", choices=LOAD_FORMATS,
+                            help="auto: a .gguf file or a directory of safetensors, as the path says; safetensors and "
+                                 "gguf state it (a path of the other kind is refused); dummy: random weights")
     quantization: str | None = flag(
         None, aliases=("-q",),
         help="fp8, awq, gptq or compressed-tensors: the checkpoint's method (read from its quantization_config; "
@@ -124,6 +126,11 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_limit is in GiB and must be positive, not {self.gpu_memory_limit}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        # The path picks the reader; a stated format that disagrees with it is a mistake, not a hint to ignore.
+        gguf_path = str(self.model).endswith(".gguf")
+        if self.load_format in ("gguf", "safetensors") and (self.load_format == "gguf") != gguf_path:
+            raise ValueError(f"load_format {self.load_format} does not match the model path {self.model!r}: "
+                             f"gguf reads a .gguf file, safetensors a model directory (auto picks by the path)")
         if self.quantization is not None:
             from engine.errors import ModelLoadError
             from engine.model.quantization.config import canonical_method

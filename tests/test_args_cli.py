@@ -1,11 +1,15 @@
 """The flags of `python -m engine` are generated from EngineArgs and the server's ServerArgs: one flag per field,
 with its default."""
+import re
 from dataclasses import MISSING, fields
+from pathlib import Path
 
 import pytest
 
 from engine.args import EngineArgs
 from engine.server.cli import ServerArgs, make_parser, parse_args
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_every_field_is_a_flag_with_the_fields_default():
@@ -61,3 +65,32 @@ def test_help_lists_every_flag_but_the_hidden_one(capsys):
     for f in fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         assert (flag in text) == (f.name != "demo_model"), flag
+
+
+@pytest.mark.parametrize("argv", [["--model", "m", "--load-format", "gguf"],
+                                  ["--model", "m.gguf", "--load-format", "safetensors"]])
+def test_a_load_format_that_disagrees_with_the_path_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "does not match the model path" in capsys.readouterr().err
+
+
+def test_a_load_format_that_agrees_with_the_path_parses():
+    assert parse_args(["--model", "m.gguf", "--load-format", "gguf"])[0].load_format == "gguf"
+    assert parse_args(["--model", "m", "--load-format", "safetensors"])[0].load_format == "safetensors"
+
+
+# Flags accepted without being read: the reason each stays. Any other flag must be read by the code it configures
+# (an attribute of the same name counts as a read: `params.seed` hides an unread --seed from this check).
+NOT_READ = {
+    "tool_call_parser": "one choice (hermes), the parser always used; --enable-auto-tool-choice needs it, as in vLLM",
+}
+
+
+def test_every_flag_is_read_outside_its_declaration():
+    sources = [p for root in ("engine", "app", "proxy") for p in (REPO / root).rglob("*.py")
+               if p.relative_to(REPO).as_posix() not in ("engine/args.py", "engine/server/cli.py")]
+    text = "\n".join(p.read_text() for p in sources)
+    unread = {f.name for f in fields(EngineArgs) + fields(ServerArgs)
+              if not re.search(rf"\.{f.name}\b", text)}
+    assert unread == set(NOT_READ)

@@ -216,7 +216,7 @@ def test_finishing_a_request_frees_its_blocks_at_once():
     req = make_request("a", 10)
     sched.add_request(req)
     sched.schedule()
-    sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests([req], RequestStatus.FINISHED_ABORTED)
     assert sched.kv.num_free_blocks == 4 and not sched.has_unfinished_requests()
 
 

@@ -8,11 +8,18 @@ import struct
 import threading
 import zlib
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from engine.errors import ImageError, InvalidInputError, PayloadTooLargeError
-from engine.inputs.image_io import decode_data_url, decode_image, fetch_image_bytes, load_image, to_rgb
+from engine.inputs.image_io import decode_data_url, decode_image, fetch_image_bytes, to_rgb
+
+
+def load_image(data: bytes, **limits) -> Image.Image:
+    """decode_image's result as a PIL image (a PNG decodes to an RGB array), for the assertions."""
+    image = decode_image(data, **limits)
+    return Image.fromarray(image) if isinstance(image, np.ndarray) else image
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:

@@ -59,9 +59,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
-        self.finish_requests([req], status)
-
     def finish_requests(self, reqs: list[Request], status: RequestStatus) -> None:
         """End requests (abort, stop): free their blocks and take them out of their queues. Each queue that held
         one is rebuilt once, in one pass: a burst of thousands of aborts costs O(queue length) in all, not one

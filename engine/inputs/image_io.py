@@ -1,4 +1,4 @@
-"""Image bytes in, an RGB PIL image out, without trusting the sender.
+"""Image bytes in, RGB pixels out (a PIL image or a uint8 array), without trusting the sender.
 
 Every limit is checked before the work it protects: the byte size before base64-decoding or reading, the pixel
 count from the header before the full decode (a 50 KB PNG can claim 100k x 100k pixels). Only base64 data URLs
@@ -87,19 +87,13 @@ def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_
                             param=param)
 
 
-def load_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-               param: str | None = None, on_size: Callable[[int, int], None] | None = None) -> Image.Image:
-    """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos).
-    on_size(width, height) runs once the header is read and checked, before any pixel is decoded."""
-    image = decode_image(data, max_bytes, max_pixels, param, on_size)
-    return Image.fromarray(image) if isinstance(image, np.ndarray) else image
-
-
 def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  param: str | None = None, on_size: Callable[[int, int], None] | None = None
                  ) -> Image.Image | np.ndarray:
-    """load_image, but an 8-bit RGB PNG comes back as libspng decoded it, uint8 [H, W, 3]: the image processor
-    takes the array as it is, where a PIL image would cost two copies of the pixels."""
+    """Decode image bytes into an RGB image, upright as its EXIF orientation says (as browsers show photos); an
+    8-bit RGB PNG comes back as libspng decoded it, uint8 [H, W, 3]: the image processor takes the array as it is,
+    where a PIL image would cost two copies of the pixels. on_size(width, height) runs once the header is read
+    and checked, before any pixel is decoded."""
     if len(data) > max_bytes:
         raise PayloadTooLargeError(f"image is {len(data)} bytes, over the limit of {max_bytes} bytes", param=param)
     try:
@@ -127,7 +121,7 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
 
 
 def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
-    """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (faster than Pillow here: BENCHMARKS.md):
+    """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (faster than Pillow here: docs/perf-log.md):
     the same values Pillow gives, since PNG is lossless. None for every other image, which Pillow decodes:
     palettes, grey, 16 bits, a tRNS colour key, an eXIf orientation, or bytes libspng refuses (Pillow then says
     what is wrong with them). pyspng keeps the GIL while libspng decodes (Pillow releases it): the process's

@@ -118,11 +118,6 @@ class ImageProcessor:
         h, w = self.resized_size(height, width)
         return 1, h // self.patch_size, w // self.patch_size
 
-    def num_image_tokens(self, height: int, width: int) -> int:
-        """LLM tokens (<|image_pad|> count) for an image of this size: one per merge x merge block of patches."""
-        t, h, w = self.grid_thw(height, width)
-        return t * h * w // self.merge_size ** 2
-
     # ---- pixels ---------------------------------------------------------------------------------------------
     def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """pixel_values [h*w, C*T*P*P] float32 in merge-block order, and grid_thw (1, h, w) in patches."""
