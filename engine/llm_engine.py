@@ -22,7 +22,6 @@ from engine.distributed.worker import Worker, resolve_dtype
 from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.inputs.types import ProcessedPrompt
 from engine.inputs.setup import build_input_processor
-from engine.kv_map import block_map
 from engine.logger import init_logger
 from engine.memory import GiB
 from engine.model.loader import load_model_config
@@ -281,8 +280,9 @@ class LLMEngine:
         return self.stats.snapshot()
 
     def get_block_map(self) -> dict:
-        """Who holds which GPU block, run-length encoded (engine/kv_map.py); read from any thread."""
-        return block_map(self.kv, self.kv_bytes_per_block)
+        """Who holds which GPU block, run-length encoded (engine/kv_map.py), with the counters of that moment;
+        read from any thread."""
+        return self.stats.block_snapshot()
 
 
 def _resolve_device(name: str) -> torch.device:
