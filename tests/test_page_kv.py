@@ -122,7 +122,14 @@ class LiveEngine:
     def __init__(self, page, rate=200.0, step_s=0.3):
         self.t0, self.rate, self.step_s = time.monotonic(), rate, step_s
         self.generating, self.stopped_at, self.tokens, self.last = False, None, 0.0, time.monotonic()
+        self.stale_stats = None         # what /stats answers instead of the counts of this moment
         page.route("**/stats/blocks", lambda route: route.fulfill(json=self.snapshot()))
+        page.route("**/stats", lambda route: route.fulfill(json=self.stale_stats or self.stats()))
+
+    def stats(self) -> dict:
+        held = 40 if self.running() else 0
+        return engine_stats(num_used_gpu_blocks=held, num_free_gpu_blocks=64 - held, num_cached_blocks=8,
+                            num_running=int(self.running()))
 
     def running(self) -> bool:
         return self.generating and (self.stopped_at is None or time.monotonic() - self.stopped_at < self.step_s)
@@ -135,8 +142,7 @@ class LiveEngine:
         held = 40 if self.running() else 0
         runs = [[0, held], [-2, 8], [-1, 64 - held - 8]] if held else [[-2, 8], [-1, 56]]
         requests = [{"id": "chatcmpl-live", "state": "running", "blocks": held, "cpu_blocks": 0}] if held else []
-        return {**engine_stats(num_used_gpu_blocks=3, num_free_gpu_blocks=61, num_cached_blocks=30, num_running=0,
-                               generation_throughput=1.4, prompt_throughput=0.0),
+        return {**self.stats(), "generation_throughput": 1.4, "prompt_throughput": 0.0,   # the log's 5 s average
                 "num_blocks": 64, "bytes_per_block": 65536, "runs": runs, "requests": requests, "shared": [],
                 "num_waiting": 0, "num_generation_tokens": int(self.tokens), "num_prompt_tokens": 100,
                 "uptime_s": now - self.t0}
@@ -148,33 +154,49 @@ def throughput(page) -> float:
     return float(found.group(1)) if found else -1.0
 
 
-def test_every_panel_number_comes_from_the_block_snapshot_and_the_rate_is_current(chat_kv):
-    page, engine = chat_kv
-    # /stats says something else (a stale read of other counters): the panel follows the map it draws.
-    page.engine.stats.update(num_used_gpu_blocks=3, num_free_gpu_blocks=61, num_cached_blocks=30, num_running=0,
-                             generation_throughput=1.4)
+def start_generating(page, engine, stale_stats=True):
+    if stale_stats:   # /stats says something else (another moment's counters): the panel follows its map
+        engine.stale_stats = engine_stats(num_used_gpu_blocks=3, num_free_gpu_blocks=61, num_cached_blocks=30,
+                                          num_running=0, generation_throughput=1.4)
     script_replies(page, {"chunks": [f"w{i} " for i in range(400)], "delayMs": 20})
     engine.generating = True
     send(page, "generate")
+    expect(page.locator("#kv-map-box")).to_have_attribute("data-held", "40")
+
+
+def test_the_panel_numbers_are_those_of_the_map_they_sit_beside(chat_kv):
+    page, engine = chat_kv
+    start_generating(page, engine)
     expect(page.locator("#kv-used")).to_have_text("40")
     expect(page.locator("#kv-cached")).to_have_text("8")
     expect(page.locator("#kv-free")).to_have_text("16")
-    expect(page.locator("#kv-map-box")).to_have_attribute("data-held", "40")
-    expect(page.locator("#kv-queues")).to_have_text("1 / 0 / 0")
     expect(page.locator("#kv-gpu-text")).to_have_text("40 / 64")
-    # The rate of the last seconds: about 200 tok/s, not the engine's 5-second log average of 1.4.
+    expect(page.locator("#kv-queues")).to_have_text("1 / 0 / 0")
+    expect(page.locator("#kv-map-summary")).to_contain_text("held 40 (2.5 MiB) · cached 8 (512 KiB) · free 16")
+
+
+def test_the_throughput_is_the_rate_of_the_last_seconds_and_falls_to_zero(chat_kv):
+    page, engine = chat_kv
+    start_generating(page, engine)
+    # About 200 tok/s, not the engine's 5-second log average of 1.4.
     deadline = time.monotonic() + 5
     while not 150 <= throughput(page) <= 250 and time.monotonic() < deadline:
         page.wait_for_timeout(100)
     assert 150 <= throughput(page) <= 250, page.locator("#kv-throughput").inner_text()
+    # After the last token the rate falls to 0 instead of freezing.
+    engine.generating = False
+    expect(page.locator("#kv-throughput")).to_contain_text("generation 0.0 tok/s", timeout=4000)
 
-    # Stop: the engine frees the request at its next step boundary; the panel shows it within a second or so.
+
+def test_a_stopped_request_leaves_the_panel_within_a_second(chat_kv):
+    page, engine = chat_kv
+    start_generating(page, engine, stale_stats=False)
+    expect(page.locator("#kv-queues")).to_have_text("1 / 0 / 0")
+    # The engine frees the request at its next step boundary, a moment after Stop.
     page.click("#stop")
     engine.stopped_at = time.monotonic()
     expect(page.locator("#kv-queues")).to_have_text("0 / 0 / 0", timeout=1500)
     expect(page.locator("#kv-used")).to_have_text("0")
-    # After the last token the rate falls to 0 instead of freezing.
-    expect(page.locator("#kv-throughput")).to_contain_text("generation 0.0 tok/s", timeout=4000)
 
 
 @pytest.fixture
