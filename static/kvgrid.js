@@ -26,12 +26,11 @@ function niceAtLeast(x) {
 
 // Cell size, columns and blocks per cell for n blocks in a width of `width` CSS px.
 export function layout(n, width) {
-  const fit = Math.floor(Math.sqrt((width * MAX_HEIGHT) / Math.max(1, n)));
-  if (fit >= MIN_CELL) {
-    const cell = Math.min(MAX_CELL, fit);
-    return { cell, cols: Math.max(1, Math.floor(width / cell)), per: 1 };
-  }
-  const cols = Math.max(1, Math.floor(width / MIN_CELL));
+  const colsAt = (cell) => Math.max(1, Math.floor(width / cell));
+  let cell = Math.min(MAX_CELL, Math.floor(Math.sqrt((width * MAX_HEIGHT) / Math.max(1, n))));
+  while (cell > MIN_CELL && Math.ceil(n / colsAt(cell)) * cell > MAX_HEIGHT) cell--;
+  if (cell >= MIN_CELL && Math.ceil(n / colsAt(cell)) * cell <= MAX_HEIGHT) return { cell, cols: colsAt(cell), per: 1 };
+  const cols = colsAt(MIN_CELL);
   const per = niceAtLeast(n / (cols * Math.floor(MAX_HEIGHT / MIN_CELL)));
   return { cell: MIN_CELL, cols, per };
 }
@@ -66,61 +65,91 @@ function dominant(tally) {
   return tally.has(CACHED) ? CACHED : FREE;
 }
 
+// CSS colours as packed RGBA pixels (the byte order of a Uint32Array view of ImageData: little-endian ABGR).
+class Palette {
+  constructor() {
+    const probe = document.createElement("canvas");
+    probe.width = probe.height = 1;
+    this.ctx = probe.getContext("2d", { willReadFrequently: true });
+    this.free = this.rgba(cssVar("--free"));
+    this.solid = new Map([[FREE, this.free], [CACHED, this.rgba(cssVar("--cached"))]]);
+    this.mixed = new Map();
+  }
+
+  rgba(css) {
+    this.ctx.clearRect(0, 0, 1, 1);
+    this.ctx.fillStyle = css;
+    this.ctx.fillRect(0, 0, 1, 1);
+    return this.ctx.getImageData(0, 0, 1, 1).data;
+  }
+
+  pack([r, g, b, a]) { return ((a << 24) | (b << 16) | (g << 8) | r) >>> 0; }
+
+  // A code's colour, or for a mixed cell that colour at 55% over the free colour.
+  pixel(code, mixed) {
+    const cache = mixed ? this.mixed : this.solid;
+    if (!cache.has(code)) {
+      if (!this.solid.has(code)) this.solid.set(code, this.rgba(requestColor(code)));
+      const c = this.solid.get(code), f = this.free;
+      cache.set(code, mixed ? c.map((v, k) => (k === 3 ? 255 : Math.round(0.55 * v + 0.45 * f[k]))) : c);
+    }
+    return this.pack(cache.get(code));
+  }
+}
+
 export class KVGrid {
   constructor(canvas, tip, scale) {
     this.canvas = canvas;
     this.tip = tip;
     this.scale = scale;
     this.map = null;
+    this.source = null;
     for (const type of ["pointermove", "pointerdown"]) canvas.addEventListener(type, (e) => this.hover(e));
     canvas.addEventListener("pointerleave", () => { this.tip.hidden = true; });
+    // A panel shown (a drawer opened) or resized: draw again for the new width.
+    new ResizeObserver(() => {
+      if (this.source && this.canvas.parentElement.clientWidth !== this.width) this.draw(this.source);
+    }).observe(canvas.parentElement);
   }
 
   clear() {
-    this.map = null;
+    this.map = this.source = null;
     this.tip.hidden = true;
     this.canvas.getContext("2d").clearRect(0, 0, this.canvas.width, this.canvas.height);
     this.scale.textContent = "";
   }
 
   draw(map) {
+    this.source = map;
+    this.width = this.canvas.parentElement.clientWidth;
+    const palette = new Palette();          // reads the theme's colours: before the clock starts
     const t0 = performance.now();
     const n = Math.max(0, map.num_blocks | 0);
-    const geo = layout(n, this.canvas.clientWidth || 260);
+    const geo = layout(n, this.width || 260);
     const { cell, cols, per } = geo;
     const cells = Math.ceil(n / per), rows = Math.max(1, Math.ceil(cells / cols));
     const index = indexRuns(map.runs || [], n);
-    this.map = { ...geo, n, cells, index, requests: map.requests || [], shared: map.shared || [] };
+    this.map = { ...geo, n, cells, rows, index, requests: map.requests || [], shared: map.shared || [] };
 
+    // Whole device pixels per cell, so that every cell is drawn alike; the CSS size is that of the cells.
     const dpr = window.devicePixelRatio || 1;
-    this.canvas.width = Math.round(cols * cell * dpr);
-    this.canvas.height = Math.round(rows * cell * dpr);
-    this.canvas.style.height = `${rows * cell}px`;
+    const px = Math.max(1, Math.round(cell * dpr)), gap = cell >= 5 ? Math.max(1, Math.round(dpr)) : 0;
+    this.canvas.width = cols * px;
+    this.canvas.height = rows * px;
+    Object.assign(this.canvas.style, { width: `${cols * cell}px`, height: `${rows * cell}px` });
     const ctx = this.canvas.getContext("2d");
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    const gap = cell >= 5 ? 1 : 0;
-    const free = cssVar("--free"), cached = cssVar("--cached");
-    const colors = new Map([[FREE, free], [CACHED, cached]]);
-    const colorOf = (code) => colors.get(code) ?? colors.set(code, requestColor(code)).get(code);
+    const image = ctx.createImageData(cols * px, rows * px);
+    const pixels = new Uint32Array(image.data.buffer);
     const tally = new Map();
     for (let c = 0, run = 0; c < cells; c++) {
-      const x = (c % cols) * cell, y = Math.floor(c / cols) * cell;
       tally.clear();
       run = tallyRange(index, c * per, Math.min(n, (c + 1) * per), run, tally);
-      const code = dominant(tally);
-      if (tally.size > 1) {            // mixed: the dominant colour faded over the free colour
-        ctx.globalAlpha = 1;
-        ctx.fillStyle = free;
-        ctx.fillRect(x, y, cell - gap, cell - gap);
-        ctx.globalAlpha = 0.55;
-      } else {
-        ctx.globalAlpha = 1;
-      }
-      ctx.fillStyle = colorOf(code);
-      ctx.fillRect(x, y, cell - gap, cell - gap);
+      const color = palette.pixel(dominant(tally), tally.size > 1);
+      const x = (c % cols) * px, y = Math.floor(c / cols) * px;
+      for (let row = y; row < y + px - gap; row++) pixels.fill(color, row * cols * px + x, row * cols * px + x + px - gap);
     }
-    ctx.globalAlpha = 1;
-    if (per === 1 && cell >= 5) this.outlineShared(ctx, cell, cols, gap);
+    ctx.putImageData(image, 0, 0);
+    if (per === 1 && cell >= 5) this.outlineShared(ctx, dpr, cell, cols);
 
     this.scale.textContent = per === 1 ? "one cell per block" : `one cell per ${per.toLocaleString("en-US")} blocks`;
     this.canvas.setAttribute("aria-label", `GPU block map: ${n.toLocaleString("en-US")} blocks, `
@@ -130,14 +159,16 @@ export class KVGrid {
                                          cells: String(cells), drawMs: drawMs.toFixed(2) });
   }
 
-  outlineShared(ctx, cell, cols, gap) {
+  outlineShared(ctx, dpr, cell, cols) {
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.strokeStyle = cssVar("--text");
     ctx.lineWidth = 1;
     for (const [start, count] of this.map.shared) {
       for (let i = start; i < start + count && i < this.map.n; i++) {
-        ctx.strokeRect((i % cols) * cell + 0.5, Math.floor(i / cols) * cell + 0.5, cell - gap - 1, cell - gap - 1);
+        ctx.strokeRect((i % cols) * cell + 0.5, Math.floor(i / cols) * cell + 0.5, cell - 2, cell - 2);
       }
     }
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
   }
 
   // The cell under the pointer: its block range and what holds the blocks in it.
@@ -145,7 +176,8 @@ export class KVGrid {
     const m = this.map;
     if (!m) return;
     const rect = this.canvas.getBoundingClientRect();
-    const col = Math.floor((e.clientX - rect.left) / m.cell), row = Math.floor((e.clientY - rect.top) / m.cell);
+    const col = Math.floor(((e.clientX - rect.left) * m.cols) / rect.width);
+    const row = Math.floor(((e.clientY - rect.top) * m.rows) / rect.height);
     const c = row * m.cols + col;
     if (col < 0 || col >= m.cols || row < 0 || c >= m.cells) { this.tip.hidden = true; return; }
     const from = c * m.per, to = Math.min(m.n, from + m.per);

@@ -82,7 +82,13 @@ def test_the_block_map_fits_any_pool_and_the_page_never_scrolls(browser, page_pr
         assert page.evaluate("window.scrollY") == 0
         if n == 1_000_000:
             assert m["per"] > 1
-            assert m["drawMs"] < 6 * FRAME_MS, f"drawing 1M blocks took {m['drawMs']} ms"
+            # Drawn again (as a theme change does) 20 times: the median within two frames on a busy CI machine
+            # (the fastest draw tells what it costs on an idle one).
+            draws = sorted(page.evaluate("""() => Array.from({length: 20}, () => {
+                document.dispatchEvent(new Event('themechange'));
+                return Number(document.getElementById('kv-map').dataset.drawMs); })"""))
+            print(f"{viewport}: drawing 1M blocks: fastest {draws[0]:.1f} ms, median {draws[10]:.1f} ms")
+            assert draws[10] < 2 * FRAME_MS, f"drawing 1M blocks took {draws} ms"
             page.locator("#kv-map").scroll_into_view_if_needed()
             screenshot(page, tmp_path, f"kv-1M-{viewport[0]}x{viewport[1]}.png")
         context.close()
