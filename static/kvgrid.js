@@ -10,10 +10,10 @@ const MAX_HEIGHT = 150;       // CSS px: the map never grows past this, however 
 const MAX_CELL = 14, MIN_CELL = 3;
 const NICE = [1, 2, 2.5, 5];  // blocks per cell: 1, 2, 2.5, 5 times a power of ten, rounded up to whole blocks
 
-// A stable, distinct colour per request index (golden-angle hues), away from the teal of cached blocks.
+// A stable, distinct colour per request index: golden-angle hues on the circle less the cached blocks' teal.
 export function requestColor(k) {
-  const hue = (k * 137.508 + 250) % 360;
-  return `hsl(${Math.round(hue > 145 && hue < 205 ? hue + 60 : hue)} 70% 55%)`;
+  const hue = (((k * 137.508 + 250) % 360) * 310) / 360;
+  return `hsl(${Math.round(hue >= 150 ? hue + 50 : hue)} 70% 55%)`;
 }
 
 function cssVar(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
