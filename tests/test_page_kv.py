@@ -41,6 +41,13 @@ def tally(runs, start: int, end: int) -> dict[int, int]:
     return out
 
 
+CELL_PIXELS = """(cells) => {
+    const c = document.getElementById('kv-map'), ctx = c.getContext('2d');
+    const cols = Number(c.dataset.cols), px = c.width / cols;
+    return cells.map((i) => Array.from(ctx.getImageData((i % cols) * px + 1, Math.floor(i / cols) * px + 1, 1, 1).data).join(','));
+}"""
+
+
 def open_kv(browser, page_proxy, viewport, blocks):
     """A page whose fake engine serves `blocks` as /stats/blocks, with the KV panel shown and drawn."""
     context, page, errors = new_page(browser, viewport=viewport, fake_stream=True)
@@ -121,7 +128,9 @@ def test_hover_on_an_aggregated_cell_names_its_range_and_holders(browser, page_p
     expect(tip).to_contain_text(f"chatcmpl-req0 {counts[0]:,}")
     expect(tip).to_contain_text(f"chatcmpl-req1 {counts[1]:,}")
     expect(tip).to_contain_text(f"cached {counts[-2]:,}")
-    # Its colour is request 0's or 1's (the larger holder), faded as a mixed cell: not the free colour.
+    # Drawn in the larger holder's colour, faded as a mixed cell: unlike a cell wholly request 0's or wholly free.
+    solid, mixed, free = page.evaluate(CELL_PIXELS, [0, c, int(canvas.get_attribute("data-cells")) - 1])
+    assert len({solid, mixed, free}) == 3, (solid, mixed, free)
     page.mouse.move(5, 5)
     expect(tip).to_be_hidden()
     context.close()
