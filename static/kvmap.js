@@ -66,10 +66,14 @@ export class KVMap {
     this.samples = [];
     this.data = null;
     document.addEventListener("themechange", () => { if (this.data) this.grid.draw(this.data); });
+    // A hidden panel (closed, or a phone's drawer) asks the engine for nothing; shown again, it asks at once.
+    this.skipped = false;
+    new ResizeObserver(() => { if (this.skipped && this.box.checkVisibility()) this.poll(); }).observe(this.box);
   }
 
   clear() {
     this.data = null;
+    this.skipped = false;
     this.box.dataset.state = "none";
     this.grid.clear();
     this.rate.reset();
@@ -83,6 +87,8 @@ export class KVMap {
 
   // One snapshot; true while the engine has work (the caller then polls again soon).
   async poll() {
+    this.skipped = !this.box.checkVisibility();
+    if (this.skipped) return false;
     try {
       const resp = await fetch("/stats/blocks", { cache: "no-store" });
       if (resp.ok) return this.render(await resp.json());

@@ -137,6 +137,22 @@ def test_hover_on_an_aggregated_cell_names_its_range_and_holders(browser, page_p
     assert not errors, errors
 
 
+def test_a_hidden_panel_asks_nothing_and_a_shown_one_at_once(browser, page_proxy):
+    context, page, errors = new_page(browser, viewport=(390, 844), fake_stream=True)
+    page.engine, page.base_url = FakeEngine(page), page_proxy.url
+    asked = []
+    page.on("request", lambda r: asked.append(r.url) if r.url.endswith("/stats/blocks") else None)
+    open_page(page)
+    expect(page.locator("#kv")).to_be_hidden()                      # a closed drawer on a phone
+    page.wait_for_timeout(3000)                                     # more than one idle poll of /stats
+    assert asked == []
+    page.click("#toggle-kv")
+    expect(page.locator("#kv-map-box")).to_have_attribute("data-free", "64", timeout=1500)
+    assert 1 <= len(asked) <= 2
+    context.close()
+    assert not errors, errors
+
+
 # ---- bug 8: one snapshot behind every number; the throughput of the last seconds ----------------------------------
 class LiveEngine:
     """/stats/blocks of an engine generating `rate` tokens/s while `generating`; a request it is told to stop
