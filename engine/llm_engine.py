@@ -20,7 +20,6 @@ from engine.errors import InvalidInputError, ModelLoadError, PromptTooLongError
 from engine.executor import Executor, InflightStep
 from engine.inputs.setup import build_input_processor
 from engine.inputs.types import ProcessedPrompt
-from engine.kv_map import block_map
 from engine.logger import init_logger
 from engine.model.loader import load_model_config
 from engine.output_processor import OutputProcessor
@@ -225,8 +224,9 @@ class LLMEngine:
         return self.stats.snapshot()
 
     def get_block_map(self) -> dict:
-        """Who holds which GPU block, run-length encoded (engine/kv_map.py); read from any thread."""
-        return block_map(self.kv, self.kv_cache_config.bytes_per_block)
+        """Who holds which GPU block, run-length encoded (engine/kv_map.py), with the counters of that moment;
+        read from any thread."""
+        return self.stats.block_snapshot()
 
 
 def _resolve_device(name: str) -> torch.device:

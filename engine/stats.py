@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.scheduler_output import SchedulerOutput
+from engine.kv_map import block_map
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -52,7 +53,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class StatLogger:
     def __init__(self, engine):
         self.engine = engine
-        self.started = time.time()
+        self.started = time.monotonic()     # uptime_s: the clock a reader differentiates the token counters by
         self.num_prompt_tokens = 0          # prefill tokens computed (recomputation included)
         self.num_generation_tokens = 0
         self.num_steps = 0
@@ -135,7 +136,7 @@ class StatLogger:
             "num_steps": self.num_steps,
             "prompt_throughput": self.last_prompt_throughput,
             "generation_throughput": self.last_generation_throughput,
-            "uptime_s": time.time() - self.started,
+            "uptime_s": time.monotonic() - self.started,
             "max_model_len": e.max_model_len,
             "max_num_seqs": e.args.max_num_seqs,
             "max_num_batched_tokens": e.max_num_batched_tokens,
@@ -145,3 +146,16 @@ class StatLogger:
             "tensor_parallel_size": e.tensor_parallel_size,
             "ranks": [r.as_dict() for r in e.ranks],
         }
+
+    def block_snapshot(self) -> dict:
+        """GET /stats/blocks: snapshot() with the block map read right after it (engine/kv_map.py). The map's
+        counts, taken from one copy of the block tables, replace snapshot()'s pool and queue counts, so every
+        number beside the map agrees with it; the token counters and uptime_s let a reader derive current rates."""
+        e = self.engine
+        out = {**self.snapshot(), **block_map(e.kv, e.kv_cache_config.bytes_per_block)}
+        total, cpu_total = out["num_blocks"], out["num_total_cpu_blocks"]
+        out["num_total_gpu_blocks"] = total
+        out["num_free_cpu_blocks"] = cpu_total - out["num_used_cpu_blocks"]
+        out["gpu_cache_usage"] = out["num_used_gpu_blocks"] / total if total else 0.0
+        out["cpu_cache_usage"] = out["num_used_cpu_blocks"] / cpu_total if cpu_total else 0.0
+        return out

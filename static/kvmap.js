@@ -1,9 +1,14 @@
-// The KV block map: every GPU block of the engine's pool as one cell, coloured by the request holding it;
-// blocks that are free but still hold a prefix-cache entry in teal, shared prefix blocks outlined, swapped-out
-// requests listed with their CPU blocks, and bytes beside every block count. Data: GET /stats/blocks.
+// The KV cache panel: every number in it and the block map come from one GET /stats/blocks snapshot (the block
+// map of engine/kv_map.py with the engine's counters of that moment), so the legend, the bars, the queues and
+// the map never disagree. Held, cached and free are counted from the map's own runs; the throughput is the
+// engine's token counters differentiated over its own clock (uptime_s) between snapshots, so it is the rate of
+// the last seconds and falls to 0 when nothing runs.
+
+import { CACHED, KVGrid, requestColor } from "./kvgrid.js";
 
 const $ = (id) => document.getElementById(id);
-const FREE = -1, CACHED = -2;
+const HISTORY = 60;          // samples of used GPU blocks kept for the sparkline
+const RATE_WINDOW_S = 2;     // the throughput is measured over about this many seconds of the engine's clock
 
 export function formatBytes(n) {
   if (!Number.isFinite(n)) return "—";
@@ -13,90 +18,142 @@ export function formatBytes(n) {
   return `${n >= 100 || Number.isInteger(n) ? Math.round(n) : n.toFixed(1)} ${units[i]}`;
 }
 
-// A stable, distinct colour per request index (golden-angle hues).
-function requestColor(k) { return `hsl(${Math.round((k * 137.508 + 250) % 360)} 70% 55%)`; }
+function fmt(n) {
+  return typeof n === "number" && Number.isFinite(n) ? n.toLocaleString("en-US") : "—";
+}
 
-function cssVar(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
+function pct(part, whole) {
+  return whole > 0 ? Math.max(0, Math.min(100, (100 * part) / whole)) : 0;
+}
+
+// Held, cached and free blocks counted from the map's runs: exactly what the map draws.
+function countBlocks(map) {
+  let held = 0, cached = 0, listed = 0;
+  for (const [code, count] of map.runs || []) {
+    if (code >= 0) held += count;
+    else if (code === CACHED) cached += count;
+    listed += count;
+  }
+  const total = Math.max(map.num_blocks | 0, listed);
+  return { total, held, cached, free: total - held - cached };
+}
+
+// Tokens per second from monotonically increasing counters sampled against the engine's clock.
+class TokenRate {
+  constructor() { this.samples = []; }
+
+  reset() { this.samples = []; }
+
+  // {generation, prompt} in tokens/s, or null until two snapshots of one engine run are known.
+  add(s) {
+    const t = s.uptime_s, gen = s.num_generation_tokens, prompt = s.num_prompt_tokens;
+    if (![t, gen, prompt].every(Number.isFinite)) return null;
+    const last = this.samples.at(-1);
+    if (last && (t < last.t || gen < last.gen)) this.samples = [];       // the engine restarted
+    this.samples.push({ t, gen, prompt });
+    while (this.samples.length > 2 && this.samples[1].t <= t - RATE_WINDOW_S) this.samples.shift();
+    const base = this.samples.length > 1 ? this.samples[0] : null;
+    if (!base || t - base.t < 0.05) return null;
+    return { generation: (gen - base.gen) / (t - base.t), prompt: (prompt - base.prompt) / (t - base.t) };
+  }
+}
 
 export class KVMap {
   constructor() {
-    this.canvas = $("kv-map");
     this.box = $("kv-map-box");
+    this.grid = new KVGrid($("kv-map"), $("kv-map-tip"), $("kv-map-scale"));
+    this.rate = new TokenRate();
+    this.samples = [];
     this.data = null;
-    document.addEventListener("themechange", () => { if (this.data) this.render(this.data); });
+    document.addEventListener("themechange", () => { if (this.data) this.grid.draw(this.data); });
+    // A hidden panel (closed, or a phone's drawer) asks the engine for nothing; shown again, it asks at once.
+    this.skipped = false;
+    new ResizeObserver(() => { if (this.skipped && this.box.checkVisibility()) this.poll(); }).observe(this.box);
   }
 
   clear() {
     this.data = null;
+    this.skipped = false;
     this.box.dataset.state = "none";
-    const ctx = this.canvas.getContext("2d");
-    ctx.clearRect(0, 0, this.canvas.width, this.canvas.height);
-    $("kv-map-summary").textContent = "—";
+    this.grid.clear();
+    this.rate.reset();
+    this.samples = [];
+    $("kv-spark").querySelector("polyline").setAttribute("points", "");
+    for (const id of ["kv-used", "kv-free", "kv-cached", "kv-gpu-text", "kv-gpu-bytes", "kv-cpu-text", "kv-block-size",
+                      "kv-queues", "kv-hit", "kv-preempt", "kv-throughput", "kv-map-summary"]) $(id).textContent = "—";
+    for (const bar of document.querySelectorAll(".kv .bar .seg")) bar.style.width = "0";
     $("kv-requests").replaceChildren();
   }
 
+  // One snapshot; true while the engine has work (the caller then polls again soon).
   async poll() {
+    this.skipped = !this.box.checkVisibility();
+    if (this.skipped) return false;
     try {
       const resp = await fetch("/stats/blocks", { cache: "no-store" });
-      if (resp.ok) this.render(await resp.json());
+      if (resp.ok) return this.render(await resp.json());
     } catch { /* the status light tells */ }
+    return false;
   }
 
-  render(map) {
-    this.data = map;
-    const codes = new Int32Array(map.num_blocks);
-    let i = 0;
-    for (const [code, count] of map.runs) { codes.fill(code, i, i + count); i += count; }
-    const held = codes.reduce((n, c) => n + (c >= 0), 0);
-    const cached = codes.reduce((n, c) => n + (c === CACHED), 0);
-    const free = map.num_blocks - held - cached;
-    Object.assign(this.box.dataset, { state: "live", held: String(held), cached: String(cached), free: String(free),
-                                      requests: String(map.requests.filter((r) => r.blocks > 0).length),
-                                      swapped: String(map.requests.filter((r) => r.state === "swapped").length) });
-    this.draw(codes, map.shared || []);
-    const b = map.bytes_per_block;
-    $("kv-map-summary").textContent = `held ${held.toLocaleString("en-US")} (${formatBytes(held * b)}) · cached `
-      + `${cached.toLocaleString("en-US")} (${formatBytes(cached * b)}) · free ${free.toLocaleString("en-US")} `
-      + `(${formatBytes(free * b)}) · ${formatBytes(b)} per block`;
-    this.legend(map);
+  render(s) {
+    this.data = s;
+    const blocks = countBlocks(s);
+    const requests = s.requests || [];
+    const running = requests.filter((r) => r.state !== "swapped").length;
+    const swapped = requests.filter((r) => r.state === "swapped");
+    Object.assign(this.box.dataset, { state: "live", blocks: String(blocks.total), held: String(blocks.held),
+                                      cached: String(blocks.cached), free: String(blocks.free),
+                                      requests: String(requests.filter((r) => r.blocks > 0).length),
+                                      swapped: String(swapped.length) });
+    this.gpu(s, blocks);
+    const cpuUsed = swapped.reduce((n, r) => n + (r.cpu_blocks || 0), 0);
+    this.cpu(s.num_total_cpu_blocks, cpuUsed);
+    $("kv-block-size").textContent = s.block_size ? `${s.block_size} tokens` : "—";
+    $("kv-queues").textContent = `${fmt(running)} / ${fmt(s.num_waiting)} / ${fmt(swapped.length)}`;
+    const hit = s.prefix_cache_hit_rate;
+    $("kv-hit").textContent = typeof hit === "number" ? `${(100 * hit).toFixed(1)}%` : "—";
+    $("kv-preempt").textContent = `${fmt(s.num_preemptions)} / ${fmt(s.num_swaps)}`;
+    const rate = this.rate.add(s);
+    const tput = $("kv-throughput");
+    tput.textContent = rate ? `generation ${rate.generation.toFixed(1)} tok/s\nprompt ${rate.prompt.toFixed(1)} tok/s` : "—";
+    tput.dataset.generation = rate ? rate.generation.toFixed(2) : "";
+    this.grid.draw(s);
+    this.legend(s);
+    return running + swapped.length + (s.num_waiting || 0) > 0 || (rate !== null && rate.generation + rate.prompt > 0);
   }
 
-  draw(codes, shared) {
-    const n = codes.length;
-    const width = this.canvas.clientWidth || 260;
-    // Square cells as large as fit in at most 180 px of height; at least 2 px (a 30,000-block pool still fits).
-    const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt((width * 180) / Math.max(1, n)))));
-    const cols = Math.max(1, Math.floor(width / cell));
-    const rows = Math.ceil(n / cols);
-    const dpr = window.devicePixelRatio || 1;
-    this.canvas.width = Math.round(cols * cell * dpr);
-    this.canvas.height = Math.round(rows * cell * dpr);
-    this.canvas.style.height = `${rows * cell}px`;
-    Object.assign(this.canvas.dataset, { cell: String(cell), cols: String(cols) });
-    const ctx = this.canvas.getContext("2d");
-    ctx.scale(dpr, dpr);
-    const gap = cell >= 5 ? 1 : 0;
-    const colors = { [FREE]: cssVar("--free"), [CACHED]: cssVar("--cached") };
-    for (let i = 0; i < n; i++) {
-      const c = codes[i];
-      ctx.fillStyle = c >= 0 ? requestColor(c) : colors[c];
-      ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
+  gpu(s, { total, held, cached, free }) {
+    const b = s.bytes_per_block;
+    $("kv-used").textContent = fmt(held);
+    $("kv-free").textContent = fmt(free);
+    $("kv-cached").textContent = fmt(cached);
+    $("kv-gpu-text").textContent = `${fmt(held)} / ${fmt(total)}`;
+    $("kv-gpu-bar").querySelector(".used").style.width = `${pct(held, total)}%`;
+    $("kv-gpu-bar").querySelector(".cached").style.width = `${pct(cached, total)}%`;
+    $("kv-gpu-bar").setAttribute("aria-label", `${fmt(held)} of ${fmt(total)} GPU blocks used, ${fmt(cached)} cached`);
+    $("kv-gpu-bytes").textContent = Number.isFinite(b)
+      ? `${formatBytes(held * b)} used of ${formatBytes(total * b)} (${formatBytes(b)} per block)` : "—";
+    $("kv-map-summary").textContent = `held ${fmt(held)} (${formatBytes(held * b)}) · cached ${fmt(cached)} `
+      + `(${formatBytes(cached * b)}) · free ${fmt(free)} (${formatBytes(free * b)}) · ${formatBytes(b)} per block`;
+    if (total > 0) {
+      this.samples.push(held / total);
+      if (this.samples.length > HISTORY) this.samples.shift();
+      const step = 120 / (HISTORY - 1);
+      const points = this.samples.map((v, i) => `${(i + HISTORY - this.samples.length) * step},${28 - v * 26 - 1}`);
+      $("kv-spark").querySelector("polyline").setAttribute("points", points.join(" "));
     }
-    if (cell >= 5) {
-      ctx.strokeStyle = cssVar("--text");
-      ctx.lineWidth = 1;
-      for (const [start, count] of shared) {
-        for (let i = start; i < start + count; i++) {
-          ctx.strokeRect((i % cols) * cell + 0.5, Math.floor(i / cols) * cell + 0.5, cell - gap - 1, cell - gap - 1);
-        }
-      }
-    }
-    this.canvas.setAttribute("aria-label", `GPU block map: ${n} blocks`);
+  }
+
+  cpu(total, used) {
+    $("kv-cpu-text").textContent = total ? `${fmt(used)} / ${fmt(total)}` : "off (no --swap-space)";
+    $("kv-cpu-bar").querySelector(".swap").style.width = `${pct(used, total)}%`;
+    $("kv-cpu-bar").setAttribute("aria-label", `${fmt(used)} of ${fmt(total)} CPU swap blocks used`);
   }
 
   legend(map) {
     const b = map.bytes_per_block;
-    $("kv-requests").replaceChildren(...map.requests.map((r, k) => {
+    $("kv-requests").replaceChildren(...(map.requests || []).map((r, k) => {
       const li = document.createElement("li");
       li.dataset.state = r.state;
       const swatch = document.createElement("span");
@@ -110,8 +167,8 @@ export class KVMap {
       const what = document.createElement("span");
       what.className = "req-blocks";
       what.textContent = r.state === "swapped"
-        ? `swapped out · ${r.cpu_blocks} CPU blocks (${formatBytes(r.cpu_blocks * b)})`
-        : `${r.state} · ${r.blocks} blocks (${formatBytes(r.blocks * b)})`;
+        ? `swapped out · ${fmt(r.cpu_blocks)} CPU blocks (${formatBytes(r.cpu_blocks * b)})`
+        : `${r.state} · ${fmt(r.blocks)} blocks (${formatBytes(r.blocks * b)})`;
       li.append(swatch, name, what);
       return li;
     }));

@@ -1,10 +1,7 @@
-// The server status light, the model name, the demo banner and the live KV block pool view.
+// The server status light, the model name and the demo banner; the pace of the KV panel's polling (kvmap.js).
 // The proxy answers /api/status (is the engine ready, or loading, or down?) and forwards /v1/models and /stats from the engine.
 
-import { formatBytes } from "./kvmap.js";
-
 const $ = (id) => document.getElementById(id);
-const HISTORY = 60;  // samples of used GPU blocks kept for the sparkline
 
 const LABELS = {
   ready: "Ready",
@@ -16,16 +13,9 @@ const LABELS = {
   unknown: "Connecting…",
 };
 
-function fmt(n) {
-  return typeof n === "number" && Number.isFinite(n) ? n.toLocaleString("en-US") : "—";
-}
-
-function pct(part, whole) {
-  return whole > 0 ? Math.max(0, Math.min(100, (100 * part) / whole)) : 0;
-}
-
 export class StatusMonitor {
-  // onModel(card): the engine is ready and serves this model (GET /v1/models card); onDown(): it stopped.
+  // onModel(card): the engine is ready and serves this model (GET /v1/models card); onDown(): it stopped;
+  // onStats(): after each /stats, the KV panel's own snapshot; it answers true while the engine has work.
   constructor({ onModel, onCapabilities, onDown, onStats }) {
     this.onModel = onModel;
     this.onStats = onStats;
@@ -34,7 +24,6 @@ export class StatusMonitor {
     this.state = "unknown";
     this.model = null;
     this.busy = false;
-    this.samples = [];
     this.bannerDismissed = false;
   }
 
@@ -47,7 +36,7 @@ export class StatusMonitor {
     this.pollStats();
   }
 
-  // Faster stats while an answer streams, so the block pool visibly fills and drains.
+  // Faster stats while an answer streams or the engine has work, so the block pool visibly fills and drains.
   setBusy(busy) {
     this.busy = busy;
     clearTimeout(this.statsTimer);
@@ -67,15 +56,10 @@ export class StatusMonitor {
     if (state === "ready" && was !== "ready") { clearTimeout(this.statsTimer); this.pollStats(); }
   }
 
-  // While the engine is away nothing it reported before is true any more: clear the model and the numbers.
+  // While the engine is away nothing it reported before is true any more: clear the model (onDown: the numbers).
   down() {
     this.model = null;
     $("model-name").textContent = "—";
-    this.samples = [];
-    $("kv-spark").querySelector("polyline").setAttribute("points", "");
-    for (const id of ["kv-used", "kv-free", "kv-cached", "kv-gpu-text", "kv-gpu-bytes", "kv-cpu-text", "kv-block-size", "kv-queues",
-                      "kv-hit", "kv-preempt", "kv-throughput"]) $(id).textContent = "—";
-    for (const bar of document.querySelectorAll(".kv .bar .seg")) bar.style.width = "0";
     this.onDown?.();
   }
 
@@ -109,15 +93,16 @@ export class StatusMonitor {
   async pollStats() {
     clearTimeout(this.statsTimer);
     if (this.state !== "ready") { this.statsTimer = setTimeout(() => this.pollStats(), 2500); return; }
+    let active = false;
     try {
       const resp = await fetch("/stats", { cache: "no-store" });
       if (resp.ok && this.state === "ready") {
         this.renderStats(await resp.json());
-        await this.onStats?.();
+        active = (await this.onStats?.()) === true;
       }
     } catch { /* shown by the health light */ }
     clearTimeout(this.statsTimer);
-    this.statsTimer = setTimeout(() => this.pollStats(), this.busy ? 700 : 2500);
+    this.statsTimer = setTimeout(() => this.pollStats(), this.busy || active ? 700 : 2500);
   }
 
   renderStats(s) {
@@ -126,46 +111,5 @@ export class StatusMonitor {
     if (s.demo_model === true && s.model) banner.querySelector(".demo-name").textContent = s.model;
     // A missing `multimodal` field means an engine that does not say: let the user try.
     this.onCapabilities({ multimodal: s.multimodal !== false, demo: s.demo_model === true });
-
-    const total = s.num_total_gpu_blocks;
-    const used = s.num_used_gpu_blocks ?? (total - s.num_free_gpu_blocks);
-    $("kv-used").textContent = fmt(used);
-    $("kv-free").textContent = fmt(s.num_free_gpu_blocks);
-    $("kv-cached").textContent = fmt(s.num_cached_blocks);
-    $("kv-gpu-text").textContent = `${fmt(used)} / ${fmt(total)}`;
-    $("kv-gpu-bar").querySelector(".used").style.width = `${pct(used, total)}%`;
-    $("kv-gpu-bar").setAttribute("aria-label", `${fmt(used)} of ${fmt(total)} GPU blocks used`);
-    const bpb = s.bytes_per_block;
-    $("kv-gpu-bytes").textContent = Number.isFinite(bpb)
-      ? `${formatBytes(used * bpb)} used of ${formatBytes(total * bpb)} (${formatBytes(bpb)} per block)` : "—";
-
-    const cpuTotal = s.num_total_cpu_blocks;
-    const cpuUsed = cpuTotal - s.num_free_cpu_blocks;
-    $("kv-cpu-text").textContent = cpuTotal ? `${fmt(cpuUsed)} / ${fmt(cpuTotal)}` : "off (no --swap-space)";
-    $("kv-cpu-bar").querySelector(".swap").style.width = `${pct(cpuUsed, cpuTotal)}%`;
-    $("kv-cpu-bar").setAttribute("aria-label", `${fmt(cpuUsed)} of ${fmt(cpuTotal)} CPU swap blocks used`);
-
-    $("kv-block-size").textContent = s.block_size ? `${s.block_size} tokens` : "—";
-    $("kv-queues").textContent = `${fmt(s.num_running)} / ${fmt(s.num_waiting)} / ${fmt(s.num_swapped)}`;
-    const hit = s.prefix_cache_hit_rate;
-    $("kv-hit").textContent = typeof hit === "number" ? `${(100 * hit).toFixed(1)}%` : "—";
-    $("kv-preempt").textContent = `${fmt(s.num_preemptions)} / ${fmt(s.num_swaps)}`;
-    $("kv-throughput").textContent = throughputText(s);
-
-    if (Number.isFinite(used) && total > 0) {
-      this.samples.push(used / total);
-      if (this.samples.length > HISTORY) this.samples.shift();
-      const step = 120 / (HISTORY - 1);
-      const points = this.samples.map((v, i) => `${(i + HISTORY - this.samples.length) * step},${28 - v * 26 - 1}`);
-      $("kv-spark").querySelector("polyline").setAttribute("points", points.join(" "));
-    }
   }
-}
-
-// Every *throughput* field the engine reports, e.g. avg_generation_throughput -> "generation 31.2 tok/s".
-function throughputText(s) {
-  const parts = Object.entries(s)
-    .filter(([k, v]) => k.includes("throughput") && typeof v === "number")
-    .map(([k, v]) => `${k.replace(/^avg_|_throughput.*$/g, "").replace(/_/g, " ")} ${v.toFixed(1)} tok/s`);
-  return parts.length ? parts.join("\n") : "—";
 }

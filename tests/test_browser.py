@@ -215,8 +215,14 @@ def test_demo_model_banner_and_text_only(page, proxy):
              "num_running": 1, "num_waiting": 0, "num_swapped": 0, "prefix_cache_hit_rate": 0.5,
              "num_preemptions": 0, "num_swaps": 0, "model": "SmolLM2-135M-Instruct", "demo_model": True,
              "multimodal": False}
+    # The KV panel's numbers come from the block map's snapshot, which carries the counters with the map.
+    blocks = {**stats, "num_blocks": 2048, "bytes_per_block": 65536, "runs": [[0, 216], [-2, 40], [-1, 1792]],
+              "shared": [], "requests": [{"id": "cmpl-a", "state": "running", "blocks": 216, "cpu_blocks": 0},
+                                         {"id": "cmpl-b", "state": "swapped", "blocks": 0, "cpu_blocks": 12}]}
     page.route("**/stats", lambda route: route.fulfill(status=200, content_type="application/json",
                                                        body=json.dumps(stats)))
+    page.route("**/stats/blocks", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                              body=json.dumps(blocks)))
     open_chat(page, proxy)
     banner = page.locator("#demo-banner")
     expect(banner).to_be_visible()
@@ -224,7 +230,8 @@ def test_demo_model_banner_and_text_only(page, proxy):
     expect(page.locator("#attach")).to_be_disabled()
     expect(page.locator("#image-note")).to_contain_text("text-only")
     expect(page.locator("#kv-used")).to_have_text("216")
-    expect(page.locator("#kv-free")).to_have_text("1,832")
+    expect(page.locator("#kv-cached")).to_have_text("40")
+    expect(page.locator("#kv-free")).to_have_text("1,792")           # empty: the cached 40 are counted apart
     expect(page.locator("#kv-cpu-text")).to_have_text("12 / 512")
 
 

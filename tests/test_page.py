@@ -114,7 +114,7 @@ def test_status_shows_loading_progress_clears_stale_numbers_and_recovers(chat):
     engine.status = {"proxy": "ok", "engine": "ready"}
     expect(status).to_have_attribute("data-state", "ready")
     expect(chat.locator("#model-name")).to_have_text(MODEL)
-    expect(chat.locator("#kv-used")).to_have_text("4")
+    expect(chat.locator("#kv-free")).to_have_text("64")      # the fake engine's idle block map
 
     # The engine goes away: the page stops showing what it said before.
     engine.status = {"proxy": "ok", "engine": "unreachable", "error": {"message": "not reachable"}}
@@ -131,7 +131,7 @@ def test_status_shows_loading_progress_clears_stale_numbers_and_recovers(chat):
     engine.status = {"proxy": "ok", "engine": "ready"}
     expect(status).to_have_attribute("data-state", "ready")
     expect(chat.locator("#error")).to_be_hidden()
-    expect(chat.locator("#kv-used")).to_have_text("4")
+    expect(chat.locator("#kv-free")).to_have_text("64")      # the fake engine's idle block map
 
 
 def test_new_chat_shows_the_empty_chat_hint_again(chat):

@@ -95,7 +95,7 @@ def test_block_map_shows_requests_cached_shared_and_swapped_with_bytes(chat, tmp
     expect(rows.nth(0)).to_contain_text("aaaa1111")
     expect(rows.nth(0)).to_contain_text("running · 5 blocks (320 KiB)")
     expect(rows.nth(2)).to_contain_text("swapped out · 7 CPU blocks (448 KiB)")
-    expect(chat.locator("#kv-gpu-bytes")).to_have_text("256 KiB used of 4 MiB (64 KiB per block)")
+    expect(chat.locator("#kv-gpu-bytes")).to_have_text("512 KiB used of 4 MiB (64 KiB per block)")   # the map's 8
     # Cells are drawn in the request's colour: block 0 (request 0) differs from block 63 (free).
     colors = chat.evaluate(BLOCK_PIXELS, [0, 5, 63])
     assert len(set(colors)) == 3, colors             # request 0, request 1, free

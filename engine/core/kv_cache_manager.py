@@ -163,12 +163,13 @@ class KVCacheManager:
         return [(c, b.block_id) for c, b in zip(cpu, record.blocks)]
 
     # ---- read-only view for the page's block map (engine/kv_map.py) ----------------------------------------
-    def block_owners(self) -> tuple[dict[str, list[int]], list[tuple[int, bool]], dict[str, int]]:
-        """(request id -> GPU block ids, per GPU block (ref_cnt, holds a prefix-cache hash), request id -> CPU
+    def block_owners(self) -> tuple[dict[str, list[int]], list[int], dict[str, int]]:
+        """(request id -> GPU block ids, the free blocks that still hold a prefix-cache hash, request id -> CPU
         blocks held while swapped out). Copies, so a reader on another thread never sees a table change under
-        it; the engine thread may still move on between the three."""
+        it; the engine thread may still move on between the three. Walks what requests and the prefix cache
+        hold, not every block of the pool."""
         records = list(self.requests.items())
         tables = {rid: list(r.block_ids) for rid, r in records if not r.cpu_block_ids}
-        blocks = [(b.ref_cnt, b.block_hash is not None) for b in self.pool.blocks]
+        cached_free = [b.block_id for b in list(self.pool.cached.values()) if b.ref_cnt == 0]
         swapped = {rid: len(r.cpu_block_ids) for rid, r in records if r.cpu_block_ids}
-        return tables, blocks, swapped
+        return tables, cached_free, swapped

@@ -7,7 +7,7 @@
 | POST /v1/chat/completions      | key  | chat.completion, or SSE chunks with stream: true             |
 | POST /v1/completions           | key  | text_completion, or SSE chunks with stream: true             |
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
-| GET  /stats/blocks             | no   | who holds which GPU block, run-length encoded (kv_map.py)    |
+| GET  /stats/blocks             | no   | the GPU block map and /stats of one moment (kv_map.py)       |
 | GET  /metrics                  | no   | Prometheus text                                              |
 | POST /tokenize, /detokenize    | no   | a prompt or chat messages -> token ids, and back (as vLLM)   |
 | GET  /version                  | no   | {"version": ...}                                             |
