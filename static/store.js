@@ -97,13 +97,16 @@ export class ChatStore {
   async put(chat) {
     if (!this.db) {
       const changed = mergeChats(chat, this.memory.get(chat.id));
-      this.memory.set(chat.id, structuredClone(chat));   // later edits in memory do not reach the stored copy
+      this.memory.set(chat.id, structuredClone(chat));
       return changed;
     }
+    // The chat as it is now: what happens to it while the stored copy is read (an answer starts) is not saved.
+    const copy = structuredClone(chat);
     const store = this.tx("readwrite");
-    const changed = mergeChats(chat, await promised(store.get(chat.id)));
-    await promised(store.put(chat));
-    return changed;
+    const stored = await promised(store.get(chat.id));
+    mergeChats(copy, stored);
+    await promised(store.put(copy));
+    return mergeChats(chat, stored);
   }
 
   async delete(id) {

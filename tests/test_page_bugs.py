@@ -13,7 +13,8 @@ import time
 import pytest
 
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
-from browser_helpers import browser, expect, last_answer, new_page, script_replies, send, sent_requests  # noqa: F401
+from browser_helpers import (browser, expect, last_answer, new_page, screenshot, script_replies, send,  # noqa: F401
+                             sent_requests)
 from page_bench import answer_done, chat, exchange, FakeEngine, open_page, page_proxy, png_file  # noqa: F401
 from servers import free_port, start_proxy
 
@@ -316,3 +317,28 @@ def test_help_opens_from_the_message_box(chat):
     chat.keyboard.press("Escape")
     expect(chat.locator("#shortcuts")).to_be_hidden()
     assert chat.input_value("#prompt") == ""
+
+
+# ---- how it looks: the three sizes, light and dark ------------------------------------------------------------------
+SAMPLE_ANSWER = ("Here is a **short** answer with a list:\n\n- one\n- two\n\n```python\nprint('hello')\n```\n\n"
+                 "| a | b |\n|---|---|\n| 1 | 2 |\n\nThe end.")
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_screenshots(browser, page_proxy, tmp_path, size, scheme):
+    """test-output/page-{W}x{H}-{scheme}.png: a conversation; -settings.png: the same with Settings open."""
+    context, page, errors = sized_page(browser, page_proxy, size, color_scheme=scheme)
+    open_page(page, max_model_len=4096)
+    script_replies(page, {"chunks": [SAMPLE_ANSWER[i:i + 12] for i in range(0, len(SAMPLE_ANSWER), 12)],
+                          "delayMs": 1, "usage": {"prompt_tokens": 900}})
+    send(page, "Show me a list, some code and a table.")
+    answer_done(page)
+    expect(page.locator("html")).to_have_attribute("data-theme", scheme)
+    name = f"page-{size[0]}x{size[1]}-{scheme}"
+    screenshot(page, tmp_path, f"{name}.png")
+    page.click("#settings summary")
+    screenshot(page, tmp_path, f"{name}-settings.png")
+    assert page.locator("#messages").bounding_box()["height"] >= size[1] / 2
+    context.close()
+    assert not errors, errors
