@@ -17,9 +17,10 @@ const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
              error: $("error"), sendNote: $("send-note"), meter: $("context-meter") };
 // limits: what the server accepts (from /v1/models and /api/page-config); 8 images is the engine's default.
-// abortReason: why the page itself gave up on the answer in flight (the engine went down meanwhile).
+// abortReason: why the page itself gave up on the answer in flight (the engine went down meanwhile);
+// refreshing: the read of this chat's stored copy in flight (refreshChat).
 const app = { store: new ChatStore(), drafts: new Drafts(), chats: [], chat: newChat(), controller: null, model: null,
-              abortReason: "", draftLoaded: false,
+              abortReason: "", draftLoaded: false, refreshing: null,
               limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true } };
 
 const attachments = new Attachments({
@@ -136,6 +137,17 @@ async function save(chat = app.chat) {
   } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); }
 }
 
+// Another tab may have added turns to this chat: they are merged in when this tab is looked at again and when
+// the user types (at most one read in flight), so that a message sent here follows them.
+function refreshChat() {
+  const chat = app.chat;
+  app.refreshing ??= app.store.refresh(chat)
+    .then((changed) => { if (changed && chat === app.chat && !app.controller) renderConversation(); })
+    .catch(() => {})
+    .finally(() => { app.refreshing = null; });
+  return app.refreshing;
+}
+
 // Every removal goes through here, so that a later save (merged with the stored copy) does not bring it back.
 function removeMessage(chat, id) {
   noteRemoved(chat, id);
@@ -219,8 +231,8 @@ async function send() {
   const notNow = status.reason();
   if (notNow) { showError(notNow, { transient: true }); return; }
   hideError();
+  if (app.refreshing) await app.refreshing;     // the turns another tab added come first
   const chat = app.chat;
-  if (await app.store.refresh(chat)) renderConversation();   // the turns another tab added come first
   const path = pathOf(chat);
   const parentId = path.length ? path[path.length - 1].id : "root";
   const user = addChild(chat, parentId, { role: "user", text, images });
@@ -415,7 +427,10 @@ function autoresize() {
 
 ui.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
 ui.stop.addEventListener("click", stop);
-ui.prompt.addEventListener("input", () => { autoresize(); keepDraft(); });
+ui.prompt.addEventListener("input", () => { autoresize(); keepDraft(); refreshChat(); });
+ui.prompt.addEventListener("focus", refreshChat);
+addEventListener("focus", refreshChat);
+document.addEventListener("visibilitychange", () => { if (!document.hidden) refreshChat(); });
 addEventListener("pagehide", () => app.drafts.flush());
 ui.prompt.addEventListener("keydown", (e) => {
   // isComposing: Enter that confirms an IME candidate (Chinese, Japanese…) must not send.

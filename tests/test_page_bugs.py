@@ -71,26 +71,6 @@ def test_two_tabs_on_one_chat_keep_every_turn(chat):
     tab_b.close()
 
 
-# ---- 4. settings open: the conversation keeps half the window ------------------------------------------------------
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_settings_leave_the_conversation_half_the_window(browser, page_proxy, size):
-    context, page, errors = sized_page(browser, page_proxy, size)
-    open_page(page)
-    page.click("#settings summary")
-    expect(page.locator("#max-tokens")).to_be_attached()
-    page.fill("#prompt", "\n".join(f"line {i}" for i in range(30)))   # a long draft too
-    page.dispatch_event("#prompt", "input")
-    height = size[1]
-    assert page.locator("#messages").bounding_box()["height"] >= height / 2
-    assert page.evaluate("document.documentElement.scrollHeight") <= height     # the page itself never scrolls
-    send_box = page.locator("#send").bounding_box()
-    assert send_box["y"] + send_box["height"] <= height
-    page.locator("#max-tokens").scroll_into_view_if_needed()                   # every field within reach
-    expect(page.locator("#max-tokens")).to_be_in_viewport()
-    context.close()
-    assert not errors, errors
-
-
 # ---- 6. speed of an answer whose chunks arrive together ------------------------------------------------------------
 def test_no_absurd_speed_when_chunks_arrive_together(chat):
     open_page(chat)
@@ -319,26 +299,44 @@ def test_help_opens_from_the_message_box(chat):
     assert chat.input_value("#prompt") == ""
 
 
-# ---- how it looks: the three sizes, light and dark ------------------------------------------------------------------
+# ---- 4. settings open: the conversation keeps half the window; how the page looks at each size -------------------
 SAMPLE_ANSWER = ("Here is a **short** answer with a list:\n\n- one\n- two\n\n```python\nprint('hello')\n```\n\n"
                  "| a | b |\n|---|---|\n| 1 | 2 |\n\nThe end.")
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+def assert_conversation_keeps_half(page, height):
+    assert page.locator("#messages").bounding_box()["height"] >= height / 2
+    assert page.evaluate("document.documentElement.scrollHeight") <= height     # the page itself never scrolls
+    send_box = page.locator("#send").bounding_box()
+    assert send_box["y"] + send_box["height"] <= height
+
+
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_screenshots(browser, page_proxy, tmp_path, size, scheme):
-    """test-output/page-{W}x{H}-{scheme}.png: a conversation; -settings.png: the same with Settings open."""
-    context, page, errors = sized_page(browser, page_proxy, size, color_scheme=scheme)
+def test_settings_leave_the_conversation_half_the_window(browser, page_proxy, tmp_path, size):
+    """And the screenshots, in test-output/: page-{W}x{H}-{light,dark}.png, a conversation; ...-settings.png,
+    the same with Settings open and a long draft."""
+    context, page, errors = sized_page(browser, page_proxy, size)
     open_page(page, max_model_len=4096)
     script_replies(page, {"chunks": [SAMPLE_ANSWER[i:i + 12] for i in range(0, len(SAMPLE_ANSWER), 12)],
                           "delayMs": 1, "usage": {"prompt_tokens": 900}})
     send(page, "Show me a list, some code and a table.")
     answer_done(page)
-    expect(page.locator("html")).to_have_attribute("data-theme", scheme)
-    name = f"page-{size[0]}x{size[1]}-{scheme}"
-    screenshot(page, tmp_path, f"{name}.png")
+    name = f"page-{size[0]}x{size[1]}"
+    screenshot(page, tmp_path, f"{name}-light.png")
+
     page.click("#settings summary")
-    screenshot(page, tmp_path, f"{name}-settings.png")
-    assert page.locator("#messages").bounding_box()["height"] >= size[1] / 2
+    page.fill("#prompt", "\n".join(f"line {i} of a long draft" for i in range(30)))
+    assert_conversation_keeps_half(page, size[1])
+    screenshot(page, tmp_path, f"{name}-light-settings.png")
+    page.locator("#max-tokens").scroll_into_view_if_needed()                   # every field within reach
+    expect(page.locator("#max-tokens")).to_be_in_viewport()
+
+    page.click("#theme")            # system (light here) -> light
+    page.click("#theme")            # -> dark
+    expect(page.locator("html")).to_have_attribute("data-theme", "dark")
+    screenshot(page, tmp_path, f"{name}-dark-settings.png")
+    page.click("#settings summary")
+    page.fill("#prompt", "")
+    screenshot(page, tmp_path, f"{name}-dark.png")
     context.close()
     assert not errors, errors
