@@ -10,6 +10,7 @@ import { DOWN_STATES, StatusMonitor } from "./status.js";
 import { readSSE } from "./sse.js";
 import { ChatStore, noteRemoved } from "./store.js";
 import { Drafts } from "./drafts.js";
+import { showContextMeter } from "./meter.js";
 import { initShell } from "./shell.js";
 import { KVMap } from "./kvmap.js";
 
@@ -19,15 +20,16 @@ const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop
 // limits: what the server accepts (from /v1/models and /api/page-config); 8 images is the engine's default.
 // abortReason: why the page itself gave up on the answer in flight (the engine went down meanwhile);
 // refreshing: the read of this chat's stored copy in flight (refreshChat).
-const app = { store: new ChatStore(), drafts: new Drafts(), chats: [], chat: newChat(), controller: null, model: null,
-              abortReason: "", draftLoaded: false, refreshing: null,
+const app = { store: new ChatStore(), drafts: null, chats: [], chat: newChat(), controller: null, model: null,
+              abortReason: "", refreshing: null,
               limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true } };
 
 const attachments = new Attachments({
   container: $("attachments"), fileInput: $("file-input"), button: $("attach"), note: $("image-note"),
   onError: (m) => showError(m),
-  onChange: () => keepDraft(),
+  onChange: () => app.drafts.keep(),
 });
+app.drafts = new Drafts({ prompt: ui.prompt, attachments, resize: () => autoresize() });
 const settings = new Settings({});
 const kvmap = new KVMap();
 const status = new StatusMonitor({
@@ -105,19 +107,7 @@ function renderConversation() {
   scrollToEnd();
 }
 
-// The context the last answer took (prompt + answer tokens), streaming or stopped answers included: the engine
-// reports running counts with every chunk (stream_options.continuous_usage_stats).
-function updateMeter() {
-  const last = [...pathOf(app.chat)].reverse().find((n) => n.role === "assistant" && n.meta?.promptTokens);
-  const used = last ? last.meta.promptTokens + (last.meta.tokens || 0) : 0;
-  const total = app.limits.maxModelLen;
-  ui.meter.hidden = !total;
-  if (!total) return;
-  ui.meter.querySelector(".meter-text").textContent = `Context ${used.toLocaleString("en-US")} / ${total.toLocaleString("en-US")} tokens`;
-  ui.meter.querySelector(".meter-fill").style.width = `${Math.min(100, (100 * used) / total)}%`;
-  ui.meter.dataset.used = String(used);
-  ui.meter.classList.toggle("full", used / total > 0.9);
-}
+function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen); }
 
 // ---- saving -----------------------------------------------------------------------------------------------
 // A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
@@ -154,30 +144,15 @@ function removeMessage(chat, id) {
   removeNode(chat, id);
 }
 
-// ---- the draft: the message being written survives a reload ------------------------------------------------
-function keepDraft() {
-  if (app.draftLoaded) app.drafts.keep(app.chat.id, ui.prompt.value, attachments.list());
-}
-
-// Switching chats swaps the drafts; at the start, what was typed before the page was ready is kept.
-async function loadDraft(chat, { replace }) {
-  app.draftLoaded = false;
-  const draft = await app.drafts.get(chat.id);
-  if (app.chat !== chat) return;
-  if (replace || !ui.prompt.value) { ui.prompt.value = draft?.text || ""; autoresize(); }
-  if (replace || !attachments.list().length) attachments.restore(draft?.images || []);
-  app.draftLoaded = true;
-}
 
 function openChat(id, { replaceDraft = true } = {}) {
   if (app.controller) stop();
-  app.drafts.flush();
   // A new chat keeps the id it was opened with, so that its draft is found again after a reload.
   app.chat = app.chats.find((c) => c.id === id) || Object.assign(newChat(), id ? { id } : {});
   localStorage.setItem("localchat.chat", app.chat.id);
   hideError();
   renderConversation();
-  loadDraft(app.chat, { replace: replaceDraft });
+  app.drafts.load(app.chat.id, { replace: replaceDraft });   // switching chats swaps the drafts
   if (matchMedia("(max-width: 900px)").matches) document.body.classList.remove("sidebar-open");   // a drawer there
 }
 
@@ -249,7 +224,7 @@ async function send() {
     renderConversation();
     if (!ui.prompt.value) { ui.prompt.value = text; autoresize(); }
     if (!attachments.list().length) attachments.restore(images);
-    keepDraft();
+    app.drafts.keep();
     ui.prompt.focus();
   }
   await save(chat);
@@ -427,7 +402,7 @@ function autoresize() {
 
 ui.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
 ui.stop.addEventListener("click", stop);
-ui.prompt.addEventListener("input", () => { autoresize(); keepDraft(); refreshChat(); });
+ui.prompt.addEventListener("input", () => { autoresize(); app.drafts.keep(); refreshChat(); });
 ui.prompt.addEventListener("focus", refreshChat);
 addEventListener("focus", refreshChat);
 document.addEventListener("visibilitychange", () => { if (!document.hidden) refreshChat(); });

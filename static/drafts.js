@@ -1,4 +1,4 @@
-// The message being written, per chat: its text and attached images, kept in IndexedDB (a database of its own,
+// The message being written, per chat: the composer's text and attached images, kept in IndexedDB (a database of its own,
 // so the chats' schema is untouched) so that a reload or a closed tab loses nothing. Written shortly after each
 // change; removed when the message is sent. Without IndexedDB, drafts last as long as the page.
 
@@ -14,11 +14,17 @@ function promised(request) {
 }
 
 export class Drafts {
-  constructor() {
+  // prompt: the message box; attachments: its Attachments; resize(): fits the box to a restored text.
+  constructor({ prompt, attachments, resize }) {
+    this.prompt = prompt;
+    this.attachments = attachments;
+    this.resize = resize;
     this.db = null;
     this.memory = new Map();
     this.timer = 0;
     this.pending = null;
+    this.chatId = null;     // the chat whose draft the composer shows; null while it is being loaded
+    this.loads = 0;
   }
 
   async open() {
@@ -38,11 +44,25 @@ export class Drafts {
     try { return (await promised(this.db.transaction(STORE).objectStore(STORE).get(chatId))) || null; } catch { return null; }
   }
 
-  // Keeps {text, images} as the draft of chat `chatId`, written a moment later (typing does not write per key).
-  keep(chatId, text, images) {
-    this.pending = { chat: chatId, text, images };
+  // Keeps what the composer holds as the draft of its chat, written a moment later (not once per key).
+  keep() {
+    if (this.chatId === null) return;
+    this.pending = { chat: this.chatId, text: this.prompt.value, images: this.attachments.list() };
     clearTimeout(this.timer);
     this.timer = setTimeout(() => this.flush(), WRITE_DELAY_MS);
+  }
+
+  // Shows chat `chatId`'s draft in the composer: in place of what it holds (`replace`, switching chats), or
+  // only where it is empty (at the start, what was typed before the page was ready stays).
+  async load(chatId, { replace }) {
+    await this.flush();
+    this.chatId = null;
+    const load = ++this.loads;
+    const draft = await this.get(chatId);
+    if (load !== this.loads) return;          // another chat was opened meanwhile
+    if (replace || !this.prompt.value) { this.prompt.value = draft?.text || ""; this.resize(); }
+    if (replace || !this.attachments.list().length) this.attachments.restore(draft?.images || []);
+    this.chatId = chatId;
   }
 
   async flush() {
@@ -59,7 +79,8 @@ export class Drafts {
   }
 
   async clear(chatId) {
-    this.keep(chatId, "", []);
+    clearTimeout(this.timer);
+    this.pending = { chat: chatId, text: "", images: [] };
     await this.flush();
   }
 }
