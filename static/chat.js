@@ -252,6 +252,10 @@ async function generate(chat, user) {
   setBusy(true);
   const t0 = performance.now();
   let chunks = 0, tFirst = null, tLast = null, usage = null, finish = null, frame = 0;
+  // Until the first words: "Thinking… 12 s", so that a long wait (a queue, a long prompt) shows as one.
+  const waiting = setInterval(() => {
+    box.querySelector(".content").dataset.wait = `${Math.round((performance.now() - t0) / 1000)} s`;
+  }, 1000);
   const render = () => {
     frame = 0;
     const stick = nearBottom();
@@ -301,6 +305,7 @@ async function generate(chat, user) {
       showError(err.message, { transient: lost || err.status === 503 });
     }
   } finally {
+    clearInterval(waiting);
     if (frame) cancelAnimationFrame(frame);
     render();
     if (app.controller === controller) app.controller = null;

@@ -144,6 +144,7 @@ def test_a_hung_engine_is_shown_and_a_pending_answer_gives_up(chat, files):
     script_replies(chat, {"chunks": ["never"], "pauseAfter": 0})
     send(chat, "are you there?")
     expect(last_answer(chat)).to_have_attribute("data-status", "streaming")
+    expect(last_answer(chat).locator(".content")).to_have_attribute("data-wait", re.compile(r"^\d+ s$"))   # "Thinking… 1 s"
     hung = socket.socket()
     hung.bind(("127.0.0.1", files.engine_port))
     hung.listen(8)                                  # accepts connections, never answers
