@@ -438,6 +438,7 @@ async function start() {
     remove: async (id) => {
       app.chats = app.chats.filter((c) => c.id !== id);
       await app.store.delete(id);
+      await app.drafts.clear(id);
       if (app.chat.id === id) openChat(null); else app.sidebar.render();
     },
     importChats: async (list) => { for (const c of list) await save(c); openChat(list[0]?.id ?? app.chat.id); },
