@@ -105,7 +105,8 @@ class EngineWatch:
         self.crashes += 1
         if self.crashes > self.policy.max_restarts:
             self.state = "failed"
-            message = (f"The inference engine {how} and has now failed {self.crashes} times in a row; the "
+            times = "once" if self.crashes == 1 else f"{self.crashes} times in a row"
+            message = (f"The inference engine {how} and has now failed {times}; the "
                        f"launcher stopped restarting it. See {self.log_path} for why, then restart the app.")
             self.status.write("failed", message)
             self._note(message)
@@ -114,7 +115,11 @@ class EngineWatch:
         self.state, self.since, self.restart_at = "backoff", self.clock(), self.clock() + delay
         message = (f"The inference engine {how}; restarting it in {delay:g}s (restart {self.crashes} of at most "
                    f"{self.policy.max_restarts}). See {self.log_path}.")
-        self.status.write("restarting", message, retry_after_s=max(1, round(delay + 1)))
+        # The parts of the message too, and when the restart is due (wall clock: the proxy reads it), so that
+        # the proxy can say how it goes on after the countdown instead of repeating "in 1s".
+        self.status.write("restarting", message, retry_after_s=max(1, round(delay + 1)), crash=how,
+                          restart=self.crashes, max_restarts=self.policy.max_restarts,
+                          restart_at=time.time() + delay, log=str(self.log_path))
         self._note(message)
 
     def _restart(self) -> None:

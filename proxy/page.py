@@ -2,13 +2,9 @@
 rendering libraries web/install_vendor.sh put into static/vendor/, so the page loads only those that exist."""
 from __future__ import annotations
 
-import json
-import os
-
 from aiohttp import web
 
-from proxy.config import CONFIG, ProxyConfig
-from proxy.errors import error_response
+from proxy.config import CONFIG
 
 # library name -> files under static/vendor/ it needs
 VENDOR_FILES = {
@@ -22,26 +18,6 @@ VENDOR_FILES = {
 def available_vendor(static_dir) -> list[str]:
     vendor = static_dir / "vendor"
     return [name for name, files in VENDOR_FILES.items() if all((vendor / f).is_file() for f in files)]
-
-
-def engine_loading(cfg: ProxyConfig) -> dict | None:
-    """{"phase", "progress"} while the engine process that writes the status file is alive and not yet
-    serving; None when there is no such file, it is unreadable, or its process is gone (a stale file)."""
-    if cfg.engine_status_file is None:
-        return None
-    try:
-        status = json.loads(cfg.engine_status_file.read_text())
-        os.kill(int(status["pid"]), 0)
-        return {"phase": str(status["phase"]), "progress": float(status["progress"])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def loading_response(loading: dict) -> web.Response:
-    pct = int(100 * loading["progress"])
-    return error_response(503, f"The inference engine is loading the model ({loading['phase']}, {pct}%).",
-                          "service_unavailable", code="engine_starting",
-                          extra={"proxy": "ok", "engine": "starting", **loading})
 
 
 async def page_status(request: web.Request) -> web.Response:

@@ -29,7 +29,7 @@ from proxy.config import CONFIG, CONTROL_SESSION, OPEN_FORWARDS, SESSION, OpenFo
 from proxy.engine_status import engine_down_response, read_engine_status
 from proxy.errors import error_response
 from proxy.forward import end_open_forwards, forward
-from proxy.page import add_page_routes, engine_loading, loading_response
+from proxy.page import add_page_routes
 from proxy.guard import cors_signal, guard_middleware
 
 log = logging.getLogger("proxy")
@@ -76,11 +76,9 @@ async def health(request: web.Request) -> web.Response:
         async with session.get(cfg.engine_url + "/health",
                                timeout=aiohttp.ClientTimeout(total=cfg.health_timeout)) as up:
             status = up.status
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        # Restarting or given up (the launcher says so) wins; else, not listening yet: still loading the model?
-        if read_engine_status(cfg) is None and (loading := engine_loading(cfg)) is not None:
-            return loading_response(loading)
-        return engine_down_response(cfg, for_page=True)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        # Restarting or given up (the launcher says so), still loading the model, or listening but hung.
+        return engine_down_response(cfg, for_page=True, timed_out=isinstance(exc, asyncio.TimeoutError))
     if status == 200:
         return web.json_response({"proxy": "ok", "engine": "ready"})
     if read_engine_status(cfg) is not None:          # up but still loading after a restart

@@ -42,12 +42,14 @@ export async function imageToDataURL(file) {
 }
 
 export class Attachments {
-  constructor({ container, fileInput, button, note, onError }) {
+  // onChange(): the list of images changed (added, removed, cleared, restored).
+  constructor({ container, fileInput, button, note, onError, onChange }) {
     this.container = container;
     this.fileInput = fileInput;
     this.button = button;
     this.note = note;
     this.onError = onError;
+    this.onChange = onChange;
     this.items = [];
     this.enabled = true;
     this.maxImages = 8;     // the engine's images-per-prompt limit, set from GET /v1/models
@@ -108,5 +110,6 @@ export class Attachments {
       return box;
     }));
     this.container.hidden = this.items.length === 0;
+    this.onChange?.();
   }
 }

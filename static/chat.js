@@ -6,9 +6,11 @@ import { editInPlace, finishElement, messageElement } from "./messages.js";
 import { handleCodeCopy, loadLibraries } from "./render.js";
 import { Settings } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
-import { StatusMonitor } from "./status.js";
+import { DOWN_STATES, StatusMonitor } from "./status.js";
 import { readSSE } from "./sse.js";
-import { ChatStore } from "./store.js";
+import { ChatStore, noteRemoved } from "./store.js";
+import { Drafts } from "./drafts.js";
+import { showContextMeter } from "./meter.js";
 import { initShell } from "./shell.js";
 import { KVMap } from "./kvmap.js";
 
@@ -16,13 +18,18 @@ const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
              error: $("error"), sendNote: $("send-note"), meter: $("context-meter") };
 // limits: what the server accepts (from /v1/models and /api/page-config); 8 images is the engine's default.
-const app = { store: new ChatStore(), chats: [], chat: newChat(), controller: null, model: null,
+// abortReason: why the page itself gave up on the answer in flight (the engine went down meanwhile);
+// refreshing: the read of this chat's stored copy in flight (refreshChat).
+const app = { store: new ChatStore(), drafts: null, chats: [], chat: newChat(), controller: null, model: null,
+              abortReason: "", refreshing: null,
               limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true } };
 
 const attachments = new Attachments({
   container: $("attachments"), fileInput: $("file-input"), button: $("attach"), note: $("image-note"),
   onError: (m) => showError(m),
+  onChange: () => app.drafts.keep(),
 });
+app.drafts = new Drafts({ prompt: ui.prompt, attachments, resize: () => autoresize() });
 const settings = new Settings({});
 const kvmap = new KVMap();
 const status = new StatusMonitor({
@@ -48,7 +55,19 @@ const status = new StatusMonitor({
   },
   onDown: () => { app.model = null; kvmap.clear(); updateMeter(); },
   onStats: () => kvmap.poll(),
+  onState: (state) => {
+    updateSendButton();
+    // A request in flight to an engine that went away (or hangs) would wait forever: end it with the reason,
+    // once two health answers in a row said so (one slow /health is not a hung engine).
+    if (app.controller && DOWN_STATES.has(state) && status.downStreak >= 2) {
+      app.abortReason = `The engine stopped answering while this answer was pending (${status.detail || state}).`;
+      app.controller.abort();
+    }
+  },
 });
+// An answer's speed is measured only over a stream that lasts this long: chunks that arrive together (a
+// buffering network, a short answer) would otherwise give absurd rates.
+const MIN_RATE_SPAN_MS = 250;
 
 // ---- errors -----------------------------------------------------------------------------------------------
 // A transient error (the server or engine could not be reached) goes away by itself once the engine is back.
@@ -88,34 +107,52 @@ function renderConversation() {
   scrollToEnd();
 }
 
-function updateMeter() {
-  const last = [...pathOf(app.chat)].reverse().find((n) => n.role === "assistant" && n.meta?.promptTokens);
-  const used = last ? last.meta.promptTokens + (last.meta.tokens || 0) : 0;
-  const total = app.limits.maxModelLen;
-  ui.meter.hidden = !total;
-  if (!total) return;
-  ui.meter.querySelector(".meter-text").textContent = `Context ${used.toLocaleString("en-US")} / ${total.toLocaleString("en-US")} tokens`;
-  ui.meter.querySelector(".meter-fill").style.width = `${Math.min(100, (100 * used) / total)}%`;
-  ui.meter.dataset.used = String(used);
-  ui.meter.classList.toggle("full", used / total > 0.9);
-}
+function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen); }
 
 // ---- saving -----------------------------------------------------------------------------------------------
+// A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
 async function save(chat = app.chat) {
-  if (!pathOf(chat).length && !Object.keys(chat.nodes).some((k) => k !== "root")) return;
-  if (!chat.title) chat.title = titleFrom(pathOf(chat).find((n) => n.role === "user")?.text);
-  if (!app.chats.includes(chat)) app.chats.unshift(chat);
-  app.chats.sort((a, b) => b.updated - a.updated);
-  app.sidebar.render();
-  try { await app.store.put(chat); } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); }
+  try {
+    if (!Object.keys(chat.nodes).some((k) => k !== "root")) {
+      if (app.chats.includes(chat)) { app.chats = app.chats.filter((c) => c !== chat); app.sidebar.render(); }
+      await app.store.delete(chat.id);
+      return;
+    }
+    if (!chat.title) chat.title = titleFrom(pathOf(chat).find((n) => n.role === "user")?.text);
+    if (!app.chats.includes(chat)) app.chats.unshift(chat);
+    app.chats.sort((a, b) => b.updated - a.updated);
+    app.sidebar.render();
+    const merged = await app.store.put(chat);       // another tab's turns in this chat come in, none is lost
+    if (merged && chat === app.chat && !app.controller) renderConversation();
+  } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); }
 }
 
-function openChat(id) {
+// Another tab may have added turns to this chat: they are merged in when this tab is looked at again and when
+// the user types (at most one read in flight), so that a message sent here follows them.
+function refreshChat() {
+  const chat = app.chat;
+  app.refreshing ??= app.store.refresh(chat)
+    .then((changed) => { if (changed && chat === app.chat && !app.controller) renderConversation(); })
+    .catch(() => {})
+    .finally(() => { app.refreshing = null; });
+  return app.refreshing;
+}
+
+// Every removal goes through here, so that a later save (merged with the stored copy) does not bring it back.
+function removeMessage(chat, id) {
+  noteRemoved(chat, id);
+  removeNode(chat, id);
+}
+
+
+function openChat(id, { replaceDraft = true } = {}) {
   if (app.controller) stop();
-  app.chat = app.chats.find((c) => c.id === id) || newChat();
+  // A new chat keeps the id it was opened with, so that its draft is found again after a reload.
+  app.chat = app.chats.find((c) => c.id === id) || Object.assign(newChat(), id ? { id } : {});
   localStorage.setItem("localchat.chat", app.chat.id);
   hideError();
   renderConversation();
+  app.drafts.load(app.chat.id, { replace: replaceDraft });   // switching chats swaps the drafts
   if (matchMedia("(max-width: 900px)").matches) document.body.classList.remove("sidebar-open");   // a drawer there
 }
 
@@ -125,8 +162,15 @@ function startNewChat() {
 }
 
 // ---- sending --------------------------------------------------------------------------------------------------
+// Send is off while an answer streams, and while the engine cannot answer (loading, restarting, down).
+function updateSendButton() {
+  const reason = app.controller ? "" : status.reason();
+  ui.send.disabled = Boolean(app.controller) || Boolean(reason);
+  ui.send.title = reason;
+}
+
 function setBusy(busy) {
-  ui.send.disabled = busy;
+  updateSendButton();
   ui.stop.hidden = !busy;
   ui.messages.setAttribute("aria-busy", String(busy));
   status.setBusy(busy);
@@ -140,7 +184,8 @@ function requestBody(path) {
     throw new Error(`The images of this message are too large together for the server's limit of `
       + `${(app.limits.maxBytes / (1 << 20)).toFixed(1)} MB per request: remove ${droppedLast === 1 ? "one" : droppedLast} of them.`);
   }
-  const body = { messages, stream: true, stream_options: { include_usage: true }, ...settings.requestFields() };
+  const body = { messages, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+                 ...settings.requestFields() };
   if (app.model) body.model = app.model;
   return { body, dropped };
 }
@@ -158,7 +203,10 @@ async function send() {
   const text = ui.prompt.value.trim();
   const images = attachments.list();
   if (!text && !images.length) return;
+  const notNow = status.reason();
+  if (notNow) { showError(notNow, { transient: true }); return; }
   hideError();
+  if (app.refreshing) await app.refreshing;     // the turns another tab added come first
   const chat = app.chat;
   const path = pathOf(chat);
   const parentId = path.length ? path[path.length - 1].id : "root";
@@ -166,15 +214,17 @@ async function send() {
   ui.prompt.value = "";
   autoresize();
   attachments.clear();
+  app.drafts.clear(chat.id);
   renderConversation();
   save(chat);           // the question is kept even if the page is closed while the answer streams
   const answered = await generate(chat, user);
   if (!answered && app.chat === chat) {
     // Nothing came back: undo the turn and give the message back, so retrying is one keypress.
-    removeNode(chat, user.id);
+    removeMessage(chat, user.id);
     renderConversation();
     if (!ui.prompt.value) { ui.prompt.value = text; autoresize(); }
     if (!attachments.list().length) attachments.restore(images);
+    app.drafts.keep();
     ui.prompt.focus();
   }
   await save(chat);
@@ -198,13 +248,19 @@ async function generate(chat, user) {
 
   const controller = new AbortController();
   app.controller = controller;
+  app.abortReason = "";
   setBusy(true);
   const t0 = performance.now();
   let chunks = 0, tFirst = null, tLast = null, usage = null, finish = null, frame = 0;
+  // Until the first words: "Thinking… 12 s", so that a long wait (a queue, a long prompt) shows as one.
+  const waiting = setInterval(() => {
+    box.querySelector(".content").dataset.wait = `${Math.round((performance.now() - t0) / 1000)} s`;
+  }, 1000);
   const render = () => {
     frame = 0;
     const stick = nearBottom();
     box.renderer.update(node.text);
+    if (app.chat === chat) updateMeter();
     if (stick) scrollToEnd();
   };
   node.status = "done";
@@ -216,7 +272,11 @@ async function generate(chat, user) {
       let event;
       try { event = JSON.parse(data); } catch { continue; }
       if (event.error) throw new Error(`The engine reported an error: ${event.error.message || "unknown error"}`);
-      if (event.usage) usage = event.usage;
+      if (event.usage) {
+        usage = event.usage;
+        node.meta.promptTokens = usage.prompt_tokens ?? null;
+        node.meta.tokens = usage.completion_tokens ?? node.meta.tokens;
+      }
       const choice = event.choices?.[0];
       const delta = choice?.delta?.content;
       if (delta) {
@@ -232,21 +292,27 @@ async function generate(chat, user) {
     }
     if (!sawDone) throw new Error("The answer stream ended unexpectedly (the server closed the connection).");
   } catch (err) {
-    if (err.name === "AbortError") node.status = "stopped";
-    else {
+    if (err.name === "AbortError" && !app.abortReason) node.status = "stopped";
+    else if (app.abortReason) {
       node.status = "error";
-      const lost = err instanceof TypeError || /lost|unexpectedly|not reachable/.test(err.message);
-      showError(err instanceof TypeError ? "Network error: could not reach the chat server. Is the app still running?"
-        : err.message, { transient: lost || err.status === 503 });
+      showError(app.abortReason, { transient: true });
+    } else if (err instanceof TypeError) {
+      node.status = "error";
+      await showNetworkError(chunks > 0);
+    } else {
+      node.status = "error";
+      const lost = /lost|unexpectedly|not reachable/.test(err.message);
+      showError(err.message, { transient: lost || err.status === 503 });
     }
   } finally {
+    clearInterval(waiting);
     if (frame) cancelAnimationFrame(frame);
     render();
     if (app.controller === controller) app.controller = null;
     setBusy(false);
   }
   if (!node.text) {
-    removeNode(chat, node.id);
+    removeMessage(chat, node.id);
     box.remove();
     if (app.chat === chat) renderConversation();
     return false;
@@ -254,12 +320,24 @@ async function generate(chat, user) {
   const tokens = usage?.completion_tokens ?? chunks;
   Object.assign(node.meta, {
     ttftMs: tFirst === null ? null : Math.round(tFirst - t0), tokens, finish, promptTokens: usage?.prompt_tokens ?? null,
-    rate: tFirst !== null && tLast > tFirst && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
+    rate: tFirst !== null && tLast - tFirst >= MIN_RATE_SPAN_MS && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
   });
   chat.updated = Date.now();
   finishElement(chat, box, node);
   if (app.chat === chat) { updateMeter(); if (nearBottom()) scrollToEnd(); }
   return true;
+}
+
+// A fetch that failed on the network: was it the server, or only this connection? The status light is asked
+// again at once, so that the message and the light never disagree.
+async function showNetworkError(began) {
+  const state = await status.check();
+  if (state === "ready") {
+    showError(began ? "The connection to the chat server dropped during the answer; the server answers again, so Retry should work."
+      : "The request did not reach the chat server (the connection failed); the server answers again: send once more.");
+  } else {
+    showError(`Could not reach the chat server: ${status.detail || state}. Is the app still running?`, { transient: true });
+  }
 }
 
 function stop() {
@@ -284,7 +362,7 @@ async function onAction(action, id) {
   }
   if (app.controller) return;   // nothing else while an answer streams
   if (action === "delete") {
-    removeNode(chat, id);
+    removeMessage(chat, id);
     renderConversation();
     await save(chat);
   } else if (action === "answer") {
@@ -324,12 +402,16 @@ handleCodeCopy(ui.messages);
 // ---- composer -----------------------------------------------------------------------------------------------
 function autoresize() {
   ui.prompt.style.height = "auto";
-  ui.prompt.style.height = `${Math.min(ui.prompt.scrollHeight, 240)}px`;
+  ui.prompt.style.height = `${ui.prompt.scrollHeight}px`;     // the stylesheet's max-height caps it
 }
 
 ui.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
 ui.stop.addEventListener("click", stop);
-ui.prompt.addEventListener("input", autoresize);
+ui.prompt.addEventListener("input", () => { autoresize(); app.drafts.keep(); refreshChat(); });
+ui.prompt.addEventListener("focus", refreshChat);
+addEventListener("focus", refreshChat);
+document.addEventListener("visibilitychange", () => { if (!document.hidden) refreshChat(); });
+addEventListener("pagehide", () => app.drafts.flush());
 ui.prompt.addEventListener("keydown", (e) => {
   // isComposing: Enter that confirms an IME candidate (Chinese, Japanese…) must not send.
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
@@ -345,22 +427,24 @@ async function start() {
   initShell({ stop, newChat: startNewChat, isBusy: () => Boolean(app.controller), attachments });
   attachments.render();
   status.start();
-  const [config] = await Promise.all([loadPageConfig(), app.store.open()]);
+  const [config] = await Promise.all([loadPageConfig(), app.store.open(), app.drafts.open()]);
   if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = config.max_upload_bytes;
   await loadLibraries(config.vendor);
   app.chats = await app.store.all();
   app.sidebar = new Sidebar({
     chats: () => app.chats, current: () => app.chat, open: openChat, newChat: startNewChat, error: showError,
-    rename: async (id, title) => { const c = app.chats.find((x) => x.id === id); c.title = title; c.updated = Date.now(); await save(c); },
+    // A new title is not new activity: the chat keeps its place in the list.
+    rename: async (id, title) => { const c = app.chats.find((x) => x.id === id); c.title = title; await save(c); },
     remove: async (id) => {
       app.chats = app.chats.filter((c) => c.id !== id);
       await app.store.delete(id);
+      await app.drafts.clear(id);
       if (app.chat.id === id) openChat(null); else app.sidebar.render();
     },
     importChats: async (list) => { for (const c of list) await save(c); openChat(list[0]?.id ?? app.chat.id); },
   });
   if (!app.store.persistent) $("chat-empty").dataset.note = "Chats cannot be saved in this browser window.";
-  openChat(localStorage.getItem("localchat.chat"));
+  openChat(localStorage.getItem("localchat.chat"), { replaceDraft: false });
   document.body.dataset.ready = "true";
   if (document.activeElement === document.body) ui.prompt.focus();   // unless the user is already elsewhere
 }

@@ -24,6 +24,9 @@ export const PRESETS = {
   "creative": { label: "Creative", values: { "temperature": "1.1", "top-p": "1", "min-p": "0.05" } },
 };
 
+// What an empty field means where the model has no default of its own; the markup starts with the same words.
+const UNSET = { "seed": "random", "max-tokens": "fit to context" };
+
 const STORED = [...Object.keys(FIELDS), "system-prompt", "stop-strings", "earlier-images"];
 
 function check(id) {
@@ -75,8 +78,7 @@ export class Settings {
   showDefaults(defaults) {
     for (const [id, [field]] of Object.entries(FIELDS)) {
       const value = defaults?.[field];
-      $(id).placeholder = value === undefined || value === null ? (id === "max-tokens" ? "fit to context" : "default")
-        : `model: ${value}`;
+      $(id).placeholder = value === undefined || value === null ? (UNSET[id] ?? "default") : `model: ${value}`;
     }
   }
 

@@ -13,6 +13,7 @@ export const SHORTCUTS = [
   ["Ctrl+Shift+K", "show or hide the KV cache panel"],
   ["Ctrl+Shift+L", "switch theme (system, light, dark)"],
   ["/", "focus the message box"],
+  ["Ctrl+/", "this help, from anywhere (the message box too)"],
   ["?", "this help (outside the message box)"],
 ];
 
@@ -96,6 +97,8 @@ export function initShell({ stop, newChat, isBusy, attachments }) {
     else if (ctrl && key === "s") { e.preventDefault(); togglePanel("sidebar-open", $("toggle-sidebar")); }
     else if (ctrl && key === "k") { e.preventDefault(); showKV(document.body.classList.contains("kv-hidden")); }
     else if (ctrl && key === "l") { e.preventDefault(); cycleTheme(); }
+    // Typing "?" in the message box is text; Ctrl+/ opens the help wherever the focus is.
+    else if ((e.ctrlKey || e.metaKey) && !e.shiftKey && e.key === "/") { e.preventDefault(); toggleHelp(); }
     else if (!typing && e.key === "/") { e.preventDefault(); $("prompt").focus(); }
     else if (!typing && e.key === "?") { e.preventDefault(); toggleHelp(); }
   });

@@ -9,19 +9,26 @@ const LABELS = {
   restarting: "Engine restarting…",
   failed: "Engine stopped",
   unreachable: "Engine not reachable",
+  unresponsive: "Engine not responding",
   offline: "Server offline",
   unknown: "Connecting…",
 };
 
+// States in which a message cannot be answered (the page does not send, and stops waiting for an answer).
+export const DOWN_STATES = new Set(["starting", "restarting", "failed", "unreachable", "unresponsive", "offline"]);
+
 export class StatusMonitor {
   // onModel(card): the engine is ready and serves this model (GET /v1/models card); onDown(): it stopped;
-  // onStats(): after each /stats, the KV panel's own snapshot; it answers true while the engine has work.
-  constructor({ onModel, onCapabilities, onDown, onStats }) {
+  // onStats(): after each /stats, the KV panel's own snapshot; it answers true while the engine has work;
+  // onState(state): after every health answer (downStreak: how many answers in a row said "down").
+  constructor({ onModel, onCapabilities, onDown, onStats, onState }) {
     this.onModel = onModel;
+    this.onState = onState;
     this.onStats = onStats;
     this.onCapabilities = onCapabilities;
     this.onDown = onDown;
     this.state = "unknown";
+    this.detail = "";
     this.model = null;
     this.busy = false;
     this.bannerDismissed = false;
@@ -49,7 +56,9 @@ export class StatusMonitor {
     const box = $("status");
     box.dataset.state = state;
     const pctText = typeof progress === "number" ? ` ${Math.floor(100 * Math.max(0, Math.min(1, progress)))}%` : "";
-    box.querySelector(".status-text").textContent = (LABELS[state] || state) + (state === "starting" ? pctText : "");
+    this.detail = detail || "";
+    const showsProgress = state === "starting" || state === "restarting";
+    box.querySelector(".status-text").textContent = (LABELS[state] || state) + (showsProgress ? pctText : "");
     box.dataset.progress = pctText.trim();
     box.title = detail || "";
     if (state !== "ready" && (was === "ready" || was === "unknown")) this.down();
@@ -75,6 +84,27 @@ export class StatusMonitor {
     }
     clearTimeout(this.healthTimer);
     this.healthTimer = setTimeout(() => this.pollHealth(), this.state === "ready" ? 4000 : 1500);
+    this.downStreak = DOWN_STATES.has(this.state) ? (this.downStreak || 0) + 1 : 0;
+    this.onState?.(this.state);
+    return this.state;
+  }
+
+  // A health check now (after a failed request: is it the server, or was it the connection?); the new state.
+  check() { return this.pollHealth(); }
+
+  // A sentence for the user on why a message cannot be sent or answered now; "" when ready.
+  reason() {
+    if (!DOWN_STATES.has(this.state)) return "";
+    const text = $("status").querySelector(".status-text").textContent;
+    const why = {
+      starting: "the model is still loading",
+      restarting: "the engine is restarting",
+      failed: "the engine has stopped",
+      unreachable: "the engine is not reachable",
+      unresponsive: "the engine does not respond",
+      offline: "the chat server does not answer",
+    }[this.state];
+    return `Not sent: ${why} (${text}). Your message stays in the box; send it once the status says Ready.`;
   }
 
   async loadModel() {

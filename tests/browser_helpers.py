@@ -3,7 +3,10 @@ JavaScript error or console error, and a fake chat stream inside the page for te
 
 The fake stream replaces window.fetch for /v1/chat/completions only (everything else goes to the real proxy):
 each request body is recorded in window.__chat.requests and answered with the next scripted reply, one SSE
-event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set.
+event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set;
+`bursts: k` sends the chunks in k network reads instead (several events each, as a buffering network does);
+`drop: true` breaks the connection after the chunks (the browser's TypeError). A request that asks for
+stream_options.continuous_usage_stats gets the running usage in every chunk, as the engine sends it.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ const realFetch = window.fetch.bind(window);
 window.fetch = async (input, init = {}) => {
   const url = typeof input === "string" ? input : input.url;
   if (!url.includes("/v1/chat/completions") || !window.__chat.replies.length) return realFetch(input, init);
-  window.__chat.requests.push(JSON.parse(init.body));
+  const request = JSON.parse(init.body);
+  window.__chat.requests.push(request);
   const reply = window.__chat.replies.shift();
   if (reply.status) {
     return new Response(JSON.stringify(reply.body), { status: reply.status, headers: { "Content-Type": "application/json" } });
@@ -35,16 +39,29 @@ window.fetch = async (input, init = {}) => {
   const event = (obj) => enc.encode(`data: ${JSON.stringify(obj)}\\n\\n`);
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const signal = init.signal;
+  const promptTokens = reply.usage?.prompt_tokens ?? 100;
+  const running = (i) => request.stream_options?.continuous_usage_stats
+    ? { usage: { prompt_tokens: promptTokens, completion_tokens: i + 1, total_tokens: promptTokens + i + 1 } } : {};
+  const chunkEvent = (chunk, i) => event({ choices: [{ index: 0, delta: { content: chunk }, finish_reason: null }], ...running(i) });
   const stream = new ReadableStream({
     async start(controller) {
       signal?.addEventListener("abort", () => { try { controller.error(new DOMException("aborted", "AbortError")); } catch {} });
-      for (const [i, chunk] of reply.chunks.entries()) {
+      if (reply.bursts) {
+        const size = Math.ceil(reply.chunks.length / reply.bursts);
+        for (let i = 0; i < reply.chunks.length; i += size) {
+          await sleep(reply.delayMs ?? 10);
+          const events = reply.chunks.slice(i, i + size).map((c, k) => chunkEvent(c, i + k));
+          controller.enqueue(new Uint8Array(events.flatMap((e) => [...e])));
+        }
+      }
+      for (const [i, chunk] of (reply.bursts ? [] : reply.chunks).entries()) {
         if (reply.pauseAfter === i) while (!window.__chat.go) await sleep(20);
         await sleep(reply.delayMs ?? 10);
         if (signal?.aborted) return;
-        controller.enqueue(event({ choices: [{ index: 0, delta: { content: chunk }, finish_reason: null }] }));
+        controller.enqueue(chunkEvent(chunk, i));
       }
       if (signal?.aborted) return;
+      if (reply.drop) { controller.error(new TypeError("network error")); return; }
       if (reply.error) controller.enqueue(event({ error: { message: reply.error } }));
       controller.enqueue(event({ choices: [{ index: 0, delta: {}, finish_reason: reply.finish || "stop" }],
                                  usage: reply.usage || { prompt_tokens: 100, completion_tokens: reply.chunks.length } }));

@@ -123,9 +123,9 @@ def test_status_shows_loading_progress_clears_stale_numbers_and_recovers(chat):
     expect(chat.locator("#model-name")).to_have_text("—")
     expect(chat.locator("#kv-used")).to_have_text("—")
     expect(chat.locator("#kv-gpu-text")).to_have_text("—")
-    script_replies(chat, {"status": 503, "body": {"error": {"message": "The inference engine is not reachable."}}})
-    send(chat, "are you there?")
-    expect(chat.locator("#error")).to_contain_text("not reachable")
+    send(chat, "are you there?")                       # not sent: the page says why and keeps the message
+    expect(chat.locator("#error")).to_contain_text("the engine is not reachable")
+    assert sent_requests(chat) == [] and chat.input_value("#prompt") == "are you there?"
 
     # Back: the error that said so goes away by itself.
     engine.status = {"proxy": "ok", "engine": "ready"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -75,3 +76,34 @@ def test_engine_flag_writes_progress_before_torch_is_imported(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
     body = json.loads(status_file.read_text())
     assert body["phase"] == "starting" and body["progress"] == 0.0 and body["pid"] > 0
+
+
+def test_a_chat_request_while_the_engine_loads_says_loading_not_unreachable(tmp_path):
+    status_file = tmp_path / "engine-load.json"
+    status_file.write_text(json.dumps({"pid": os.getpid(), "phase": "loading weights", "progress": 0.3}))
+
+    async def run():
+        async with TestClient(TestServer(create_app(config(tmp_path, status_file)))) as client:
+            resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            return resp.status, await resp.json()
+    status, body = asyncio.run(run())
+    assert status == 503 and body["error"]["code"] == "engine_starting"
+    assert "loading the model (loading weights, 30%)" in body["error"]["message"]
+    assert "engine" not in body                   # the page's status fields only on /api/status
+
+
+def test_an_engine_that_started_but_does_not_answer_is_unresponsive(tmp_path):
+    import socket
+    status_file = tmp_path / "engine-load.json"
+    status_file.write_text(json.dumps({"pid": os.getpid(), "phase": "ready", "progress": 1.0}))
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)                                 # accepts connections, never answers
+    try:
+        cfg = config(tmp_path, status_file)
+        cfg = ProxyConfig(**{**cfg.__dict__, "engine_url": f"http://127.0.0.1:{hung.getsockname()[1]}",
+                             "health_timeout": 0.5})
+        status, body = get(cfg, "/api/status")
+    finally:
+        hung.close()
+    assert status == 200 and body["engine"] == "unresponsive" and body["error"]["code"] == "engine_unresponsive"
