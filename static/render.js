@@ -7,6 +7,7 @@
 // where they exist, else markdown.js: plain markdown, equally safe (model text only ever becomes text nodes
 // or sanitized markup). Raw HTML in an answer is always shown as text.
 import { renderMarkdown, safeLink, imageElement } from "./markdown.js";
+import { copyWithFeedback } from "./copy.js";
 
 const lib = { marked: null, purify: null, hljs: null, katex: null };
 
@@ -231,16 +232,8 @@ export class StreamRenderer {
 
 // Copy buttons of code blocks, for every rendered message (one listener on the conversation).
 export function handleCodeCopy(container) {
-  container.addEventListener("click", async (e) => {
+  container.addEventListener("click", (e) => {
     const button = e.target.closest(".code-block .copy");
-    if (!button) return;
-    const code = button.closest(".code-block").querySelector("pre");
-    try {
-      await navigator.clipboard.writeText(code.textContent);
-      button.textContent = "Copied";
-    } catch {
-      button.textContent = "Copy failed";
-    }
-    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+    if (button) copyWithFeedback(button, button.closest(".code-block").querySelector("pre").textContent);
   });
 }

@@ -68,14 +68,18 @@ def browser():
         b.close()
 
 
-def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=False):
+def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=False, auto_title=False):
     """(context, page, errors): errors collects uncaught exceptions and console errors, less those a test
-    expects (page.expected_errors: substrings, e.g. the browser's own line for an HTTP error the test causes)."""
+    expects (page.expected_errors: substrings, e.g. the browser's own line for an HTTP error the test causes).
+    auto_title: whether the page asks the model for chat titles (off unless a test is about it, so that the
+    chat requests a test scripts or counts are its own)."""
     context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, color_scheme=color_scheme,
                                   accept_downloads=True)
     context.grant_permissions(["clipboard-read", "clipboard-write"])
     if fake_stream:
         context.add_init_script(FAKE_STREAM)
+    if not auto_title:
+        context.add_init_script("localStorage.setItem('localchat.auto-title', 'off')")
     pg = context.new_page()
     errors: list[str] = []
     pg.expected_errors = []
