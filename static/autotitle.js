@@ -22,8 +22,9 @@ export function cleanTitle(text) {
   return title.length > 60 ? `${title.slice(0, 57)}…` : title;
 }
 
-// After a chat's first answer: asks for its title, then saves it, unless the user renamed the chat meanwhile.
-export async function titleChat(chat, { model, save }) {
+// After a chat's first answer: asks for its title and hands it to apply(title, fallback), which names the chat
+// unless it is no longer called by its first words (the user renamed it meanwhile).
+export async function titleChat(chat, { model, apply }) {
   const path = pathOf(chat);
   if (!autoTitleOn() || path.length !== 2 || path[1].role !== "assistant") return;
   const fallback = titleFrom(path[0].text);
@@ -41,10 +42,7 @@ export async function titleChat(chat, { model, save }) {
     });
     if (!resp.ok) return;
     const title = cleanTitle((await resp.json())?.choices?.[0]?.message?.content);
-    if (title && chat.title === fallback) {
-      chat.title = title;
-      await save(chat);
-    }
+    if (title) apply(title, fallback);
   } catch {
     // The first words stay the title.
   } finally {

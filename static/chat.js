@@ -29,8 +29,9 @@ const attachments = new Attachments({
   onError: (m) => showError(m),
 });
 const settings = new Settings({ onChange: () => chatSettings.capture() });
-const chatSettings = new ChatSettings({ current: () => app.chat, save: (chat) => save(chat), validate: () => settings.validate() });
-const tabSync = new TabSync({ store: app.store, saved: chatSavedElsewhere, deleted: (id) => chatDeletedElsewhere(id) });
+const chatSettings = new ChatSettings({ current: () => app.chat, save: (chat) => save(chat),
+                                       validate: () => settings.validate() });
+const tabSync = new TabSync({ store: app.store, saved: chatSavedElsewhere, deleted: chatDeletedElsewhere });
 const kvmap = new KVMap();
 const status = new StatusMonitor({
   onModel: (card) => {
@@ -130,6 +131,14 @@ function chatSavedElsewhere(stored) {
   renderConversation();
 }
 
+// A title the model wrote, for the chat as it is now (another tab may have replaced our copy meanwhile).
+function retitle(id, title, fallback) {
+  const chat = app.chats.find((c) => c.id === id);
+  if (chat?.title !== fallback) return;
+  chat.title = title;
+  save(chat);
+}
+
 function chatDeletedElsewhere(id) {
   app.chats = app.chats.filter((c) => c.id !== id);
   if (app.chat.id === id && !app.controller) openChat(null); else app.sidebar?.render();
@@ -204,7 +213,8 @@ async function send() {
     ui.prompt.focus();
   }
   await save(chat);
-  if (answered) titleChat(chat, { model: app.model, save });   // not awaited: the chat goes on meanwhile
+  // Not awaited: the chat goes on while the model thinks of a title.
+  if (answered) titleChat(chat, { model: app.model, apply: (title, fallback) => retitle(chat.id, title, fallback) });
 }
 
 // Streams a new answer to `user` (a question node), or more of the answer `continuing` (cut off: the model goes

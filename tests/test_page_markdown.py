@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from browser_helpers import browser, expect, script_replies, send  # noqa: F401
-from page_bench import answer_done, chat, open_page, page_proxy  # noqa: F401
+from browser_helpers import browser, expect, new_page, script_replies, send  # noqa: F401
+from page_bench import FakeEngine, answer_done, open_page, page_proxy  # noqa: F401
 from proxy.page import available_vendor
 from servers import REPO
 
@@ -16,20 +16,31 @@ RENDERERS = [pytest.param("marked", marks=pytest.mark.skipif(not HAS_MARKED, rea
              "builtin"]
 
 
-def render(chat, renderer, text, chunk=5):
+@pytest.fixture(scope="module", params=RENDERERS)
+def chat(request, browser, page_proxy):
+    """One page per renderer for the module's tests (each test answers in a new chat)."""
+    context, page, errors = new_page(browser, fake_stream=True)
+    page.engine = FakeEngine(page)
+    page.base_url = page_proxy.url
+    if request.param == "builtin":
+        page.engine.page_config = {"max_upload_bytes": 20 << 20, "vendor": []}
+    open_page(page)
+    expect(page.locator("html")).to_have_attribute("data-renderer", request.param)
+    yield page
+    context.close()
+    assert not errors, f"errors in the page: {errors}"
+
+
+def render(chat, text, chunk=5):
     """The answer's content element once `text` has streamed in, `chunk` characters at a time."""
-    if renderer == "builtin":
-        chat.engine.page_config = {"max_upload_bytes": 20 << 20, "vendor": []}
-    open_page(chat)
-    expect(chat.locator("html")).to_have_attribute("data-renderer", renderer)
+    chat.click("#new-chat")
     script_replies(chat, {"chunks": [text[i:i + chunk] for i in range(0, len(text), chunk)], "delayMs": 1})
     send(chat, "markdown")
     return answer_done(chat).locator(".content")
 
 
-@pytest.mark.parametrize("renderer", RENDERERS)
-def test_a_tight_nested_list_has_no_blank_lines(chat, renderer):
-    content = render(chat, renderer, "Steps:\n\n- one\n  - nested a\n  - nested b\n- two\n- three")
+def test_a_tight_nested_list_has_no_blank_lines(chat):
+    content = render(chat, "Steps:\n\n- one\n  - nested a\n  - nested b\n- two\n- three")
     expect(content.locator("ul")).to_have_count(2)
     expect(content.locator("ul > li > ul > li")).to_have_count(2)
     # Every item is one line high: five lines, no gap between an item and its nested list.
@@ -43,9 +54,8 @@ def test_a_tight_nested_list_has_no_blank_lines(chat, renderer):
     assert all(0.8 < g < 1.3 for g in gaps), f"line steps between items (in line heights): {gaps}"
 
 
-@pytest.mark.parametrize("renderer", RENDERERS)
-def test_a_loose_list_keeps_its_nesting_and_paragraphs(chat, renderer):
-    content = render(chat, renderer, "1. First\n\n   - sub a\n   - sub b\n\n2. Second\n\n   More about the second.\n\n"
+def test_a_loose_list_keeps_its_nesting_and_paragraphs(chat):
+    content = render(chat, "1. First\n\n   - sub a\n   - sub b\n\n2. Second\n\n   More about the second.\n\n"
                                      "3. Third\n\nAfter the list.")
     expect(content.locator("ol")).to_have_count(1)
     expect(content.locator("ol > li")).to_have_count(3)
@@ -54,10 +64,9 @@ def test_a_loose_list_keeps_its_nesting_and_paragraphs(chat, renderer):
     expect(content.locator("ol + p, .blk:last-child > p").last).to_have_text("After the list.")
 
 
-@pytest.mark.parametrize("renderer", RENDERERS)
 @pytest.mark.parametrize("blank", ["\n", ""], ids=["loose", "tight"])
-def test_a_code_block_inside_a_list_item_stays_in_the_list(chat, renderer, blank):
-    content = render(chat, renderer, f"1. Install it:\n{blank}   ```bash\n   pip install x\n\n   echo done\n   ```\n{blank}"
+def test_a_code_block_inside_a_list_item_stays_in_the_list(chat, blank):
+    content = render(chat, f"1. Install it:\n{blank}   ```bash\n   pip install x\n\n   echo done\n   ```\n{blank}"
                                      "2. Run it.")
     expect(content.locator("ol")).to_have_count(1)
     expect(content.locator("ol > li")).to_have_count(2)
@@ -66,9 +75,8 @@ def test_a_code_block_inside_a_list_item_stays_in_the_list(chat, renderer, blank
     expect(content.locator("ol > li").nth(1)).to_have_text("Run it.")
 
 
-@pytest.mark.parametrize("renderer", RENDERERS)
-def test_table_columns_keep_their_alignment(chat, renderer):
-    content = render(chat, renderer, "| Left | Center | Right | Plain |\n|:---|:---:|---:|---|\n| a | b | c | d |")
+def test_table_columns_keep_their_alignment(chat):
+    content = render(chat, "| Left | Center | Right | Plain |\n|:---|:---:|---:|---|\n| a | b | c | d |")
     aligns = chat.evaluate("""() => [...document.querySelectorAll('.msg.assistant table tr')]
         .map((tr) => [...tr.children].map((c) => getComputedStyle(c).textAlign))""")
     expect(content.locator("table td")).to_have_count(4)
