@@ -1,6 +1,7 @@
 // Generation settings per chat: the settings form shows the open chat's own values and every change is saved
 // with that chat; a new chat starts from the defaults, which "Use for new chats" sets to the form's values.
 import { FIELDS } from "./settings.js";
+import { el } from "./dom.js";
 
 const $ = (id) => document.getElementById(id);
 const IDS = [...Object.keys(FIELDS), "system-prompt", "stop-strings"];
@@ -19,16 +20,11 @@ export class ChatSettings {
   constructor(app) {
     this.app = app;
     this.defaults = storedDefaults() ?? snapshot();   // the first time: the settings the page kept until now
-    const row = document.createElement("div");
-    row.className = "settings-row chat-settings";
-    const note = document.createElement("span");
-    note.className = "note";
-    note.textContent = "These settings belong to this chat.";
-    const use = document.createElement("button");
+    const row = el("div", "settings-row chat-settings");
+    const note = el("span", "note", "These settings belong to this chat.");
+    const use = el("button", "ghost small", "Use for new chats");
     use.type = "button";
     use.id = "settings-as-default";
-    use.className = "ghost small";
-    use.textContent = "Use for new chats";
     use.addEventListener("click", () => {
       this.defaults = snapshot();
       localStorage.setItem(KEY, JSON.stringify(this.defaults));

@@ -1,6 +1,8 @@
 // Dates as the page shows them, in the browser's language: a short form next to a message or under a group of
 // chats, and the full date and time for a tooltip.
 
+import { el } from "./dom.js";
+
 const DAY = 86_400_000;
 
 function startOfDay(ms) {
@@ -35,10 +37,8 @@ export function dayGroup(ms, now = Date.now()) {
 }
 
 export function timeElement(ms, className) {
-  const t = document.createElement("time");
-  t.className = className;
+  const t = el("time", className, shortTime(ms));
   t.dateTime = new Date(ms).toISOString();
-  t.textContent = shortTime(ms);
   t.title = fullTime(ms);
   return t;
 }

@@ -3,6 +3,7 @@
 // render.js uses it, block by block, where the vendor libraries (marked, DOMPurify) are missing. The last block
 // is re-rendered at every streamed chunk, so it must accept half-written input: an unclosed code fence renders
 // as a code block, an unclosed ** stays literal until its closing ** arrives.
+import { el } from "./dom.js";
 
 const FENCE = /^\s*(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
@@ -10,13 +11,6 @@ const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
 const QUOTE = /^\s*>\s?(.*)$/;
 const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])(\s+)(.*)$/;
 const TABLE_SEP = /^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$/;
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 // ---- inline ---------------------------------------------------------------------------------------------
 // Tried at every position; the earliest match wins, ties go to the earlier rule (code before emphasis, so

@@ -5,13 +5,7 @@
 import { StreamRenderer } from "./render.js";
 import { siblingInfo } from "./conversation.js";
 import { timeElement } from "./dates.js";
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
+import { el } from "./dom.js";
 
 function button(action, label, text, title) {
   const b = el("button", `act act-${action}`, text);

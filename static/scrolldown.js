@@ -1,16 +1,15 @@
 // The "newest message" button: shown while the conversation is scrolled up from its end (an answer streaming
 // below what is read, or an old part of a long chat), it jumps back to the end.
 
+import { el } from "./dom.js";
+
 const NEAR = 120;   // px from the end that still count as "at the end"
 
 export function initScrollButton(messages) {
-  const holder = document.createElement("div");
-  holder.className = "scroll-down-holder";
-  const button = document.createElement("button");
+  const holder = el("div", "scroll-down-holder");
+  const button = el("button", "scroll-down", "↓");
   button.type = "button";
   button.id = "scroll-down";
-  button.className = "scroll-down";
-  button.textContent = "↓";
   button.title = "Scroll to the newest message";
   button.setAttribute("aria-label", button.title);
   button.hidden = true;

@@ -4,6 +4,7 @@ import { exportDocument, parseImport, pathOf } from "./conversation.js";
 import { dayGroup, fullTime } from "./dates.js";
 import { chatMarkdown } from "./export_md.js";
 import { initAutoTitleToggle } from "./autotitle.js";
+import { el } from "./dom.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -23,10 +24,8 @@ function slug(title) {
 }
 
 function groupHeading(text) {
-  const li = document.createElement("li");
-  li.className = "chat-group";
+  const li = el("li", "chat-group", text);
   li.setAttribute("role", "presentation");
-  li.textContent = text;
   return li;
 }
 
