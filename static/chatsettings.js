@@ -32,7 +32,8 @@ export class ChatSettings {
       setTimeout(() => { use.textContent = "Use for new chats"; }, 1500);
     });
     row.append(note, use);
-    $("settings").querySelector(".settings-body").prepend(row);
+    const body = $("settings").querySelector(".settings-body");
+    if (body) body.prepend(row); else $("settings").append(row);
     // Typed values belong to the chat at once; a finished change (or a preset) is saved with it.
     $("settings").addEventListener("input", (e) => { if (IDS.includes(e.target.id)) this.capture(false); });
   }
