@@ -3,7 +3,8 @@ JavaScript error or console error, and a fake chat stream inside the page for te
 
 The fake stream replaces window.fetch for /v1/chat/completions only (everything else goes to the real proxy):
 each request body is recorded in window.__chat.requests and answered with the next scripted reply, one SSE
-event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set.
+event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set
+(a whole reply {status, body} with `pauseAfter: 0`).
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ window.fetch = async (input, init = {}) => {
   if (!url.includes("/v1/chat/completions") || !window.__chat.replies.length) return realFetch(input, init);
   window.__chat.requests.push(JSON.parse(init.body));
   const reply = window.__chat.replies.shift();
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   if (reply.status) {
+    if (reply.pauseAfter === 0) while (!window.__chat.go) await sleep(20);
     return new Response(JSON.stringify(reply.body), { status: reply.status, headers: { "Content-Type": "application/json" } });
   }
   const enc = new TextEncoder();
   const event = (obj) => enc.encode(`data: ${JSON.stringify(obj)}\\n\\n`);
-  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const signal = init.signal;
   const stream = new ReadableStream({
     async start(controller) {
@@ -124,7 +126,7 @@ def delta(text):
 
 
 def script_replies(page, *replies):
-    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, error?, usage?} or {status, body}."""
+    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, error?, usage?} or {status, body, pauseAfter?}."""
     page.evaluate("(rs) => window.__chat.replies.push(...rs)", list(replies))
 
 

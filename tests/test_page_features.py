@@ -63,33 +63,43 @@ def titled(browser, page_proxy):
     assert not errors, f"errors in the page: {errors}"
 
 
-def title_reply(text):
+def title_reply(text, **extra):
     return {"status": 200, "body": {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                                 "finish_reason": "stop"}]}}
+                                                 "finish_reason": "stop"}]}, **extra}
 
 
-def test_the_model_titles_a_new_chat_once_and_can_be_told_not_to(titled):
+def test_the_model_titles_a_new_chat_once_without_holding_it_up(titled):
     page = titled
     open_page(page)
-    script_replies(page, {"chunks": ["Paris ", "is the capital."]}, title_reply('Title: "Capital of France."'))
-    send(page, "what is the capital of france? asking for a quiz")
+    question = "what is the capital of france? asking for a quiz"
+    script_replies(page, {"chunks": ["Paris ", "is the capital."]},
+                   title_reply('Title: "Capital of France."', pauseAfter=0))        # the title takes its time
+    send(page, question)
     answer_done(page)
-    expect(page.locator("#chat-list .chat-open")).to_have_text(["Capital of France"])
+    page.wait_for_function("window.__chat.requests.length === 2")
     title_request = sent_requests(page)[1]
     assert title_request["stream"] is False and title_request["max_tokens"] <= 32
-    assert "capital of france" in title_request["messages"][-1]["content"]
+    assert question in title_request["messages"][-1]["content"]
     assert "is the capital." in title_request["messages"][-1]["content"]
 
-    exchange(page, "And of Spain?", "Madrid.")       # only the first answer asks for a title
-    assert len(sent_requests(page)) == 3
+    exchange(page, "And of Spain?", "Madrid.")       # the chat goes on while the title is being written
+    expect(page.locator("#chat-list .chat-open")).to_have_text([question])
+    page.evaluate("window.__chat.go = true")
+    expect(page.locator("#chat-list .chat-open")).to_have_text(["Capital of France"])
+    assert len(sent_requests(page)) == 3              # only the first answer asks for a title
+    page.reload()
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
     expect(page.locator("#chat-list .chat-open")).to_have_text(["Capital of France"])
 
+
+def test_titles_by_the_model_can_be_switched_off(titled):
+    page = titled
+    open_page(page)
     page.uncheck("#auto-title")
-    page.click("#new-chat")
     exchange(page, "Second chat here", "Fine.")
     page.wait_for_timeout(300)
-    assert len(sent_requests(page)) == 4
-    expect(page.locator("#chat-list .chat-open").first).to_have_text("Second chat here")
+    assert len(sent_requests(page)) == 1
+    expect(page.locator("#chat-list .chat-open")).to_have_text(["Second chat here"])
     page.reload()
     expect(page.locator("body")).to_have_attribute("data-ready", "true")
     expect(page.locator("#auto-title")).not_to_be_checked()
