@@ -220,6 +220,8 @@ async function send() {
 // Streams a new answer to `user` (a question node), or more of the answer `continuing` (cut off: the model goes
 // on from its last word); true if any text came back.
 async function generate(chat, user, continuing = null) {
+  // The engine continues after the text without its trailing spaces (as transformers does): so does the page.
+  if (continuing) continuing.text = continuing.text.trimEnd();
   let request;
   try {
     request = requestBody([...pathOf(chat).slice(0, pathOf(chat).indexOf(continuing ?? user) + 1)]);

@@ -122,7 +122,7 @@ def test_a_failed_title_request_keeps_the_first_words(titled):
 # ---- continue, edit, copy --------------------------------------------------------------------------------------
 def test_an_answer_cut_off_by_max_tokens_can_be_continued(chat):
     open_page(chat)
-    script_replies(chat, {"chunks": ["Counting: one,", " two,"], "finish": "length"})
+    script_replies(chat, {"chunks": ["Counting: one,", " two, "], "finish": "length"})
     send(chat, "Count to three")
     answer = answer_done(chat)
     expect(answer.locator(".meta")).to_contain_text("max-tokens limit")
