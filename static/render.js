@@ -69,7 +69,7 @@ const LIST_ITEM = /^\s{0,3}([-*+]|\d{1,9}[.)])(\s|$)/;
 // A blank line ends a block, except inside a list: there the next line that is indented (the item goes on) or
 // is another item keeps the list one block, so its nesting, paragraphs and code stay inside it.
 function listGoesOn(block, line) {
-  return LIST_ITEM.test(block[0]) && (/^\s{2,}\S/.test(line) || LIST_ITEM.test(line));
+  return block.some((l) => LIST_ITEM.test(l)) && (/^\s{2,}\S/.test(line) || LIST_ITEM.test(line));
 }
 
 export function splitBlocks(text) {

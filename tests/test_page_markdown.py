@@ -55,8 +55,8 @@ def test_a_tight_nested_list_has_no_blank_lines(chat):
 
 
 def test_a_loose_list_keeps_its_nesting_and_paragraphs(chat):
-    content = render(chat, "1. First\n\n   - sub a\n   - sub b\n\n2. Second\n\n   More about the second.\n\n"
-                                     "3. Third\n\nAfter the list.")
+    content = render(chat, "Steps:\n1. First\n\n   - sub a\n   - sub b\n\n2. Second\n\n   More about the second.\n\n"
+                           "3. Third\n\nAfter the list.")
     expect(content.locator("ol")).to_have_count(1)
     expect(content.locator("ol > li")).to_have_count(3)
     expect(content.locator("ol > li").nth(0).locator("ul > li")).to_have_text(["sub a", "sub b"])
