@@ -36,6 +36,7 @@ export async function titleChat(chat, { model, apply }) {
       method: "POST", headers: { "Content-Type": "application/json" }, signal: controller.signal,
       body: JSON.stringify({
         ...(model ? { model } : {}), stream: false, max_tokens: 24, temperature: 0.3,
+        chat_template_kwargs: { enable_thinking: false },     // a hybrid thinking model answers at once
         messages: [{ role: "system", content: PROMPT },
                    { role: "user", content: `Question: ${path[0].text.slice(0, 2000)}\n\nAnswer: ${path[1].text.slice(0, 2000)}` }],
       }),

@@ -79,6 +79,7 @@ def test_the_model_titles_a_new_chat_once_without_holding_it_up(titled):
     page.wait_for_function("window.__chat.requests.length === 2")
     title_request = sent_requests(page)[1]
     assert title_request["stream"] is False and title_request["max_tokens"] <= 32
+    assert title_request["chat_template_kwargs"] == {"enable_thinking": False}
     assert question in title_request["messages"][-1]["content"]
     assert "is the capital." in title_request["messages"][-1]["content"]
 
