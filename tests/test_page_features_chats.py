@@ -93,8 +93,8 @@ def test_chats_are_grouped_by_day_and_pinned_ones_stay_on_top(chat, tmp_path):
     assert list_rows(chat) == [
         "Today", "Today's question", "Yesterday", "Yesterday's chat", "Previous 7 days", "Last week",
         long_ago.strftime("%B %Y"), "Long ago"]
-    assert chat.locator(".chat-open", has_text="Long ago").get_attribute("title").endswith(
-        f"{long_ago.strftime('%B')} {long_ago.day}, {long_ago.year} at 12:00 PM")
+    tooltip = chat.locator(".chat-open", has_text="Long ago").get_attribute("title").replace("\u202f", " ")
+    assert tooltip.endswith(f"{long_ago.strftime('%B')} {long_ago.day}, {long_ago.year} at 12:00 PM")
 
     # Dates on messages: the time today, the date for older ones, the full date on hover.
     stamp = chat.locator(".msg.user .msg-time")
