@@ -13,6 +13,11 @@ import { Drafts } from "./drafts.js";
 import { showContextMeter } from "./meter.js";
 import { initShell } from "./shell.js";
 import { KVMap } from "./kvmap.js";
+import { ChatSettings } from "./chatsettings.js";
+import { TabSync } from "./tabsync.js";
+import { titleChat } from "./autotitle.js";
+import { initScrollButton } from "./scrolldown.js";
+import { copyWithFeedback } from "./copy.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
@@ -30,7 +35,10 @@ const attachments = new Attachments({
   onChange: () => app.drafts.keep(),
 });
 app.drafts = new Drafts({ prompt: ui.prompt, attachments, resize: () => autoresize() });
-const settings = new Settings({});
+const settings = new Settings({ onChange: () => chatSettings.capture() });
+const chatSettings = new ChatSettings({ current: () => app.chat, save: (chat) => save(chat),
+                                       validate: () => settings.validate() });
+const tabSync = new TabSync({ store: app.store, saved: chatSavedElsewhere, deleted: chatDeletedElsewhere });
 const kvmap = new KVMap();
 const status = new StatusMonitor({
   onModel: (card) => {
@@ -124,7 +132,33 @@ async function save(chat = app.chat) {
     app.sidebar.render();
     const merged = await app.store.put(chat);       // another tab's turns in this chat come in, none is lost
     if (merged && chat === app.chat && !app.controller) renderConversation();
-  } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); }
+  } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); return; }
+  tabSync.saved(chat);
+}
+
+// Another tab saved this chat: its stored copy replaces ours, unless an answer is streaming into ours here.
+function chatSavedElsewhere(stored) {
+  if (app.controller && app.chat.id === stored.id) return;
+  const i = app.chats.findIndex((c) => c.id === stored.id);
+  if (i >= 0) app.chats[i] = stored; else app.chats.push(stored);
+  app.chats.sort((a, b) => b.updated - a.updated);
+  if (app.chat.id !== stored.id) { app.sidebar?.render(); return; }
+  app.chat = stored;
+  chatSettings.show(stored);
+  renderConversation();
+}
+
+// A title the model wrote, for the chat as it is now (another tab may have replaced our copy meanwhile).
+function retitle(id, title, fallback) {
+  const chat = app.chats.find((c) => c.id === id);
+  if (chat?.title !== fallback) return;
+  chat.title = title;
+  save(chat);
+}
+
+function chatDeletedElsewhere(id) {
+  app.chats = app.chats.filter((c) => c.id !== id);
+  if (app.chat.id === id && !app.controller) openChat(null); else app.sidebar?.render();
 }
 
 // Another tab may have added turns to this chat: they are merged in when this tab is looked at again and when
@@ -150,6 +184,7 @@ function openChat(id, { replaceDraft = true } = {}) {
   // A new chat keeps the id it was opened with, so that its draft is found again after a reload.
   app.chat = app.chats.find((c) => c.id === id) || Object.assign(newChat(), id ? { id } : {});
   localStorage.setItem("localchat.chat", app.chat.id);
+  chatSettings.show(app.chat);
   hideError();
   renderConversation();
   app.drafts.load(app.chat.id, { replace: replaceDraft });   // switching chats swaps the drafts
@@ -228,21 +263,29 @@ async function send() {
     ui.prompt.focus();
   }
   await save(chat);
+  // Not awaited: the chat goes on while the model thinks of a title.
+  if (answered) titleChat(chat, { model: app.model, apply: (title, fallback) => retitle(chat.id, title, fallback) });
 }
 
-// Streams a new answer to `user` (a question node); true if any text came back.
-async function generate(chat, user) {
+// Streams a new answer to `user` (a question node), or more of the answer `continuing` (cut off: the model goes
+// on from its last word); true if any text came back.
+async function generate(chat, user, continuing = null) {
+  // The engine continues after the text without its trailing spaces (as transformers does): so does the page.
+  if (continuing) continuing.text = continuing.text.trimEnd();
   let request;
   try {
-    request = requestBody([...pathOf(chat).slice(0, pathOf(chat).indexOf(user) + 1)]);
+    request = requestBody([...pathOf(chat).slice(0, pathOf(chat).indexOf(continuing ?? user) + 1)]);
   } catch (err) {
     showError(err.message);
     return false;
   }
   noteDropped(request.dropped);
-  const node = addChild(chat, user.id, { role: "assistant", text: "", status: "streaming" });
+  if (continuing) Object.assign(request.body, { add_generation_prompt: false, continue_final_message: true });
+  const node = continuing ?? addChild(chat, user.id, { role: "assistant", text: "", status: "streaming" });
+  const earlierTokens = continuing ? (node.meta.tokens || 0) : 0;
   const box = messageElement(chat, node, { streaming: true });
-  ui.messages.querySelector(`[data-id="${user.id}"]`)?.after(box);
+  if (continuing) ui.messages.querySelector(`[data-id="${node.id}"]`)?.replaceWith(box);
+  else ui.messages.querySelector(`[data-id="${user.id}"]`)?.after(box);
   $("empty-state")?.remove();
   scrollToEnd();
 
@@ -311,7 +354,7 @@ async function generate(chat, user) {
     if (app.controller === controller) app.controller = null;
     setBusy(false);
   }
-  if (!node.text) {
+  if (!node.text) {   // (a continued answer always has its earlier text)
     removeMessage(chat, node.id);
     box.remove();
     if (app.chat === chat) renderConversation();
@@ -319,7 +362,8 @@ async function generate(chat, user) {
   }
   const tokens = usage?.completion_tokens ?? chunks;
   Object.assign(node.meta, {
-    ttftMs: tFirst === null ? null : Math.round(tFirst - t0), tokens, finish, promptTokens: usage?.prompt_tokens ?? null,
+    ttftMs: tFirst === null ? null : Math.round(tFirst - t0), tokens: earlierTokens + tokens, finish,
+    promptTokens: usage?.prompt_tokens ?? null,
     rate: tFirst !== null && tLast - tFirst >= MIN_RATE_SPAN_MS && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
   });
   chat.updated = Date.now();
@@ -346,12 +390,12 @@ function stop() {
 }
 
 // ---- message actions ----------------------------------------------------------------------------------------
-async function onAction(action, id) {
+async function onAction(action, id, button) {
   const chat = app.chat;
   const node = chat.nodes[id];
   if (!node) return;
   if (action === "copy") {
-    try { await navigator.clipboard.writeText(node.text); } catch { showError("Copying needs clipboard access."); }
+    if (!(await copyWithFeedback(button, node.text))) showError("Copying needs clipboard access.");
     return;
   }
   if (action === "prev" || action === "next") {
@@ -374,6 +418,17 @@ async function onAction(action, id) {
     renderConversationUpTo(chat.nodes[node.parent]);
     await generate(chat, chat.nodes[node.parent]);   // the answer's element is finished in place (a selection stays)
     await save(chat);
+  } else if (action === "continue") {
+    hideError();
+    await generate(chat, chat.nodes[node.parent], node);
+    await save(chat);
+  } else if (action === "edit" && node.role === "assistant") {
+    // An edited answer is a new version of it (the model's own stays one click away).
+    const text = await editInPlace(ui.messages.querySelector(`[data-id="${id}"]`), node, { submit: "Save" });
+    if (text === null || text === node.text) return;
+    addChild(chat, node.parent, { role: "assistant", text, meta: { edited: true } });
+    renderConversation();
+    await save(chat);
   } else if (action === "edit") {
     const box = ui.messages.querySelector(`[data-id="${id}"]`);
     const text = await editInPlace(box, node);
@@ -395,9 +450,10 @@ function renderConversationUpTo(user) {
 
 ui.messages.addEventListener("click", (e) => {
   const b = e.target.closest(".actions button[data-action]");
-  if (b) onAction(b.dataset.action, b.closest(".msg").dataset.id);
+  if (b) onAction(b.dataset.action, b.closest(".msg").dataset.id, b);
 });
 handleCodeCopy(ui.messages);
+initScrollButton(ui.messages);
 
 // ---- composer -----------------------------------------------------------------------------------------------
 function autoresize() {
@@ -439,8 +495,10 @@ async function start() {
       app.chats = app.chats.filter((c) => c.id !== id);
       await app.store.delete(id);
       await app.drafts.clear(id);
+      tabSync.deleted(id);
       if (app.chat.id === id) openChat(null); else app.sidebar.render();
     },
+    save: (chat) => save(chat),
     importChats: async (list) => { for (const c of list) await save(c); openChat(list[0]?.id ?? app.chat.id); },
   });
   if (!app.store.persistent) $("chat-empty").dataset.note = "Chats cannot be saved in this browser window.";

@@ -16,11 +16,14 @@ export function newChat() {
 }
 
 // A node: {id, parent, role: "user" | "assistant", text, images: [{url, name, width, height}], children, sel,
-//          status: "done" | "stopped" | "error", meta: {ttftMs, tokens, rate, finish, promptTokens, note}}
+//          status: "done" | "stopped" | "error", time (ms since the epoch, when it was written),
+//          meta: {ttftMs, tokens, rate, finish, promptTokens, note, edited}}
+// A chat may also carry `pinned` (kept at the top of the list) and `settings` (its own generation settings,
+// form field id -> value: chatsettings.js).
 export function addChild(chat, parentId, fields) {
   const parent = chat.nodes[parentId];
   const node = { id: uid(), parent: parentId, role: "user", text: "", images: [], children: [], sel: 0,
-                 status: "done", meta: {}, ...fields };
+                 status: "done", time: Date.now(), meta: {}, ...fields };
   chat.nodes[node.id] = node;
   parent.children.push(node.id);
   parent.sel = parent.children.length - 1;
@@ -138,7 +141,9 @@ export function parseImport(doc) {
       n.sel = Number.isInteger(n.sel) ? n.sel : 0;
     }
     const now = Date.now();
+    const settings = chat.settings && typeof chat.settings === "object"
+      ? Object.fromEntries(Object.entries(chat.settings).filter(([, v]) => typeof v === "string")) : undefined;
     return { id: uid(), title: String(chat.title || ""), created: Number(chat.created) || now,
-             updated: Number(chat.updated) || now, nodes };
+             updated: Number(chat.updated) || now, nodes, pinned: chat.pinned === true, settings };
   });
 }

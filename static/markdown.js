@@ -3,20 +3,14 @@
 // render.js uses it, block by block, where the vendor libraries (marked, DOMPurify) are missing. The last block
 // is re-rendered at every streamed chunk, so it must accept half-written input: an unclosed code fence renders
 // as a code block, an unclosed ** stays literal until its closing ** arrives.
+import { el } from "./dom.js";
 
 const FENCE = /^\s*(`{3,}|~{3,})\s*([\w+#.-]*)\s*$/;
 const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
 const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
 const QUOTE = /^\s*>\s?(.*)$/;
-const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])(\s+)(.*)$/;
 const TABLE_SEP = /^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$/;
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 // ---- inline ---------------------------------------------------------------------------------------------
 // Tried at every position; the earliest match wins, ties go to the earlier rule (code before emphasis, so
@@ -128,51 +122,85 @@ function splitRow(line) {
   return line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => c.trim());
 }
 
-function table(header, rows) {
+// ":--" left, ":-:" center, "--:" right, "--" as the page's default.
+function alignments(separator) {
+  return splitRow(separator).map((c) => (c.endsWith(":") ? (c.startsWith(":") ? "center" : "right")
+                                         : c.startsWith(":") ? "left" : ""));
+}
+
+function tableRow(line, tag, align) {
+  const tr = el("tr");
+  for (const [i, cell] of splitRow(line).entries()) {
+    const node = el(tag);
+    if (align[i]) node.setAttribute("align", align[i]);   // the same markup as marked's; chat.css aligns by it
+    node.append(renderInline(cell));
+    tr.append(node);
+  }
+  return tr;
+}
+
+function table(header, separator, rows) {
+  const align = alignments(separator);
   const t = el("table");
   const head = el("thead");
-  const tr = el("tr");
-  for (const cell of splitRow(header)) { const th = el("th"); th.append(renderInline(cell)); tr.append(th); }
-  head.append(tr);
+  head.append(tableRow(header, "th", align));
   const body = el("tbody");
-  for (const row of rows) {
-    const r = el("tr");
-    for (const cell of splitRow(row)) { const td = el("td"); td.append(renderInline(cell)); r.append(td); }
-    body.append(r);
-  }
+  for (const row of rows) body.append(tableRow(row, "td", align));
   t.append(head, body);
   const scroller = el("div", "table-wrap");
   scroller.append(t);
   return scroller;
 }
 
-// Parses list items starting at lines[i] with indentation >= indent; deeper items nest in the previous <li>.
-function list(lines, i, indent) {
+const indentOf = (line) => line.length - line.trimStart().length;
+
+// The lines of one list item from lines[i] on, its content's indentation removed: lines indented to the item's
+// text belong to it (blank lines too, while more of it follows), and so does a paragraph's unindented
+// continuation. Returns [lines, next index, whether it holds a blank line outside code].
+function itemLines(lines, i) {
+  const m = ITEM.exec(lines[i]);
+  const column = m[1].length + m[2].length + (m[3].length > 4 ? 1 : m[3].length);
+  const body = [m[4]];
+  let fence = null;
+  let blankInside = false;
+  for (i++; i < lines.length; i++) {
+    const line = lines[i];
+    if (!line.trim()) { body.push(""); continue; }
+    const lazy = body[body.length - 1] !== "" && !fence && !isBlockStart(line.trimStart(), lines[i + 1]);
+    if (indentOf(line) < column && !lazy) break;
+    if (body[body.length - 1] === "" && !fence) blankInside = true;
+    const own = indentOf(line) >= column ? line.slice(column) : line.trim();
+    const f = FENCE.exec(own);
+    if (f) fence = fence ? (f[1][0] === fence[0] && !f[2] ? null : fence) : f[1];
+    body.push(own);
+  }
+  while (body.length > 1 && body[body.length - 1] === "") body.pop();
+  return [body, i, blankInside];
+}
+
+// One list: each item's lines rendered as blocks of their own, so nested lists, paragraphs and code stay in the
+// item. A list with blank lines between or inside its items is loose (its paragraphs keep their margins).
+function list(lines, i) {
   const first = ITEM.exec(lines[i]);
   const ordered = /\d/.test(first[2]);
+  const kind = first[2].slice(-1);            // "-", "*", "+", "." or ")": another one starts another list
   const node = el(ordered ? "ol" : "ul");
   if (ordered && parseInt(first[2], 10) !== 1) node.start = parseInt(first[2], 10);
-  let li = null;
-  while (i < lines.length) {
-    const line = lines[i];
-    const m = ITEM.exec(line);
-    const lead = line.length - line.trimStart().length;
-    if (m && lead >= indent + 2 && li) {
-      const [child, next] = list(lines, i, lead);
-      li.append(child);
-      i = next;
-    } else if (m && lead >= indent && /\d/.test(m[2]) === ordered) {
-      li = el("li");
-      li.append(renderInline(m[3]));
-      node.append(li);
-      i++;
-    } else if (!m && line.trim() && lead > indent && li) {
-      li.append(document.createTextNode("\n"), renderInline(line.trim()));  // continuation line
-      i++;
-    } else {
-      break;
-    }
+  let loose = false;
+  for (;;) {
+    const [body, next, blankInside] = itemLines(lines, i);
+    const li = el("li");
+    li.append(renderMarkdown(body.join("\n")));
+    node.append(li);
+    loose ||= blankInside;
+    let j = next;
+    while (j < lines.length && !lines[j].trim()) j++;
+    const m = j < lines.length ? ITEM.exec(lines[j]) : null;
+    if (!m || m[2].slice(-1) !== kind || RULE.test(lines[j])) { i = next; break; }
+    loose ||= !lines[j - 1].trim();     // a blank line between items
+    i = j;
   }
+  if (!loose) node.classList.add("tight");
   return [node, i];
 }
 
@@ -183,7 +211,7 @@ function isBlockStart(line, next) {
 
 export function renderMarkdown(src) {
   const frag = document.createDocumentFragment();
-  const lines = src.replace(/\r\n?/g, "\n").split("\n");
+  const lines = src.replace(/\r\n?/g, "\n").replace(/^\t+/gm, (tabs) => "    ".repeat(tabs.length)).split("\n");
   let i = 0;
   while (i < lines.length) {
     const line = lines[i];
@@ -211,15 +239,15 @@ export function renderMarkdown(src) {
       q.append(renderMarkdown(inner.join("\n")));
       frag.append(q);
     } else if (ITEM.test(line)) {
-      const [node, next] = list(lines, i, line.length - line.trimStart().length);
+      const [node, next] = list(lines, i);
       frag.append(node);
       i = next;
     } else if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1])) {
-      const header = line;
+      const [header, separator] = [line, lines[i + 1]];
       const rows = [];
       i += 2;
       while (i < lines.length && lines[i].includes("|") && lines[i].trim()) rows.push(lines[i++]);
-      frag.append(table(header, rows));
+      frag.append(table(header, separator, rows));
     } else {
       const para = [];
       while (i < lines.length && lines[i].trim() && !(para.length && isBlockStart(lines[i], lines[i + 1]))) {

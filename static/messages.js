@@ -1,15 +1,11 @@
 // Message elements: the content (user text as typed, answers rendered block by block), the speed line, and
-// the actions under each message: copy, regenerate (answers, with ‹ 2/3 › between versions), edit (questions,
-// resent as a new branch), delete, retry after an error. The actions call back into chat.js by name.
+// the actions under each message: its time, copy, regenerate (answers, with ‹ 2/3 › between versions), edit
+// (questions: resent as a new branch; answers: saved as a new version), continue (an answer cut off by the
+// max-tokens limit or Stop), delete, retry after an error. The actions call back into chat.js by name.
 import { StreamRenderer } from "./render.js";
 import { siblingInfo } from "./conversation.js";
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
+import { timeElement } from "./dates.js";
+import { el } from "./dom.js";
 
 function button(action, label, text, title) {
   const b = el("button", `act act-${action}`, text);
@@ -34,6 +30,7 @@ function metaText(node) {
   if (node.status === "stopped") text += " · stopped";
   else if (node.status === "error") text += " · incomplete";
   else if (m.finish === "length") text += " · hit the max-tokens limit";
+  if (m.edited) text += " · edited";
   if (m.note) text += ` · ${m.note}`;
   return text.replace(/^ · /, "");
 }
@@ -92,6 +89,7 @@ export function finishElement(chat, box, node) {
 
 function actionsElement(chat, node) {
   const bar = el("div", "actions");
+  if (node.time) bar.append(timeElement(node.time, "msg-time"));
   const { index, count } = siblingInfo(chat, node.id);
   if (count > 1) {
     const nav = el("span", "versions");
@@ -107,6 +105,10 @@ function actionsElement(chat, node) {
   // A question left without an answer (the page was closed while it streamed): ask for one.
   if (node.role === "user" && !node.children.length) bar.append(button("answer", "Answer this message", "Answer"));
   if (node.role === "assistant") {
+    if (node.status === "stopped" || node.meta?.finish === "length") {
+      bar.append(button("continue", "Continue this answer from where it stopped", "Continue"));
+    }
+    bar.append(button("edit", "Edit this answer (kept as a new version)", "Edit"));
     bar.append(node.status === "error" ? button("retry", "Retry this answer", "Retry")
                                        : button("regenerate", "Regenerate this answer", "Regenerate"));
   }
@@ -114,17 +116,17 @@ function actionsElement(chat, node) {
   return bar;
 }
 
-// The editor that replaces a question's content while it is edited; resolves with the new text or null.
-export function editInPlace(box, node) {
+// The editor that replaces a message's content while it is edited; resolves with the new text or null.
+export function editInPlace(box, node, { submit = "Send" } = {}) {
   return new Promise((resolve) => {
     const content = box.querySelector(".content");
     const actions = box.querySelector(".actions");
     const form = el("form", "edit-form");
     const area = el("textarea", "edit-text");
     area.value = node.text;
-    area.rows = Math.min(10, Math.max(2, node.text.split("\n").length));
+    area.rows = Math.min(node.role === "assistant" ? 20 : 10, Math.max(2, node.text.split("\n").length));
     area.setAttribute("aria-label", "Edit message");
-    const save = el("button", "primary", "Send");
+    const save = el("button", "primary", submit);
     save.type = "submit";
     const cancel = el("button", "ghost", "Cancel");
     cancel.type = "button";

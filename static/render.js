@@ -7,6 +7,7 @@
 // where they exist, else markdown.js: plain markdown, equally safe (model text only ever becomes text nodes
 // or sanitized markup). Raw HTML in an answer is always shown as text.
 import { renderMarkdown, safeLink, imageElement } from "./markdown.js";
+import { copyWithFeedback } from "./copy.js";
 
 const lib = { marked: null, purify: null, hljs: null, katex: null };
 
@@ -61,24 +62,36 @@ function configureMarked(marked) {
 }
 
 // ---- blocks ---------------------------------------------------------------------------------------------
-const FENCE = /^\s{0,3}(`{3,}|~{3,})/;
+// A fence may be indented as far as it likes: inside a list item it carries the item's indentation.
+const FENCE = /^\s*(`{3,}|~{3,})/;
+const LIST_ITEM = /^\s{0,3}([-*+]|\d{1,9}[.)])(\s|$)/;
+
+// A blank line ends a block, except inside a list: there the next line that is indented (the item goes on) or
+// is another item keeps the list one block, so its nesting, paragraphs and code stay inside it.
+function listGoesOn(block, line) {
+  return block.some((l) => LIST_ITEM.test(l)) && (/^\s{2,}\S/.test(line) || LIST_ITEM.test(line));
+}
 
 export function splitBlocks(text) {
   const blocks = [];
   let current = [];
+  let blanks = 0;     // blank lines seen after `current`, not yet known to end it
   let fence = null;
   let math = false;
   for (const line of text.replace(/\r\n?/g, "\n").split("\n")) {
     const f = FENCE.exec(line);
+    if (!fence && !math && !line.trim()) { if (current.length) blanks++; continue; }
+    if (blanks) {
+      if (!fence && !math && !listGoesOn(current, line)) { blocks.push(current.join("\n")); current = []; }
+      else current.push(...Array(blanks).fill(""));
+      blanks = 0;
+    }
     if (fence) {
       if (f && f[1][0] === fence[0] && f[1].length >= fence.length && !line.trim().slice(f[1].length)) fence = null;
     } else if (f) {
       fence = f[1];
     } else if ((line.match(/\$\$/g) || []).length % 2 === 1) {
       math = !math;
-    } else if (!math && !line.trim()) {
-      if (current.length) { blocks.push(current.join("\n")); current = []; }
-      continue;
     }
     current.push(line);
   }
@@ -219,16 +232,8 @@ export class StreamRenderer {
 
 // Copy buttons of code blocks, for every rendered message (one listener on the conversation).
 export function handleCodeCopy(container) {
-  container.addEventListener("click", async (e) => {
+  container.addEventListener("click", (e) => {
     const button = e.target.closest(".code-block .copy");
-    if (!button) return;
-    const code = button.closest(".code-block").querySelector("pre");
-    try {
-      await navigator.clipboard.writeText(code.textContent);
-      button.textContent = "Copied";
-    } catch {
-      button.textContent = "Copy failed";
-    }
-    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+    if (button) copyWithFeedback(button, button.closest(".code-block").querySelector("pre").textContent);
   });
 }

@@ -1,10 +1,15 @@
-// The list of saved chats: new, open, search, rename, delete (asks once more), export one or all, import.
+// The list of saved chats, pinned ones first, the rest under the day they were last written (Today, Yesterday…):
+// new, open, search, pin, rename, delete (asks once more), export one (JSON or Markdown) or all, import.
 import { exportDocument, parseImport, pathOf } from "./conversation.js";
+import { dayGroup, fullTime } from "./dates.js";
+import { chatMarkdown } from "./export_md.js";
+import { initAutoTitleToggle } from "./autotitle.js";
+import { el } from "./dom.js";
 
 const $ = (id) => document.getElementById(id);
 
-function download(name, doc) {
-  const url = URL.createObjectURL(new Blob([JSON.stringify(doc, null, 1)], { type: "application/json" }));
+function download(name, text, type = "application/json") {
+  const url = URL.createObjectURL(new Blob([text], { type }));
   const a = document.createElement("a");
   a.href = url;
   a.download = name;
@@ -18,8 +23,18 @@ function slug(title) {
   return (title || "chat").toLowerCase().replace(/[^\p{L}\p{N}]+/gu, "-").replace(/^-|-$/g, "").slice(0, 40) || "chat";
 }
 
+function groupHeading(text) {
+  const li = el("li", "chat-group", text);
+  li.setAttribute("role", "presentation");
+  return li;
+}
+
+const TOOLS = [["pin", "☆", "Pin"], ["rename", "✎", "Rename"], ["export", "⇩", "Export as JSON"],
+               ["markdown", "M↓", "Export as Markdown"], ["delete", "✕", "Delete"]];
+
 export class Sidebar {
-  // app: {chats(), current(), open(id), newChat(), rename(id, title), remove(id), importChats(list), error(msg)}
+  // app: {chats(), current(), open(id), newChat(), rename(id, title), remove(id), importChats(list), error(msg),
+  //       save(chat)}
   constructor(app) {
     this.app = app;
     this.list = $("chat-list");
@@ -29,6 +44,7 @@ export class Sidebar {
     $("import-chats").addEventListener("click", () => $("import-file").click());
     $("import-file").addEventListener("change", () => this.importFile());
     this.list.addEventListener("click", (e) => this.onClick(e));
+    initAutoTitleToggle($("auto-title"));
   }
 
   render() {
@@ -36,35 +52,45 @@ export class Sidebar {
     const current = this.app.current();
     const items = this.app.chats().filter((chat) => !query || chat.title.toLowerCase().includes(query)
       || pathOf(chat).some((n) => n.text.toLowerCase().includes(query)));
-    this.list.replaceChildren(...items.map((chat) => {
-      const li = document.createElement("li");
-      li.className = "chat-item";
-      li.dataset.id = chat.id;
-      if (current && chat.id === current.id) li.setAttribute("aria-current", "true");
-      const open = document.createElement("button");
-      open.type = "button";
-      open.className = "chat-open";
-      open.dataset.action = "open";
-      open.textContent = chat.title || "Untitled chat";
-      open.title = chat.title;
-      const tools = document.createElement("span");
-      tools.className = "chat-tools";
-      for (const [action, text, label] of [["rename", "✎", "Rename"], ["export", "⇩", "Export as JSON"],
-                                           ["delete", "✕", "Delete"]]) {
-        const b = document.createElement("button");
-        b.type = "button";
-        b.className = `chat-${action}`;
-        b.dataset.action = action;
-        b.textContent = text;
-        b.title = `${label} “${chat.title || "Untitled chat"}”`;
-        b.setAttribute("aria-label", b.title);
-        tools.append(b);
-      }
-      li.append(open, tools);
-      return li;
+    const ordered = [...items.filter((c) => c.pinned), ...items.filter((c) => !c.pinned)];   // a stable sort
+    let group = null;
+    this.list.replaceChildren(...ordered.flatMap((chat) => {
+      const heading = chat.pinned ? "Pinned" : dayGroup(chat.updated);
+      const before = heading === group ? [] : [groupHeading(heading)];
+      group = heading;
+      return [...before, this.item(chat, current)];
     }));
     $("chat-empty").hidden = items.length > 0;
     $("chat-empty").textContent = query ? "No chat matches." : "Chats you start are kept in this browser.";
+  }
+
+  item(chat, current) {
+    const li = document.createElement("li");
+    li.className = "chat-item";
+    li.dataset.id = chat.id;
+    if (current && chat.id === current.id) li.setAttribute("aria-current", "true");
+    const open = document.createElement("button");
+    open.type = "button";
+    open.className = "chat-open";
+    open.dataset.action = "open";
+    open.textContent = chat.title || "Untitled chat";
+    open.title = `${chat.title}\n${fullTime(chat.updated)}`;
+    const tools = document.createElement("span");
+    tools.className = "chat-tools";
+    for (const [action, text, label] of TOOLS) {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = `chat-${action}`;
+      b.dataset.action = action;
+      b.textContent = action === "pin" && chat.pinned ? "★" : text;
+      b.title = `${action === "pin" && chat.pinned ? "Unpin" : label} “${chat.title || "Untitled chat"}”`;
+      b.setAttribute("aria-label", b.title);
+      if (action === "pin") b.setAttribute("aria-pressed", String(Boolean(chat.pinned)));
+      tools.append(b);
+    }
+    if (chat.pinned) li.classList.add("pinned");
+    li.append(open, tools);
+    return li;
   }
 
   onClick(e) {
@@ -75,7 +101,9 @@ export class Sidebar {
     if (!chat) return;
     const action = b.dataset.action;
     if (action === "open") this.app.open(chat.id);
-    else if (action === "export") download(`${slug(chat.title)}.localchat.json`, exportDocument([chat]));
+    else if (action === "export") download(`${slug(chat.title)}.localchat.json`, JSON.stringify(exportDocument([chat]), null, 1));
+    else if (action === "markdown") download(`${slug(chat.title)}.md`, chatMarkdown(chat), "text/markdown");
+    else if (action === "pin") { chat.pinned = !chat.pinned; this.app.save(chat); }
     else if (action === "rename") this.rename(li, chat);
     else if (action === "delete") {
       // A second click within a few seconds confirms; nothing modal.
@@ -111,7 +139,7 @@ export class Sidebar {
 
   exportAll() {
     const stamp = new Date().toISOString().slice(0, 10);
-    download(`localchat-${stamp}.json`, exportDocument(this.app.chats()));
+    download(`localchat-${stamp}.json`, JSON.stringify(exportDocument(this.app.chats()), null, 1));
   }
 
   async importFile() {

@@ -3,10 +3,11 @@ JavaScript error or console error, and a fake chat stream inside the page for te
 
 The fake stream replaces window.fetch for /v1/chat/completions only (everything else goes to the real proxy):
 each request body is recorded in window.__chat.requests and answered with the next scripted reply, one SSE
-event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set;
-`bursts: k` sends the chunks in k network reads instead (several events each, as a buffering network does);
-`drop: true` breaks the connection after the chunks (the browser's TypeError). A request that asks for
-stream_options.continuous_usage_stats gets the running usage in every chunk, as the engine sends it.
+event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set
+(a whole reply {status, body} with `pauseAfter: 0`); `bursts: k` sends the chunks in k network reads instead
+(several events each, as a buffering network does); `drop: true` breaks the connection after the chunks (the
+browser's TypeError). A request that asks for stream_options.continuous_usage_stats gets the running usage in
+every chunk, as the engine sends it.
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ window.fetch = async (input, init = {}) => {
   const request = JSON.parse(init.body);
   window.__chat.requests.push(request);
   const reply = window.__chat.replies.shift();
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   if (reply.status) {
+    if (reply.pauseAfter === 0) while (!window.__chat.go) await sleep(20);
     return new Response(JSON.stringify(reply.body), { status: reply.status, headers: { "Content-Type": "application/json" } });
   }
   const enc = new TextEncoder();
   const event = (obj) => enc.encode(`data: ${JSON.stringify(obj)}\\n\\n`);
-  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const signal = init.signal;
   const promptTokens = reply.usage?.prompt_tokens ?? 100;
   const running = (i) => request.stream_options?.continuous_usage_stats
@@ -85,14 +87,18 @@ def browser():
         b.close()
 
 
-def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=False):
+def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=False, auto_title=False):
     """(context, page, errors): errors collects uncaught exceptions and console errors, less those a test
-    expects (page.expected_errors: substrings, e.g. the browser's own line for an HTTP error the test causes)."""
+    expects (page.expected_errors: substrings, e.g. the browser's own line for an HTTP error the test causes).
+    auto_title: whether the page asks the model for chat titles (off unless a test is about it, so that the
+    chat requests a test scripts or counts are its own)."""
     context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]}, color_scheme=color_scheme,
                                   accept_downloads=True)
     context.grant_permissions(["clipboard-read", "clipboard-write"])
     if fake_stream:
         context.add_init_script(FAKE_STREAM)
+    if not auto_title:
+        context.add_init_script("localStorage.setItem('localchat.auto-title', 'off')")
     pg = context.new_page()
     errors: list[str] = []
     pg.expected_errors = []
@@ -137,7 +143,7 @@ def delta(text):
 
 
 def script_replies(page, *replies):
-    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, error?, usage?} or {status, body}."""
+    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, error?, usage?} or {status, body, pauseAfter?}."""
     page.evaluate("(rs) => window.__chat.replies.push(...rs)", list(replies))
 
 

@@ -265,6 +265,7 @@ def test_every_sampling_field_reaches_the_request(chat):
 
     # Settings are kept; a preset replaces the sampling fields, "Model defaults" empties them.
     chat.reload()
+    expect(chat.locator("body")).to_have_attribute("data-ready", "true")   # the open chat's settings are shown
     chat.click("#settings summary")
     expect(chat.locator("#top-k")).to_have_value("30")
     chat.select_option("#preset", "precise")
