@@ -7,7 +7,7 @@ Tolerances are relative Frobenius errors ||out - ref|| / ||ref|| against a float
 - bf16 activations: 1e-2 (the dequantized weight and the output are rounded to bf16, 2**-9 relative each);
 - fp16: 3e-3 (2**-12 each);
 - FP8 W8A8 against a reference that quantizes the activations the same way: 1e-2 (bf16 output rounding); against
-  the contract's weight-only reference: 6e-2 (e4m3 keeps 3 mantissa bits, so each activation moves by up to
+  the weight-only reference: 6e-2 (e4m3 keeps 3 mantissa bits, so each activation moves by up to
   2**-4 of its binade: about 3% rms, which the tests measure and bound).
 Every FP8 kernel also runs at small shapes in Triton's interpreter (CPU):
 TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_quant.py.
@@ -53,7 +53,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_wna16(K, N, group, bits, dtype, device="cpu", symmetric=False):
-    """(qweight, scales, zeros, q) of random weights with the contract's layout; group -1 means per-channel."""
+    """(qweight, scales, zeros, q) of random weights in docs/QUANT_LAYOUTS.md's layout; group -1 means per-channel."""
     group = K if group == -1 else group
     q = torch.randint(0, 2**bits, (K, N), dtype=torch.int32, device=device)
     scales = (torch.rand(K // group, N, device=device) * 0.02 + 0.002).to(dtype)
@@ -71,10 +71,10 @@ def random_fp8(N, K, block, device="cpu"):
     return w, s
 
 
-# ---------------------------------------------------------------- CPU: the references are the contract
+# ---------------------------------------------------------------- CPU: the references are the layouts' formulas
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packing_matches_contract_formula(gen, bits):
+def test_packing_matches_the_layout_formula(gen, bits):
     K, N = 64, 5
     pack = 32 // bits
     q = torch.randint(0, 2**bits, (K, N), generator=gen, dtype=torch.int32)
