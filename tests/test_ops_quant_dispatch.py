@@ -180,3 +180,17 @@ def test_fp8_cublas_refusals_fall_back_to_triton(monkeypatch):
     monkeypatch.setattr(table, "CUBLAS_REFUSED", {torch.float16})
     assert fp8(64, 4096, 4096, SM90, dtype=torch.float16).kernel == "w8a8"
     assert fp8(64, 4096, 4096, SM90).kernel == "cublas_w8a8"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_emulating_an_architecture_keeps_the_card_s_sms():
+    cuda = torch.device("cuda", 0)
+    real = device_caps(cuda)
+    props = torch.cuda.get_device_properties(0)
+    assert real.capability == (props.major, props.minor) and real.sm_count == props.multi_processor_count
+    with override_kernel_config(emulate_arch=86):
+        emulated = device_caps(cuda)
+        assert emulated.capability == (8, 6) and not emulated.fp8_tensor_cores and not emulated.pdl
+        assert emulated.sm_count == real.sm_count and emulated.shared_memory_per_block == 101376
+    assert device_caps(cuda) == real
