@@ -221,7 +221,8 @@ def bf16_op(x, w):
 def ab_table(shapes, tokens):
     rows = []
     print("\nper shape: us (TB/s, TFLOP/s); floor = max(bytes / 4.8 TB/s, FLOPs / 785 TFLOP/s)")
-    print("| M | layer | floor us | bf16 cuBLAS | 4-bit dequant + cuBLAS | 4-bit table | table / dequant | table / bf16 |")
+    print("| M | layer | floor us | bf16 cuBLAS | 4-bit dequant + cuBLAS | 4-bit table | table / dequant | "
+          "table / bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     weights = {(K, N): (weight_copies(K, N, make_bf16, "bf16"), weight_copies(K, N)) for _, K, N in shapes}
     for M in tokens:

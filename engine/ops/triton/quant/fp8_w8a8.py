@@ -1,5 +1,6 @@
-"""FP8 block weights on FP8 tensor cores (W8A8; table.py: sm89+): activations quantized to e4m3 per token and group
-of bk (the checkpoints' dynamic activation scheme: scale = amax / 448), then a block-scaled product.
+"""FP8 block weights (docs/QUANT_LAYOUTS.md) on FP8 tensor cores (W8A8; table.py: sm89+): activations quantized to
+e4m3 per token and group of bk (the checkpoints' dynamic activation scheme: scale = amax / 448), then a
+block-scaled product.
 - `w8a8_one_launch` (Hopper, up to 16 tokens): `_w8a8_one_launch_kernel` quantizes its rows of x inside the K loop
   (the same e4m3 values and scales as `_fp8_act_quant_kernel`), puts the weight tile on the dot's M side
   (swap-AB: Hopper's wgmma takes M in 64-row steps, so a 16-token tile would otherwise run as an fp16 mma with its

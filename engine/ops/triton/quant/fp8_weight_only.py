@@ -1,5 +1,6 @@
-"""FP8 block weights, weight-only (table.py: GPUs without FP8 tensor cores, sm80/86, and any K that is not a
-multiple of the scale block): the activations stay in x.dtype and the e4m3 weights are converted in registers.
+"""FP8 block weights (docs/QUANT_LAYOUTS.md), weight-only (table.py: GPUs without FP8 tensor cores, sm80/86, and
+any K that is not a multiple of the scale block): the activations stay in x.dtype and the e4m3 weights are
+converted in registers.
 - One token: `_fp8_gemv_kernel` streams rows of the [N, K] weight (contiguous along K) and sums each row once, at
   the end; where a tile's rows share one scale row the block scales multiply the activations, so a weight costs
   one conversion and one FMA. The next tile's load is issued before this tile's arithmetic; split-K is summed by

@@ -1,7 +1,7 @@
 """Dequantize-then-cuBLAS for the 4-/8-bit weights past the GEMM's token counts (table.py): one kernel writes the
-whole [K, N] weight in x.dtype, then torch.mm multiplies (compute-bound there, where cuBLAS is fastest). The
-kernel splits a [BKP, BN] packed tile into its PACK bit-planes: plane j holds the k = r * PACK + j and is stored to
-rows r * PACK + j (wna16_fields.dequant_plane: an OR and a subtract per weight).
+whole [K, N] weight (docs/QUANT_LAYOUTS.md) in x.dtype, then torch.mm multiplies (compute-bound there, where
+cuBLAS is fastest). The kernel splits a [BKP, BN] packed tile into its PACK bit-planes: plane j holds the
+k = r * PACK + j and is stored to rows r * PACK + j (wna16_fields.dequant_plane: an OR and a subtract per weight).
 """
 from __future__ import annotations
 

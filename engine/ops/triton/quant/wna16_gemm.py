@@ -1,8 +1,8 @@
-"""The 4-/8-bit GEMM for 2-64 tokens (and TUNED_W4G128's larger buckets; table.py): each K step loads a packed
-tile transposed, [BLOCK_N, BLOCK_KP], dequantizes its PACK planes (wna16_fields.plane: one LOP3 and one FMA per
-weight) and joins them along K into W^T [BLOCK_N, BLOCK_K] in x.dtype for one tensor-core dot. SWAP_AB computes
-out^T = W^T x^T: the weight tile on the dot's M side, which on Hopper makes the dequantized weights the wgmma's A
-operand, read from registers. Split-K partials end in splitk.splitk_epilogue.
+"""The 4-/8-bit GEMM for 2-64 tokens (and TUNED_W4G128's larger buckets; table.py): each K step loads a packed tile
+(docs/QUANT_LAYOUTS.md) transposed, [BLOCK_N, BLOCK_KP], dequantizes its PACK planes (wna16_fields.plane: one LOP3
+and one FMA per weight) and joins them along K into W^T [BLOCK_N, BLOCK_K] in x.dtype for one tensor-core dot.
+SWAP_AB computes out^T = W^T x^T: the weight tile on the dot's M side, which on Hopper makes the dequantized weights
+the wgmma's A operand, read from registers. Split-K partials end in splitk.splitk_epilogue.
 """
 from __future__ import annotations
 
