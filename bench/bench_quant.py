@@ -8,9 +8,10 @@ activations in and out) and TFLOP/s (2*M*N*K), next to the floor predicted from 
 measured batch-1 weight read) and FLOPs at 785 (bf16) / 1205 (FP8) TFLOP/s. Each graph calls the op on several
 copies of the weights (>= 150 MB in all) so that small weights are not served from the 60 MB L2.
 Then the whole decoder per step (36 layers x qkv, o, gate_up, down in one graph, distinct weights per layer).
---sweep also times one-token FP8 tiles per shape (the weight-only GEMV's, the fused W8A8 kernel's) and prints the
-fastest (the 4-bit kernels' sweep is bench/tune_wna16.py); the decoder then also runs with the fastest per shape
-(kinds fp8-gemv-best, fp8-fused-best).
+--sweep also times one-token FP8 tiles per shape (the weight-only GEMV's, the one-launch W8A8 kernel's) and prints
+the fastest (the 4-bit kernels' sweep is bench/tune_wna16.py); the decoder then also runs with the fastest per shape
+(kinds fp8-gemv-best, fp8-fused-best). Kinds that emulate another GPU class (fp8-wo: sm86's weight-only path) set
+the DeviceCaps the dispatch sees (engine/ops/platform.py), as ENGINE_EMULATE_ARCH does for a whole process.
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine.ops.platform import DeviceCaps, set_caps_override  # noqa: E402
 from engine.ops.quant import fp8_block_linear_w8a8_ref, pack_int32  # noqa: E402
-from engine.ops.triton import fp8_block as tf  # noqa: E402
-from engine.ops.triton import wna16 as tw  # noqa: E402
-from engine.ops.triton import wna16_fused  # noqa: E402
+from engine.ops.triton.quant import linear, table  # noqa: E402
+from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant  # noqa: E402
+from engine.ops.triton.quant.table import KernelChoice as KC  # noqa: E402
 
 # (name, K, N) of one decoder layer's projections; fused qkv is 4096 + 2*1024 wide, gate_up 2*12288.
 LAYER = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
@@ -88,103 +90,92 @@ def weight_bytes(kind, K, N):
 
 
 def _w4(cfg=None):
-    return lambda x, *a: tw.wna16_linear(x, *a, config=cfg(x) if cfg else None)
+    return lambda x, *a: linear.wna16_linear(x, *a, tiles=cfg(x) if cfg else None)
 
 
 def _fp8(cfg=None):
-    return lambda x, *a: tf.fp8_block_linear(x, *a, config=cfg(x) if cfg else None)
-
-
-def _fp8_fused(x, *args):
-    """fp8_block_linear under ENGINE_FP8_KERNELS=fused (up to 16 tokens: one launch, x quantized in the K loop)."""
-    before = os.environ.get("ENGINE_FP8_KERNELS")
-    os.environ["ENGINE_FP8_KERNELS"] = "fused"
-    try:
-        return tf.fp8_block_linear(x, *args)
-    finally:
-        os.environ.pop("ENGINE_FP8_KERNELS")
-        if before is not None:
-            os.environ["ENGINE_FP8_KERNELS"] = before
+    return lambda x, *a: linear.fp8_block_linear(x, *a, tiles=cfg(x) if cfg else None)
 
 
 def _w4_dequant(x):
-    return tw.Wna16Config("dequant", block_n=128, block_kp=8) if x.shape[0] > 1 else None
+    return KC("wna16_dequant", block_n=128, block_k=64) if x.shape[0] > 1 else None
 
 
-FC = wna16_fused.FusedConfig
-# The H100 sweep's fastest fused GEMM tiles at 128 and 256 tokens (bench/results/h100_tune_wna16_b8-256_d028c73.txt),
-# per (N, K, bucket), to time against dequantize + cuBLAS and the automatic choice (wna16_fused.TUNED_W4G128).
+# The H100 sweep's fastest 4-bit GEMM tiles at 128 and 256 tokens (bench/results/h100_tune_wna16_b8-256_d028c73.txt),
+# per (N, K, bucket), to time against dequantize + cuBLAS and the automatic choice (table.TUNED_W4G128).
 W4_SWEPT = {
-    (6144, 4096, 128): FC("gemm", block_n=128, num_warps=8, num_stages=4, block_m=64, swap_ab=True),
-    (4096, 4096, 128): FC("gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
-    (24576, 4096, 128): FC("gemm", block_n=64, block_k=64, num_stages=3, block_m=128, swap_ab=True),
-    (4096, 12288, 128): FC("gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
-    (6144, 4096, 256): FC("gemm", block_n=128, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
-    (4096, 4096, 256): FC("gemm", block_n=64, num_warps=8, num_stages=3, block_m=128, swap_ab=True),
-    (24576, 4096, 256): FC("gemm", block_n=128, num_warps=8, num_stages=3, block_m=256, swap_ab=True),
-    (4096, 12288, 256): FC("gemm", block_n=64, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
+    (6144, 4096, 128): KC("wna16_gemm", block_n=128, num_warps=8, num_stages=4, block_m=64, swap_ab=True),
+    (4096, 4096, 128): KC("wna16_gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
+    (24576, 4096, 128): KC("wna16_gemm", block_n=64, block_k=64, num_stages=3, block_m=128, swap_ab=True),
+    (4096, 12288, 128): KC("wna16_gemm", block_n=64, num_stages=4, block_m=64, swap_ab=True),
+    (6144, 4096, 256): KC("wna16_gemm", block_n=128, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
+    (4096, 4096, 256): KC("wna16_gemm", block_n=64, num_warps=8, num_stages=3, block_m=128, swap_ab=True),
+    (24576, 4096, 256): KC("wna16_gemm", block_n=128, num_warps=8, num_stages=3, block_m=256, swap_ab=True),
+    (4096, 12288, 256): KC("wna16_gemm", block_n=64, num_warps=8, num_stages=4, block_m=128, swap_ab=True),
 }
 
 
 def _w4_swept(x, qweight, *rest):
-    """The fused GEMM with W4_SWEPT's tiles past 64 tokens; up to 64 tokens the automatic choice."""
+    """The 4-bit GEMM with W4_SWEPT's tiles past 64 tokens; up to 64 tokens the automatic choice."""
     K, N, M = x.shape[1], qweight.shape[1], x.shape[0]
-    cfg = W4_SWEPT.get((N, K, wna16_fused.m_bucket(M))) if M > tw.DEQUANT_MIN_M else None
-    return tw.wna16_linear(x, qweight, *rest, config=cfg)
+    cfg = W4_SWEPT.get((N, K, table.token_bucket(M))) if M > table.WNA16_DEQUANT_ABOVE else None
+    return linear.wna16_linear(x, qweight, *rest, tiles=cfg)
 
 
 def _fp8_triton(x):
     M = x.shape[0]
     if M <= 16:
-        return tf.Fp8Config("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4)
+        return KC("w8a8", block_m=16, block_n=64, num_warps=4, num_stages=4)
     if M <= 64:
-        return tf.Fp8Config("w8a8", block_m=64, block_n=64, num_warps=4, num_stages=4)
-    return tf.Fp8Config("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
+        return KC("w8a8", block_m=64, block_n=64, num_warps=4, num_stages=4)
+    return KC("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
 
 
-KINDS = {  # name -> (weight maker, op, ENGINE_FP8_WEIGHT_ONLY, byte kind, FLOP rate of the floor)
+KINDS = {  # name -> (weight maker, op, architecture emulated (None: this GPU), byte kind, FLOP rate of the floor)
     "bf16": (make_bf16, lambda x, w: F.linear(x, w), None, "bf16", BF16_RATE),
     "w4g128": (make_w4, _w4(), None, "w4g128", BF16_RATE),                 # automatic path
     "w4-dq": (make_w4, _w4(_w4_dequant), None, "w4g128", BF16_RATE),       # dequantize + cuBLAS forced (M > 1)
-    "w4-swept": (make_w4, _w4_swept, None, "w4g128", BF16_RATE),           # W4_SWEPT's fused tiles past 64 tokens
-    "fp8": (make_fp8, _fp8(), "0", "fp8", FP8_RATE),                       # automatic (Hopper: fused to 16, cuBLAS)
-    "fp8-wo": (make_fp8, _fp8(), "1", "fp8", BF16_RATE),                   # ENGINE_FP8_WEIGHT_ONLY=1
-    "fp8-triton": (make_fp8, _fp8(_fp8_triton), "0", "fp8", FP8_RATE),     # the sm89 W8A8 kernel, forced
-    "fp8-fused": (make_fp8, _fp8_fused, "0", "fp8", FP8_RATE),             # ENGINE_FP8_KERNELS=fused (M <= 16)
+    "w4-swept": (make_w4, _w4_swept, None, "w4g128", BF16_RATE),           # W4_SWEPT's GEMM tiles past 64 tokens
+    "fp8": (make_fp8, _fp8(), None, "fp8", FP8_RATE),                      # automatic (Hopper: one launch to 16)
+    "fp8-wo": (make_fp8, _fp8(), 86, "fp8", BF16_RATE),                    # sm86's weight-only path
+    "fp8-triton": (make_fp8, _fp8(_fp8_triton), None, "fp8", FP8_RATE),    # the sm89 W8A8 kernel, forced
 }
-FUSED_ONLY_UP_TO = {"fp8-fused": 16}     # beyond: the automatic path again, timed already
+
+
 def _fp8_gemv_best(x, w, *rest):
     cfg = BEST_FP8_GEMV.get((x.shape[1], w.shape[0])) if x.shape[0] == 1 else None
-    return tf.fp8_block_linear(x, w, *rest, config=cfg)
+    return linear.fp8_block_linear(x, w, *rest, tiles=cfg)
 
 
 def _fp8_fused_best(x, w, *rest):
     cfg = BEST_FP8_FUSED.get((x.shape[1], w.shape[0])) if x.shape[0] == 1 else None
-    return tf.fp8_block_linear(x, w, *rest, config=cfg)
+    return linear.fp8_block_linear(x, w, *rest, tiles=cfg)
 
 
 def _fp8_mixed(x):
-    # One token: the Triton W8A8 kernel where K is small (its grid has no split-K), cuBLAS for down (K=12288).
+    # Hopper's one-token path before the one-launch kernel (its numbers: docs/perf-log.md): activation
+    # quantization, then the Triton W8A8 kernel where K is small (its grid has no split-K), cuBLAS for down.
     return _fp8_triton(x) if x.shape[0] == 1 and x.shape[1] <= 4096 else None
 
 
 DECODER_ONLY = {  # one-token variants timed on the whole decoder only
-    "fp8-gemv-best": (make_fp8, _fp8_gemv_best, "1", "fp8", BF16_RATE),   # the sweep's fastest GEMV tiles per shape
-    "fp8-fused-best": (make_fp8, _fp8_fused_best, "0", "fp8", FP8_RATE),  # the sweep's fastest fused tiles per shape
-    "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), "0", "fp8", FP8_RATE),
+    "fp8-gemv-best": (make_fp8, _fp8_gemv_best, 86, "fp8", BF16_RATE),    # the sweep's fastest GEMV tiles per shape
+    "fp8-fused-best": (make_fp8, _fp8_fused_best, None, "fp8", FP8_RATE),  # the sweep's fastest one-launch tiles
+    "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), None, "fp8", FP8_RATE),
 }
-DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-fused", "fp8-wo", "fp8-gemv-best",
+DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-wo", "fp8-gemv-best",
                  "fp8-fused-best"]
 
 
-def set_env(env):
-    if env is not None:
-        os.environ["ENGINE_FP8_WEIGHT_ONLY"] = env
+def set_arch(arch):
+    """The dispatch sees this GPU (None) or a card of architecture `arch` with this GPU's SMs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    set_caps_override(None if arch is None else DeviceCaps.for_arch(arch, sm_count=sms))
 
 
 def bench_shape(kind, K, N, M):
-    make, op, env, bkind, rate = KINDS[kind]
-    set_env(env)
+    make, op, arch, bkind, rate = KINDS[kind]
+    set_arch(arch)
     wb = weight_bytes(bkind, K, N)
     copies = max(1, min(8, int(ROTATE_BYTES // wb) + 1))
     weights = [make(K, N) for _ in range(copies)]
@@ -198,8 +189,8 @@ def bench_shape(kind, K, N, M):
 
 
 def bench_decoder(kind, M):
-    make, op, env, _, _ = (KINDS | DECODER_ONLY)[kind]
-    set_env(env)
+    make, op, arch, _, _ = (KINDS | DECODER_ONLY)[kind]
+    set_arch(arch)
     return decoder_linears_ms(op, make, M)
 
 
@@ -222,7 +213,7 @@ def probe_cublas_blockwise():
     for dtype in (torch.bfloat16, torch.float16):
         for M in (1, 2, 7, 16, 64, 1000):
             x = torch.randn(M, 4096, device="cuda", dtype=dtype)
-            xq, xs = tf.per_token_group_quant(x, 128)
+            xq, xs = per_token_group_quant(x, 128)
             try:
                 y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.t(), out_dtype=dtype)
                 ref = fp8_block_linear_w8a8_ref(x.float(), w, s, bs)
@@ -233,46 +224,46 @@ def probe_cublas_blockwise():
     return rows
 
 
-BEST_FP8_GEMV: dict[tuple[int, int], tf.Fp8Config] = {}   # (K, N) -> fastest one-token GEMV tiles (sweep())
-BEST_FP8_FUSED: dict[tuple[int, int], tf.Fp8Config] = {}  # (K, N) -> fastest one-token fused W8A8 tiles
+BEST_FP8_GEMV: dict[tuple[int, int], KC] = {}    # (K, N) -> fastest one-token GEMV tiles (sweep())
+BEST_FP8_FUSED: dict[tuple[int, int], KC] = {}   # (K, N) -> fastest one-token one-launch W8A8 tiles
 SWEPT = {"fp8-gemv-best": BEST_FP8_GEMV, "fp8-fused-best": BEST_FP8_FUSED}   # decoder kinds that need a sweep
 
 
 def fp8_gemv_configs():
     """Rows per program, K per step, warps and split-K of the weight-only GEMV (at most 8 KB of weights per step:
     larger tiles spill registers)."""
-    return [tf.Fp8Config("gemv", block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1)
+    return [KC("fp8_gemv", block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1)
             for bn in (16, 32, 64) for bk in (128, 256, 512) for warps in (4, 8) for split in (1, 2, 4, 8)
             if bn * bk <= 8192]
 
 
 def fp8_fused_configs():
-    """The one-launch W8A8 kernel's tiles: columns per program, the weight tile on either side of the dot (swap-AB:
-    an fp8 wgmma on Hopper), split-K, pipeline depth."""
-    return [tf.Fp8Config("fused", block_m=16, block_n=bn, split_k=split, num_warps=8 if bn == 256 else 4,
-                         num_stages=stages, swap_ab=swap)
-            for swap in (False, True) for bn in ((64, 128, 256) if swap else (128,)) for split in (1, 2, 4, 8, 16)
-            for stages in (3, 4)]
+    """The one-launch W8A8 kernel's tiles (the weight tile on the dot's M side: an fp8 wgmma on Hopper): columns per
+    program, split-K, pipeline depth."""
+    return [KC("w8a8_one_launch", block_m=16, block_n=bn, split_k=split, num_warps=8 if bn == 256 else 4,
+               num_stages=stages, swap_ab=True)
+            for bn in (64, 128, 256) for split in (1, 2, 4, 8, 16) for stages in (3, 4)]
 
 
-SWEEPS = {  # name -> (configs, ENGINE_FP8_WEIGHT_ONLY, table the fastest go to)
-    "gemv": (fp8_gemv_configs, "1", BEST_FP8_GEMV),
-    "fused": (fp8_fused_configs, "0", BEST_FP8_FUSED),
+SWEEPS = {  # name -> (configs, architecture emulated, table the fastest go to)
+    "gemv": (fp8_gemv_configs, 86, BEST_FP8_GEMV),
+    "fused": (fp8_fused_configs, None, BEST_FP8_FUSED),
 }
 
 
 def sweep(which: str):
     """FP8 one-token tiles of one kernel per decoder shape -> the fastest three; fills its BEST_ table."""
-    configs, env, best_table = SWEEPS[which]
+    configs, arch, best_table = SWEEPS[which]
     out = {}
-    set_env(env)
+    set_arch(arch)
     for name, K, N in LAYER:
         fp8 = [make_fp8(K, N) for _ in range(max(2, int(ROTATE_BYTES // weight_bytes("fp8", K, N)) + 1))]
         x = torch.randn(1, K, device="cuda", dtype=DT)
         res = []
         for cfg in configs():
             try:
-                ms = time_graph([lambda w=w: tf.fp8_block_linear(x, *w, config=cfg) for w in fp8], reps=10) / len(fp8)
+                ms = time_graph([lambda w=w: linear.fp8_block_linear(x, *w, tiles=cfg) for w in fp8],
+                                reps=10) / len(fp8)
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: skip it)
                 print(f"  skip {cfg}: {str(e).splitlines()[0][:100]}", flush=True)
                 continue
@@ -292,7 +283,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M=1 and 8192 only")
     ap.add_argument("--sweep", nargs="*", choices=list(SWEEPS),
-                    help="also time one-token FP8 tiles: of the weight-only GEMV and/or the fused W8A8 kernel "
+                    help="also time one-token FP8 tiles: of the weight-only GEMV and/or the one-launch W8A8 kernel "
                          "(bare --sweep: both)")
     ap.add_argument("--tokens", type=int, nargs="+", help="M of the per-shape runs (default 1 16 64 256 8192)")
     ap.add_argument("--kinds", nargs="+", help="kinds to run (default: all)")
@@ -311,7 +302,7 @@ def main():
     for M in args.tokens or ((1, 8192) if args.quick else (1, 16, 64, 256, 8192)):
         for name, K, N in LAYER:
             for kind in (k for k in KINDS if k in kinds):
-                if (kind == "w4-dq" and M == 1) or M > FUSED_ONLY_UP_TO.get(kind, M):
+                if kind == "w4-dq" and M == 1:
                     continue
                 r = bench_shape(kind, K, N, M) | {"layer": name}
                 rows.append(r)
@@ -323,8 +314,7 @@ def main():
     for M in args.decoder_tokens:
         for kind in (k for k in DECODER_KINDS if k in kinds):
             if (kind == "w4-dq" and M == 1) or (kind in DECODER_ONLY and M > 1) or \
-                    (kind in SWEPT and not SWEPT[kind]) or \
-                    M > FUSED_ONLY_UP_TO.get(kind, M):
+                    (kind in SWEPT and not SWEPT[kind]):
                 continue
             dec[f"{kind} M={M}"] = bench_decoder(kind, M)
             print(f"decoder linears, 36 layers, {kind:7s} M={M:4d}: {dec[f'{kind} M={M}']:.3f} ms/step", flush=True)

@@ -32,7 +32,7 @@ for s in $STAGES; do
   case $s in
     ops)
       stage "kernel tests"
-      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_triton_kv_fp8.py tests/test_ops_quant.py tests/test_ops_wna16_fused.py} -q -n 8 -p no:cacheprovider \
+      timeout "${OPS_T:-180}" python3 -m pytest -m gpu ${OPS_TESTS:-tests/test_ops_triton.py tests/test_ops_triton_kv_fp8.py tests/test_ops_quant.py tests/test_ops_wna16.py} -q -n 8 -p no:cacheprovider \
         > "$OUT/ops_tests.txt" 2>&1; echo "rc=$?"; tail -12 "$OUT/ops_tests.txt" ;;
     engine)
       stage "GPU engine tests"
@@ -68,14 +68,14 @@ for s in $STAGES; do
         ${PARTS_ARGS:-} > "$OUT/image_gpu_parts.txt" 2>&1
       echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/image_gpu_parts.txt" | cut -c1-220 | tail -60 ;;
     wna16)
-      # wna16_fused (issue 14's 4-bit kernels) in one call: GPU kernel tests, the config sweep (it prints the
-      # TUNED_W4G128 table to paste), then older vs fused kernels vs bf16 per shape and token count, and per step.
+      # The 4-bit kernels in one call: GPU kernel tests, the tile sweep (it prints the TUNED_W4G128 table to
+      # paste), then the dispatch vs dequantize + cuBLAS vs bf16 per shape and token count, and per step.
       if [ "${WNA16_TEST_T:-180}" != 0 ]; then   # WNA16_TEST_T=0: the sweep alone
-        stage "wna16 kernel tests (fused and older kernels)"
-        timeout "${WNA16_TEST_T:-180}" python3 -m pytest -m gpu tests/test_ops_wna16_fused.py tests/test_ops_quant.py \
+        stage "4-bit kernel tests"
+        timeout "${WNA16_TEST_T:-180}" python3 -m pytest -m gpu tests/test_ops_wna16.py tests/test_ops_quant.py \
           -q -n 8 -p no:cacheprovider > "$OUT/wna16_tests.txt" 2>&1; echo "rc=$?"; tail -15 "$OUT/wna16_tests.txt"
       fi
-      stage "wna16 sweep and old vs fused (bench/tune_wna16.py ${WNA16_ARGS:-})"
+      stage "4-bit tile sweep and the dispatch vs dequantize + cuBLAS (bench/tune_wna16.py ${WNA16_ARGS:-})"
       timeout "${WNA16_TUNE_T:-380}" python3 bench/tune_wna16.py --jobs 12 ${WNA16_ARGS:-} \
         --json "$OUT/tune_wna16.json" > "$OUT/tune_wna16.txt" 2>&1; echo "rc=$?"
       # (the per-config sweep lines stay in the log: logs.tgz)
@@ -85,16 +85,16 @@ for s in $STAGES; do
       sed -n '/^TUNED_W4G128/,$p' "$OUT/tune_wna16.txt" | cut -c1-200 ;;
     quant)
       # The offline benchmark once per weight format (QUANTS: "none" is bf16), dummy weights at the 8B shapes.
-      # An entry FORMAT+fused (e.g. "awq+fused fp8+fused") runs with the opt-in fused kernels of both formats;
-      # FORMAT+kv8 (e.g. "fp8+kv8") with an fp8 KV cache.
+      # An entry FORMAT+smNN (e.g. "fp8+sm86") runs with the paths and tiles of that GPU class
+      # (ENGINE_EMULATE_ARCH, engine/ops/kernel_config.py); FORMAT+kv8 (e.g. "fp8+kv8") with an fp8 KV cache.
       for q in ${QUANTS:-none awq fp8}; do
         stage "offline benchmark, weights: $q"
         fmt=${q%+kv8}; kv=auto; [ "$fmt" != "$q" ] && kv=fp8
-        q_fmt=$fmt; fmt=${q_fmt%+fused}; fp8k=auto; w4k=old; [ "$fmt" != "$q_fmt" ] && fp8k=fused && w4k=fused
+        arch=; case $fmt in *+sm*) arch=${fmt##*+sm}; fmt=${fmt%+sm*} ;; esac
         dir=/tmp/q8-$fmt
         if [ "$fmt" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
         else python3 bench/synthetic_model.py $dir --quantization $fmt > /dev/null; fi
-        ENGINE_FP8_KERNELS=$fp8k ENGINE_WNA16_KERNELS=$w4k timeout "${QBENCH_T:-200}" python3 bench/offline.py \
+        ENGINE_EMULATE_ARCH=$arch timeout "${QBENCH_T:-200}" python3 bench/offline.py \
           --model $dir --load-format dummy --kv-cache-dtype $kv ${QBENCH_ARGS:-} \
           --out "$OUT/offline_$q.json" > "$OUT/offline_$q.txt" 2>&1; echo "rc=$?"
         grep -E 'Loading model|Memory profile|Error|error' "$OUT/offline_$q.txt" | head -4

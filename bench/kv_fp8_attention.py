@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import engine.ops.triton.attention as attn  # noqa: E402
 from bench_ops import BS, D, HK, paged_batch, time_us  # noqa: E402
 from engine.ops.kv_cache import FP8_KV_DTYPE, to_kv_cache_dtype  # noqa: E402
+from engine.ops.platform import override_caps  # noqa: E402
 
 DECODES = [(1, 512), (1, 8192), (64, 608), (256, 608), (256, 2048)]   # (batch, context)
 PREFILL = 8192                                                         # one new prompt, Triton's kernel
@@ -39,13 +40,9 @@ def run_case(label: str, q, k_cache, v_cache, md, graph: bool) -> dict:
     k8, v8 = to_kv_cache_dtype(k_cache, FP8_KV_DTYPE), to_kv_cache_dtype(v_cache, FP8_KV_DTYPE)
     native_out = attn.paged_attention(q, k8, v8, md, scale)
     native_us = time_us(lambda: attn.paged_attention(q, k8, v8, md, scale), graph=graph)
-    default_native = attn.fp8_native
-    attn.fp8_native = lambda device: False
-    try:
+    with override_caps(fp8_tensor_cores=False):     # the integer decode of GPUs without FP8 (sm80/86)
         bits_out = attn.paged_attention(q, k8, v8, md, scale)
         bits_us = time_us(lambda: attn.paged_attention(q, k8, v8, md, scale), graph=graph)
-    finally:
-        attn.fp8_native = default_native
     b16, b8 = kv_bytes(md, 2), kv_bytes(md, 1)
     row = {"case": label, "bf16_us": bf16_us, "fp8_native_us": native_us, "fp8_bits_us": bits_us,
            "bf16_GBps": b16 / bf16_us / 1e3, "fp8_native_GBps": b8 / native_us / 1e3,

@@ -1,7 +1,7 @@
-"""Sweeps wna16_fused's kernel configs at Qwen3-VL-8B's decoder shapes on one GPU, prints the fastest per
-(N, K, M bucket) that default_config does not already give as the TUNED_W4G128 table, then times the older
-kernels against the fused ones (the tuned table applied in this process) and bf16 cuBLAS per shape and token
-count, and the whole decoder's linears per step.
+"""Sweeps the 4-bit kernels' tiles (engine/ops/triton/quant/: the one-token GEMV, the GEMM) at Qwen3-VL-8B's decoder
+shapes on one GPU, prints the fastest GEMM tiles per (N, K, token bucket) that the table's rule does not already give
+as the TUNED_W4G128 table, then times the dispatch (the tuned table applied in this process) against dequantize +
+cuBLAS and bf16 cuBLAS per shape and token count, and the whole decoder's linears per step.
 
     python bench/tune_wna16.py [--jobs 12] [--quick] [--json out.json]
 
@@ -31,54 +31,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_quant import (LAYER, ROTATE_BYTES, decoder_linears_ms, make_bf16, make_w4, time_graph,  # noqa: E402
                          weight_bytes)
-from engine.ops.triton import wna16 as tw  # noqa: E402
-from engine.ops.triton import wna16_fused as tf  # noqa: E402
+from engine.ops.platform import device_caps  # noqa: E402
+from engine.ops.triton.quant import linear, table  # noqa: E402
+from engine.ops.triton.quant.table import KernelChoice, Problem  # noqa: E402
 
 DT = torch.bfloat16
 FLOOR_BW, FLOOR_FLOPS = 4.8e12, 785e12
-GEMV_BUCKETS = (1, 2, 4, 8)
-GEMM_BUCKETS = (16, 32, 64, 128, 256, 512)
+GEMV_BUCKETS = (1,)
+GEMM_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 AB_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOP = 5
 
 
-def candidates(bucket: int) -> list[tf.FusedConfig]:
-    """The configs tried for an M bucket (4-bit: block_k counts weights, 8 per packed row). The gemv takes one
-    program per token (its ALU work grows with M), so it is tried at 1 and 2 tokens; the gemm from 2."""
+def candidates(bucket: int) -> list[KernelChoice]:
+    """The tiles tried for an M bucket (block_k counts weights, 8 per 4-bit packed row)."""
     out = []
-    if bucket <= 2:
-        # Columns per warp: 4, 8 or 16 int32 per thread and packed row; at most 64 int32 per thread and step
-        # (bench/wna16_sass.py: no spills up to there).
-        for warps in (1, 2, 4):
-            for cols, bks in ((128, (64,)), (256, (32, 64)), (512, (16, 32))):
-                for bk in bks:
-                    for split in (1, 4, 16, 32):
-                        out.append(tf.FusedConfig("gemv", block_n=cols * warps, block_k=bk, split_k=split,
-                                                  num_warps=warps))
     if bucket == 1:
-        # wna16's GEMV (rows over the warps, one reduction at the end), the default for one token.
+        # The GEMV (rows over the warps, one reduction at the end), the default for one token.
         for bn, bkp in ((32, 64), (32, 128), (64, 64)):
             for split in (1, 2, 4):
                 for warps in (4, 8):
-                    out.append(tw.Wna16Config("gemv", block_n=bn, block_kp=bkp, split_k=split, num_warps=warps))
-        # The swap-AB gemm with the token padded to 16 rows: its packed weights feed tl.dot, so Triton pipelines
-        # their loads through shared memory (cp.async, num_stages deep), where the GEMVs keep one tile in flight.
-        # On an H100 it lost to wna16's GEMV at every 8B shape (o 10.6 against 8.2 us, down 22.9 against 16.0;
+                    out.append(KernelChoice("wna16_gemv", block_n=bn, block_k=bkp * 8, split_k=split,
+                                            num_warps=warps))
+        # The swap-AB GEMM with the token padded to 16 rows: its packed weights feed tl.dot, so Triton pipelines
+        # their loads through shared memory (cp.async, num_stages deep), where the GEMV keeps one tile in flight.
+        # On an H100 it lost to the GEMV at every 8B shape (o 10.6 against 8.2 us, down 22.9 against 16.0;
         # docs/perf-log.md, sixteenth session).
         for bn in (64, 128):
             for bk in (64, 128):
                 for split in (2, 4, 8, 16):
                     for stages in (3, 4, 6):
-                        out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=16,
-                                                  num_warps=4, num_stages=stages, swap_ab=True))
+                        out.append(KernelChoice("wna16_gemm", block_n=bn, block_k=bk, split_k=split, block_m=16,
+                                                num_warps=4, num_stages=stages, swap_ab=True))
         return out
     if bucket <= 32:
         for bm in sorted({16, max(16, bucket)}):
             for bn in (64, 128):
                 for bk in (64, 128):
                     for split in (1, 2, 4, 8):
-                        out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
-                                                  num_warps=4, num_stages=4, swap_ab=True))
+                        out.append(KernelChoice("wna16_gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
+                                                num_warps=4, num_stages=4, swap_ab=True))
         return out
     # 64 tokens and more: the weight tile on either side of the dot. With swap-AB the dequantized weights are the
     # wgmma's A operand, read from registers; without it they pass through shared memory (bench/wna16_sass.py).
@@ -90,9 +82,15 @@ def candidates(bucket: int) -> list[tf.FusedConfig]:
                     for warps in (4, 8):
                         for stages in ((3,) if bucket == 64 else (3, 4)):
                             for split in ((1, 2, 4) if bucket == 64 else (1,)):
-                                out.append(tf.FusedConfig("gemm", block_n=bn, block_k=bk, split_k=split, block_m=bm,
-                                                          num_warps=warps, num_stages=stages, swap_ab=swap))
+                                out.append(KernelChoice("wna16_gemm", block_n=bn, block_k=bk, split_k=split,
+                                                        block_m=bm, num_warps=warps, num_stages=stages,
+                                                        swap_ab=swap))
     return out
+
+
+def rule(M: int, N: int, K: int) -> KernelChoice:
+    """What the dispatch table gives this GPU for M tokens (the tuned table as it stands in this process)."""
+    return table.choose_wna16(Problem(M, N, K, DT), device_caps(torch.device("cuda")))
 
 
 def _compile_worker(jobs):
@@ -102,7 +100,7 @@ def _compile_worker(jobs):
         qweight, scales, zeros, group, bits = make_w4(K, N)
         x = torch.randn(M, K, device="cuda", dtype=DT)
         try:
-            tw.wna16_linear(x, qweight, scales, zeros, group, bits, config=cfg)
+            linear.wna16_linear(x, qweight, scales, zeros, group, bits, tiles=cfg)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 (a config that does not compile or fit: reported, then skipped)
             failed.append((K, N, M, cfg, str(e).splitlines()[0][:160]))
@@ -138,16 +136,14 @@ PATHS = None    # --paths: the kernel families swept (None: all)
 
 
 def family(cfg) -> str:
-    return "wna16" if isinstance(cfg, tw.Wna16Config) else cfg.path
+    return cfg.kernel.removeprefix("wna16_")
 
 
 def configs_for(K, N, M):
-    """The candidates (of the --paths families), the default rules' configs and (to compare the two split-K
-    reductions) the gemv's serial=False twins."""
-    rules = [tf.default_config(M, N, K, 4, 128)] + ([tw.choose_config(1, N, K, 4, 128)] if M == 1 else [])
-    out = list(dict.fromkeys([c for c in candidates(M) if PATHS is None or family(c) in PATHS] + rules))
-    return out + [replace(c, serial=False) for c in out
-                  if isinstance(c, tf.FusedConfig) and c.serial and c.path == "gemv" and c.split_k > 1]
+    """The candidates (of the --paths families), the rule's tiles and (to compare the two split-K reductions) the
+    GEMV's serial=False twins."""
+    out = list(dict.fromkeys([c for c in candidates(M) if PATHS is None or family(c) in PATHS] + [rule(M, N, K)]))
+    return out + [replace(c, serial=False) for c in out if c.kernel == "wna16_gemv" and c.serial and c.split_k > 1]
 
 
 def sweep(shapes, buckets, jobs):
@@ -164,7 +160,7 @@ def sweep(shapes, buckets, jobs):
                 if (K, N, M, cfg) in bad:
                     continue
                 try:
-                    ms = time_op(K, M, lambda x, *w, c=cfg: tw.wna16_linear(x, *w, config=c), weights)
+                    ms = time_op(K, M, lambda x, *w, c=cfg: linear.wna16_linear(x, *w, tiles=c), weights)
                 except Exception as e:  # noqa: BLE001
                     print(f"  skip {cfg}: {str(e).splitlines()[0][:120]}", flush=True)
                     continue
@@ -172,51 +168,50 @@ def sweep(shapes, buckets, jobs):
             if not res:
                 continue
             times = {c: ms for ms, c in res}
-            default = times.get(tf.default_config(M, N, K, 4, 128), float("nan"))
-            old_rule = times.get(tw.choose_config(1, N, K, 4, 128), float("nan")) if M == 1 else float("nan")
+            default = times.get(rule(M, N, K), float("nan"))
             # The two split-K reductions on the same config (serial: one launch; pass: a second kernel), median
-            # of the time ratios over the split-8 GEMV configs.
+            # of the time ratios over the split-4 GEMV configs.
             pairs = [(times[c], times[replace(c, serial=False)]) for c in times
-                     if isinstance(c, tf.FusedConfig) and c.serial and c.split_k == 8
-                     and replace(c, serial=False) in times]
+                     if c.kernel == "wna16_gemv" and c.serial and c.split_k == 4 and replace(c, serial=False) in times]
             pass_over_serial = statistics.median([p / s for s, p in pairs]) if pairs else float("nan")
             res.sort(key=lambda r: r[0])
-            best[(N, K, M)] = next(r for r in res if isinstance(r[1], tf.FusedConfig))
+            gemms = [r for r in res if r[1].kernel == "wna16_gemm"]
+            if gemms:
+                best[(N, K, M)] = gemms[0]
             for ms, cfg in res[:TOP]:
                 print(f"  top {name:8s} M={M:4d} {ms * 1e3:7.1f} us {row(K, N, M, ms)['TB/s']:.2f} TB/s  {cfg}")
             second = res[1][0] if len(res) > 1 else float("nan")
             print(f"sweep {name:8s} M={M:4d} best {res[0][0] * 1e3:7.1f} us  2nd {second * 1e3:7.1f}  "
-                  f"default {default * 1e3:7.1f}  wna16 gemv {old_rule * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  "
-                  f"{res[0][1]}", flush=True)
+                  f"rule {default * 1e3:7.1f}  pass/serial {pass_over_serial:5.2f}  {res[0][1]}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return best
 
 
 def print_table(best):
-    """The fastest config per (N, K, bucket), leaving out those default_config already gives (the table holds only
+    """The fastest GEMM tiles per (N, K, bucket), leaving out those the rule already gives (the table holds only
     what the rule does not)."""
-    same = [key for key, (_, cfg) in best.items() if cfg == tf.default_config(key[2], key[0], key[1], 4, 128)]
-    print(f"\n{len(same)} of {len(best)} fastest configs are default_config's: {sorted(same)}")
-    print("TUNED_W4G128: dict[tuple[int, int, int], FusedConfig] = {")
+    same = [key for key, (_, cfg) in best.items() if cfg == rule(key[2], key[0], key[1])]
+    print(f"\n{len(same)} of {len(best)} fastest GEMM tiles are the rule's: {sorted(same)}")
+    print("TUNED_W4G128: dict[tuple[int, int, int], KernelChoice] = {")
     for (N, K, M), (ms, cfg) in sorted(best.items()):
         if (N, K, M) in same:
             continue
         fields = ", ".join(f"{k}={v!r}" for k, v in cfg.__dict__.items()
-                           if k != "path" and v != tf.FusedConfig.__dataclass_fields__[k].default)
-        print(f"    ({N}, {K}, {M}): FusedConfig({cfg.path!r}, {fields}),  # {ms * 1e3:.1f} us")
+                           if k != "kernel" and v != KernelChoice.__dataclass_fields__[k].default)
+        print(f"    ({N}, {K}, {M}): KernelChoice({cfg.kernel!r}, {fields}),  # {ms * 1e3:.1f} us")
     print("}", flush=True)
 
 
-def kernels_op(which: str):
-    """wna16_linear with its automatic choice among `which` ("old" or "fused") kernels."""
-    def op(x, *w):
-        os.environ["ENGINE_WNA16_KERNELS"] = which
-        return tw.wna16_linear(x, *w)
-    return op
+def table_op(x, *w):
+    """wna16_linear with the dispatch table's choice."""
+    return linear.wna16_linear(x, *w)
 
 
-old_op, fused_op = kernels_op("old"), kernels_op("fused")
+def dequant_op(x, *w):
+    """Dequantize + cuBLAS at every token count (the GEMV at one)."""
+    tiles = KernelChoice("wna16_dequant", block_n=128, block_k=64) if x.shape[0] > 1 else None
+    return linear.wna16_linear(x, *w, tiles=tiles)
 
 
 def bf16_op(x, w):
@@ -226,7 +221,8 @@ def bf16_op(x, w):
 def ab_table(shapes, tokens):
     rows = []
     print("\nper shape: us (TB/s, TFLOP/s); floor = max(bytes / 4.8 TB/s, FLOPs / 785 TFLOP/s)")
-    print("| M | layer | floor us | bf16 cuBLAS | 4-bit old | 4-bit fused | fused / old | fused / bf16 |")
+    print("| M | layer | floor us | bf16 cuBLAS | 4-bit dequant + cuBLAS | 4-bit table | table / dequant | "
+          "table / bf16 |")
     print("|---|---|---|---|---|---|---|---|")
     weights = {(K, N): (weight_copies(K, N, make_bf16, "bf16"), weight_copies(K, N)) for _, K, N in shapes}
     for M in tokens:
@@ -234,13 +230,13 @@ def ab_table(shapes, tokens):
             r = {"M": M, "layer": name, "K": K, "N": N}
             w16, w4 = weights[(K, N)]
             r["bf16"] = row(K, N, M, time_op(K, M, bf16_op, w16), "bf16")
-            r["old"] = row(K, N, M, time_op(K, M, old_op, w4))
-            r["fused"] = row(K, N, M, time_op(K, M, fused_op, w4))
+            r["dequant"] = row(K, N, M, time_op(K, M, dequant_op, w4))
+            r["table"] = row(K, N, M, time_op(K, M, table_op, w4))
             rows.append(r)
             cell = lambda c: f"{c['us']:.1f} ({c['TB/s']:.2f}, {c['TFLOP/s']:.0f})"  # noqa: E731
-            print(f"| {M} | {name} | {r['fused']['floor_us']:.1f} | {cell(r['bf16'])} | {cell(r['old'])} | "
-                  f"{cell(r['fused'])} | {r['fused']['us'] / r['old']['us']:.2f} | "
-                  f"{r['fused']['us'] / r['bf16']['us']:.2f} |", flush=True)
+            print(f"| {M} | {name} | {r['table']['floor_us']:.1f} | {cell(r['bf16'])} | {cell(r['dequant'])} | "
+                  f"{cell(r['table'])} | {r['table']['us'] / r['dequant']['us']:.2f} | "
+                  f"{r['table']['us'] / r['bf16']['us']:.2f} |", flush=True)
     del weights
     torch.cuda.empty_cache()
     return rows
@@ -253,8 +249,8 @@ def main():
     ap.add_argument("--buckets", type=int, nargs="+", help="M buckets to sweep (default: all, or --quick's)")
     ap.add_argument("--top", type=int, default=5, help="configs printed per shape and bucket, fastest first")
     ap.add_argument("--no-sweep", action="store_true", help="only the A/B tables (the committed table)")
-    ap.add_argument("--paths", nargs="+", choices=["gemv", "gemm", "wna16"],
-                    help="kernel families to sweep (default: all): wna16_fused's gemv or gemm, wna16's GEMV")
+    ap.add_argument("--paths", nargs="+", choices=["gemv", "gemm"],
+                    help="kernel families to sweep (default: both): the one-token GEMV, the GEMM")
     ap.add_argument("--ab-tokens", type=int, nargs="+", help="M of the per-shape A/B (default: all, or --quick's)")
     ap.add_argument("--decoder-tokens", type=int, nargs="+", default=[1, 64, 256],
                     help="M of the whole-decoder A/B")
@@ -269,17 +265,17 @@ def main():
         buckets = args.buckets or ((1, 8, 64, 256) if args.quick else GEMV_BUCKETS + GEMM_BUCKETS)
         best = sweep(shapes, buckets, args.jobs)
         print_table(best)
-        tf.TUNED_W4G128.update({k: cfg for k, (_, cfg) in best.items()})   # the A/B below runs the tuned table
+        table.TUNED_W4G128.update({k: cfg for k, (_, cfg) in best.items()})   # the A/B below runs the tuned table
         result["best"] = {f"{k}": (ms * 1e3, repr(cfg)) for k, (ms, cfg) in best.items()}
     result["shapes"] = ab_table(shapes, args.ab_tokens or ((1, 8, 64, 256) if args.quick else AB_TOKENS))
     dec = {}
     print("\nwhole decoder's linears per step (36 layers x qkv, o, gate_up, down; one graph), ms:")
     for M in args.decoder_tokens:
         dec[f"bf16 M={M}"] = decoder_linears_ms(bf16_op, make_bf16, M)
-        dec[f"old M={M}"] = decoder_linears_ms(old_op, make_w4, M)
-        dec[f"fused M={M}"] = decoder_linears_ms(fused_op, make_w4, M)
-        print(f"M={M:4d}: bf16 {dec[f'bf16 M={M}']:.3f}  4-bit old {dec[f'old M={M}']:.3f}  "
-              f"4-bit fused {dec[f'fused M={M}']:.3f}", flush=True)
+        dec[f"dequant M={M}"] = decoder_linears_ms(dequant_op, make_w4, M)
+        dec[f"table M={M}"] = decoder_linears_ms(table_op, make_w4, M)
+        print(f"M={M:4d}: bf16 {dec[f'bf16 M={M}']:.3f}  4-bit dequant {dec[f'dequant M={M}']:.3f}  "
+              f"4-bit table {dec[f'table M={M}']:.3f}", flush=True)
     result["decoder"] = dec
     if args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,4 @@
-"""Compiles wna16_fused's kernels for a GPU target without a GPU (Triton's bundled ptxas and cuobjdump) and prints
+"""Compiles the 4-bit kernels (engine/ops/triton/quant/wna16_gemv.py, wna16_gemm.py) for a GPU target without a GPU (Triton's bundled ptxas and cuobjdump) and prints
 each kernel's registers, stack, shared memory and the instructions of its K loop per weight a thread handles.
 
     python bench/wna16_sass.py [--cap 90] [--dtype bf16]
@@ -21,16 +21,14 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine.ops.triton import wna16 as tw  # noqa: E402
-from engine.ops.triton import wna16_fused as tf  # noqa: E402
+from engine.ops.triton.quant.wna16_gemm import _wna16_gemm_kernel  # noqa: E402
+from engine.ops.triton.quant.wna16_gemv import _wna16_gemv_kernel  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED = ("N", "stride_xm", "stride_qk", "stride_sg", "stride_om")   # multiples of 16 at the 8B shapes
 
-GEMV = [dict(BLOCK_N=512, BLOCK_KP=4, num_warps=2), dict(BLOCK_N=256, BLOCK_KP=8, num_warps=2),
-        dict(BLOCK_N=512, BLOCK_KP=4, num_warps=1), dict(BLOCK_N=1024, BLOCK_KP=2, num_warps=2)]
-# wna16's GEMV (rows over the warps, one reduction at the end; the default for one token).
-OLD_GEMV = [dict(BLOCK_N=32, BLOCK_KP=128, num_warps=8), dict(BLOCK_N=32, BLOCK_KP=64, num_warps=8),
+# The GEMV (rows over the warps, one reduction at the end; table.py's tiles are the second).
+GEMV = [dict(BLOCK_N=32, BLOCK_KP=128, num_warps=8), dict(BLOCK_N=32, BLOCK_KP=64, num_warps=8),
             dict(BLOCK_N=64, BLOCK_KP=64, num_warps=8)]
 GEMM = [dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SWAP_AB=False, num_warps=4, num_stages=3),
@@ -90,21 +88,16 @@ def main():
     common = dict(BITS=4, GROUP=128, SPLIT=8, SERIAL=True, HAS_BIAS=False, EVEN_N=True)
     for c in GEMV:
         w = c["num_warps"]
-        consts = common | {k: v for k, v in c.items() if k != "num_warps"}
-        report(f"sm{args.cap} gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", tf._wna16_gemv_kernel,
-               consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
-    for c in OLD_GEMV:
-        w = c["num_warps"]
         consts = {"BITS": 4, "GROUP": 128, "HAS_BIAS": False, "SPLIT": 4, "SERIAL": True, "GDC": args.cap >= 90} | \
             {k: v for k, v in c.items() if k != "num_warps"}
-        report(f"sm{args.cap} wna16 gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", tw._wna16_gemv_kernel,
+        report(f"sm{args.cap} gemv BN={c['BLOCK_N']} BKP={c['BLOCK_KP']} warps={w}", _wna16_gemv_kernel,
                consts, w, 1, c["BLOCK_N"] * c["BLOCK_KP"] * 8 // (32 * w), args.cap, args.dtype)
     for c in GEMM:
         w, st = c["num_warps"], c["num_stages"]
         consts = common | {"SPLIT": 1, "SERIAL": False, "GROUP_M": 8} | \
             {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}
         report(f"sm{args.cap} gemm BM={c['BLOCK_M']} BN={c['BLOCK_N']} BK={c['BLOCK_K']} swap={c['SWAP_AB']} "
-               f"warps={w} stages={st}", tf._wna16_gemm_kernel, consts, w, st,
+               f"warps={w} stages={st}", _wna16_gemm_kernel, consts, w, st,
                c["BLOCK_N"] * c["BLOCK_K"] // (32 * w), args.cap, args.dtype)
 
 

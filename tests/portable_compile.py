@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,9 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paged_batches import make_batch  # noqa: E402  (tests/, this script's folder)
 
-# Shared memory one program may opt in to, and SM counts (A100, RTX 3090, RTX 4090, H100/H200).
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-SM_COUNT = {80: 108, 86: 82, 89: 128, 90: 132}
+from engine.ops.platform import KNOWN_ARCHS  # noqa: E402
+
+# Shared memory one program may opt in to, per architecture (A100, RTX 3090, RTX 4090, H100/H200, ...).
+SHARED_LIMIT = {arch: shared for arch, (_, shared) in KNOWN_ARCHS.items()}
 BF16 = torch.bfloat16
 # The engine.ops modules whose dispatch chooses Triton (the package re-exports a function named `embedding`, so
 # `from engine.ops import embedding` would give that function, not the module).
@@ -65,24 +65,21 @@ def compile_only(record: list) -> None:
 
 
 def pose_as(capability: int) -> None:
-    """The engine's GPU queries answer as the target would; cuBLAS-only paths are left to cuBLAS."""
+    """The engine's GPU queries answer as the target would (the dispatch sees its DeviceCaps); cuBLAS-only paths
+    are left to cuBLAS."""
     import torch.nn.functional as F
 
-    from engine.ops.triton import attention as t_attention, fp8_block, pdl, wna16_fused
+    from engine.ops.platform import DeviceCaps, set_caps_override
+    from engine.ops.triton import attention as t_attention
+    from engine.ops.triton.quant import table
     from triton.runtime import driver
 
     driver.set_active(TargetDriver(capability))
+    set_caps_override(DeviceCaps.for_arch(capability))
     for name in OP_MODULES:
         op(name).use_triton = lambda t: True
-    pdl.enabled = lambda device, tokens: capability >= 90 and tokens == 1   # PDL: Hopper and later
-    t_attention._num_sms = lambda device: SM_COUNT[capability]
-    t_attention._shared_memory = lambda device: SHARED_LIMIT[capability]
-    fp8_block._capability = lambda index: divmod(capability, 10)
-    fp8_block.has_fp8_tensor_cores = lambda device: capability >= 89
-    fp8_block._cublas_blockwise_ok = lambda *a: False      # sm90 takes cuBLAS there: compile Triton's fallback
-    wna16_fused.is_hopper = lambda device: capability >= 90
+    table.CUBLAS_REFUSED.add(BF16)          # sm90 takes cuBLAS's block-scaled GEMM there: compile Triton's fallback
     t_attention.cudnn_attention_usable = lambda *a: False
-    t_attention.fp8_native = lambda device: capability >= 89   # an fp8 KV cache's e4m3 decode
     torch.mm = lambda a, b, out=None: out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
     torch.addmm = lambda c, a, b, out=None, **kw: out if out is not None else torch.empty(
         a.shape[0], b.shape[1], dtype=a.dtype)
@@ -91,7 +88,7 @@ def pose_as(capability: int) -> None:
 
 def launch_everything(capability: int) -> None:
     """Each op at the decoder's and the ViT's shapes, for the token counts whose paths and tiles differ."""
-    from engine.ops.triton import fp8_block, splitk, wna16, wna16_fused
+    from engine.ops.triton.quant import splitk
     activation, attention, embedding, kv_cache, norm, pixels, quant, rotary = (op(n) for n in OP_MODULES)
 
     gen = torch.Generator().manual_seed(0)
@@ -128,16 +125,11 @@ def launch_everything(capability: int) -> None:
             qweight = torch.zeros(K // 8, N, dtype=torch.int32)
             scales = zeros = torch.zeros(K // 128, N, dtype=BF16)
             quant.wna16_linear(x, qweight, scales, zeros, 128, 4)
-            fused = wna16_fused.choose_config(tokens, N, K, 4, 128, capability >= 90)
-            if fused is not None:                                  # everywhere with ENGINE_WNA16_KERNELS=fused
-                wna16.wna16_linear(x, qweight, scales, zeros, 128, 4, config=fused)
             weight = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
             quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
-            if capability >= 89 and tokens <= fp8_block.FUSED_MAX_M:
-                # The one-launch kernel is Hopper's default and sm89's opt-in: the other choice too.
-                os.environ["ENGINE_FP8_KERNELS"] = "old" if capability >= 90 else "fused"
-                quant.fp8_block_linear(x, weight, torch.ones(N // 128, K // 128), (128, 128))
-                del os.environ["ENGINE_FP8_KERNELS"]
+        if tokens <= 8:     # FP8 with K not a multiple of the scale block: weight-only on every GPU
+            weight = torch.zeros(4096, 4000, dtype=torch.float8_e4m3fn)
+            quant.fp8_block_linear(torch.zeros(tokens, 4000, dtype=BF16), weight, torch.ones(32, 32), (128, 128))
     # Split-K's second-kernel reduction: what a graph captured before any eager launch runs (splitk.split_locks).
     splitk.reduce_partials(torch.zeros(4, 1, 4096), None, torch.empty(1, 4096, dtype=BF16))
 

@@ -70,9 +70,9 @@ def test_the_engine_constants_the_sum_mirrors_are_the_engines():
 
 def test_the_dequantizing_step_size_is_the_engines():
     pytest.importorskip("triton")
-    from engine.ops.triton.wna16 import DEQUANT_MIN_M
+    from engine.ops.triton.quant.table import WNA16_DEQUANT_ABOVE
     import app.memory_estimate as est
-    assert est.DEQUANT_ABOVE_TOKENS == DEQUANT_MIN_M
+    assert est.DEQUANT_ABOVE_TOKENS == WNA16_DEQUANT_ABOVE
 
 
 def test_under_a_memory_limit_the_graphs_and_the_encoder_cache_come_out_of_it():

@@ -1,14 +1,16 @@
-"""Quantized linear ops (engine/ops/quant.py, QUANT_CONTRACT.md): the references against the contract's formulas
-written out here (CPU), and every kernel path against its reference on fresh random inputs (GPU: pytest -m gpu).
+"""Quantized linear ops (engine/ops/quant.py, docs/QUANT_LAYOUTS.md): the references against the layouts' formulas
+written out here (CPU); every FP8 kernel path, and the 4-bit op at the 8B shapes, against its reference on fresh
+random inputs (GPU: pytest -m gpu); each checkpoint format's layer through the kernels (Triton's interpreter).
+The 4-bit kernels one by one: tests/test_ops_wna16.py; the dispatch table: tests/test_ops_quant_dispatch.py.
 
 Tolerances are relative Frobenius errors ||out - ref|| / ||ref|| against a float32 reference:
 - bf16 activations: 1e-2 (the dequantized weight and the output are rounded to bf16, 2**-9 relative each);
 - fp16: 3e-3 (2**-12 each);
 - FP8 W8A8 against a reference that quantizes the activations the same way: 1e-2 (bf16 output rounding); against
-  the contract's weight-only reference: 6e-2 (e4m3 keeps 3 mantissa bits, so each activation moves by up to
+  the weight-only reference: 6e-2 (e4m3 keeps 3 mantissa bits, so each activation moves by up to
   2**-4 of its binade: about 3% rms, which the tests measure and bound).
-The weight-only kernel paths also run at small shapes in Triton's interpreter (CPU, fp16/fp32, no FP8 tensor
-cores): TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_quant.py.
+Every FP8 kernel also runs at small shapes in Triton's interpreter (CPU):
+TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_quant.py.
 The seed of each test is printed; OPS_TEST_SEED=N reproduces a failure.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import pytest
 import torch
 
+from engine.ops.platform import DeviceCaps, device_caps, override_caps
 from engine.ops.quant import (dequantize_fp8_block, dequantize_wna16, fp8_block_linear, fp8_block_linear_ref,
                               fp8_block_linear_w8a8_ref, pack_int32, quantize_fp8_per_token_group_ref,
                               unpack_int32, wna16_linear, wna16_linear_ref)
@@ -50,7 +53,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_wna16(K, N, group, bits, dtype, device="cpu", symmetric=False):
-    """(qweight, scales, zeros, q) of random weights with the contract's layout; group -1 means per-channel."""
+    """(qweight, scales, zeros, q) of random weights in docs/QUANT_LAYOUTS.md's layout; group -1 means per-channel."""
     group = K if group == -1 else group
     q = torch.randint(0, 2**bits, (K, N), dtype=torch.int32, device=device)
     scales = (torch.rand(K // group, N, device=device) * 0.02 + 0.002).to(dtype)
@@ -68,10 +71,10 @@ def random_fp8(N, K, block, device="cpu"):
     return w, s
 
 
-# ---------------------------------------------------------------- CPU: the references are the contract
+# ---------------------------------------------------------------- CPU: the references are the layouts' formulas
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_packing_matches_contract_formula(gen, bits):
+def test_packing_matches_the_layout_formula(gen, bits):
     K, N = 64, 5
     pack = 32 // bits
     q = torch.randint(0, 2**bits, (K, N), generator=gen, dtype=torch.int32)
@@ -178,16 +181,13 @@ def test_bad_layouts_are_refused(gen):
 
 # ---------------------------------------------------------------- GPU: every kernel path against its reference
 
-def _wna16_case(gen, M, K, N, group, bits, dtype, bias=True, config=None, device="cuda"):
-    from engine.ops.triton import wna16 as tw
+def _wna16_case(gen, M, K, N, group, bits, dtype, bias=True):
     G = K if group == -1 else group
-    qweight, scales, zeros, _ = random_wna16(K, N, group, bits, dtype, device=device)
-    x = torch.randn(M, K, device=device).to(dtype)
-    b = torch.randn(N, device=device).to(dtype) if bias else None
-    out = tw.wna16_linear(x, qweight, scales, zeros, G, bits, b, config=config) if config else \
-        wna16_linear(x, qweight, scales, zeros, G, bits, b)
-    ref = wna16_linear_ref(x.float(), qweight, scales.float(), zeros.float(), G, bits,
-                           b.float() if bias else None)
+    qweight, scales, zeros, _ = random_wna16(K, N, group, bits, dtype, device="cuda")
+    x = torch.randn(M, K, device="cuda").to(dtype)
+    b = torch.randn(N, device="cuda").to(dtype) if bias else None
+    out = wna16_linear(x, qweight, scales, zeros, G, bits, b)
+    ref = wna16_linear_ref(x.float(), qweight, scales.float(), zeros.float(), G, bits, b.float() if bias else None)
     assert out.dtype == dtype
     return rel_err(out, ref)
 
@@ -210,24 +210,12 @@ def test_wna16_groups_and_bits(gen, bits, group, dtype):
             assert _wna16_case(gen, M, K, N, group, bits, dtype, bias=M % 2 == 1) < TOL[dtype], (M, K, N)
 
 
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
-@gpu_test
-def test_wna16_each_path_and_split(gen, path):
-    from engine.ops.triton.wna16 import Wna16Config
-    for split in (1, 2, 4):
-        for M in ((1,) if path == "gemv" else (3, 40)):
-            for bits, group in ((4, 128), (8, 32)):
-                cfg = Wna16Config(path, block_n=64, block_kp=128 // (32 // bits), split_k=split)
-                err = _wna16_case(gen, M, 2048, 640, group, bits, BF16, config=cfg)
-                assert err < TOL[BF16], (split, M, bits)
-
-
-def _fp8_case(gen, M, K, N, dtype, block=(128, 128), bias=True, config=None, device="cuda"):
-    from engine.ops.triton import fp8_block as tf
+def _fp8_case(gen, M, K, N, dtype, block=(128, 128), bias=True, tiles=None, device="cuda"):
+    from engine.ops.triton.quant import linear
     w, s = random_fp8(N, K, block, device=device)
     x = torch.randn(M, K, device=device).to(dtype)
     b = torch.randn(N, device=device).to(dtype) if bias else None
-    out = tf.fp8_block_linear(x, w, s, block, b, config=config) if config else fp8_block_linear(x, w, s, block, b)
+    out = linear.fp8_block_linear(x, w, s, block, b, tiles=tiles) if tiles else fp8_block_linear(x, w, s, block, b)
     assert out.dtype == dtype
     wo = rel_err(out, fp8_block_linear_ref(x.float(), w, s, block, b.float() if bias else None))
     w8a8 = rel_err(out, fp8_block_linear_w8a8_ref(x.float(), w, s, block, b.float() if bias else None)) \
@@ -243,29 +231,37 @@ def _check_fp8(wo, w8a8, dtype, weight_only: bool):
 
 
 def _runs_w8a8(M: int, N: int, K: int, block=(128, 128)) -> bool:
-    from engine.ops.triton import fp8_block as tf
-    x = torch.empty(M, K, device="cuda", dtype=BF16)
-    return tf.choose_config(x, N, K, block).path in ("cublas", "w8a8", "fused")
+    from engine.ops.triton.quant.table import Problem, choose_fp8
+    kernel = choose_fp8(Problem(M, N, K, BF16, block_size=block), device_caps(torch.device("cuda"))).kernel
+    return kernel in ("cublas_w8a8", "w8a8", "w8a8_one_launch")
+
+
+# The device classes an FP8 test runs as: this GPU's own, sm89 (W8A8 without wgmma), sm86 (weight-only).
+ARCHS = [pytest.param(None, id="this-gpu"), pytest.param(89, id="as-sm89"), pytest.param(86, id="as-sm86")]
+
+
+def _as(arch):
+    return override_caps(DeviceCaps.for_arch(arch)) if arch else override_caps(device_caps(torch.device("cuda")))
 
 
 @pytest.mark.parametrize("M", BATCHES)
 @pytest.mark.parametrize("K,N", SHAPES_8B)
-@pytest.mark.parametrize("weight_only", [False, True], ids=["auto", "weight-only"])
+@pytest.mark.parametrize("arch", ARCHS)
 @gpu_test
-def test_fp8_8b_shapes(gen, K, N, M, weight_only, monkeypatch):
-    monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1" if weight_only else "0")
-    runs_w8a8 = _runs_w8a8(M, N, K)
-    assert not (weight_only and runs_w8a8)                       # ENGINE_FP8_WEIGHT_ONLY=1 is obeyed
-    wo, w8a8 = _fp8_case(gen, M, K, N, BF16)
+def test_fp8_8b_shapes(gen, K, N, M, arch):
+    with _as(arch):
+        runs_w8a8 = _runs_w8a8(M, N, K)
+        assert runs_w8a8 != (arch == 86)                       # no FP8 tensor cores: weight-only
+        wo, w8a8 = _fp8_case(gen, M, K, N, BF16)
     _check_fp8(wo, w8a8, BF16, not runs_w8a8)
 
 
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
+@pytest.mark.parametrize("arch", ARCHS)
 @gpu_test
-def test_fp8_fp16_and_odd_shapes(gen, M, monkeypatch):
-    for K, N, block in ((4096, 1024, (128, 128)), (1000, 200, (128, 128)), (512, 96, (64, 128))):
-        for weight_only in (False, True):
-            monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1" if weight_only else "0")
+def test_fp8_fp16_and_odd_shapes(gen, M, arch):
+    with _as(arch):
+        for K, N, block in ((4096, 1024, (128, 128)), (1000, 200, (128, 128)), (512, 96, (64, 128))):
             wo, w8a8 = _fp8_case(gen, M, K, N, F16, block)
             _check_fp8(wo, w8a8, F16, not _runs_w8a8(M, N, K, block))
 
@@ -273,68 +269,64 @@ def test_fp8_fp16_and_odd_shapes(gen, M, monkeypatch):
 @pytest.mark.parametrize("M", [1, 2, 16, 64, 256, 1000])
 @gpu_test
 def test_fp8_triton_w8a8_kernel(gen, M):
-    # The block-scaled GEMM of GPUs where cuBLAS has no block scales (sm89), forced here.
-    from engine.ops.triton.fp8_block import Fp8Config
-    for bm, bn, warps in ((16, 64, 4), (64, 128, 4), (128, 128, 8)):
+    # The block-scaled GEMM of GPUs where cuBLAS has no block scales (sm89), with every tile the table gives.
+    from engine.ops.triton.quant.table import KernelChoice
+    for bm, bn, warps, stages in ((16, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 4)):
         for K, N in ((4096, 6144), (12288, 4096), (384, 200)):
-            wo, w8a8 = _fp8_case(gen, M, K, N, BF16, config=Fp8Config("w8a8", block_m=bm, block_n=bn,
-                                                                        num_warps=warps))
+            tiles = KernelChoice("w8a8", block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            wo, w8a8 = _fp8_case(gen, M, K, N, BF16, tiles=tiles)
             _check_fp8(wo, w8a8, BF16, weight_only=False)
 
 
 @pytest.mark.parametrize("M", [1, 2, 7, 16])
 @gpu_test
-def test_fp8_fused_kernel_under_its_switch(gen, M, monkeypatch):
-    """ENGINE_FP8_KERNELS=fused: up to 16 tokens in one launch that quantizes x in its K loop and splits K; the
-    same W8A8 product as the two-launch path, bias or not, at the 8B shapes and an odd one."""
-    from engine.ops.triton import fp8_block as tf
-    from engine.ops.triton import splitk
-    monkeypatch.setenv("ENGINE_FP8_KERNELS", "fused")
-    for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (384, 200)):
-        x = torch.empty(M, K, device="cuda", dtype=BF16)
-        cfg = tf.choose_config(x, N, K, (128, 128))
-        assert cfg.path == "fused" and (cfg.split_k > 1 or N >= 24576 or K < 1024), (K, N, cfg)
-        for bias in (False, True):
-            wo, w8a8 = _fp8_case(gen, M, K, N, BF16, bias=bias)
-            _check_fp8(wo, w8a8, BF16, weight_only=False)
+def test_fp8_one_launch_kernel_at_the_8b_shapes(gen, M):
+    """Hopper's path up to 16 tokens: one launch that quantizes x in its K loop and splits K; the same W8A8
+    product as the two-launch path, bias or not, at the 8B shapes and an odd one."""
+    from engine.ops.triton.quant import splitk
+    from engine.ops.triton.quant.table import Problem, choose_fp8
+    with override_caps(DeviceCaps.for_arch(90)):
+        for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (384, 200)):
+            tiles = choose_fp8(Problem(M, N, K, BF16), DeviceCaps.for_arch(90))
+            assert tiles.kernel == "w8a8_one_launch" and tiles.swap_ab and tiles.split_k > 1, (K, N, tiles)
+            for bias in (False, True):
+                wo, w8a8 = _fp8_case(gen, M, K, N, BF16, bias=bias)
+                _check_fp8(wo, w8a8, BF16, weight_only=False)
     assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0     # every tile's counter reset
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @gpu_test
-def test_fp8_fused_kernel_splits_k_in_one_launch_or_two(gen, split, monkeypatch):
-    from engine.ops.triton import fp8_block as tf
-    from engine.ops.triton import splitk
-    for serial in (True, False):
-        if not serial:       # no counters: the partials are summed by a second kernel
-            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
+def test_fp8_one_launch_kernel_splits_k_in_one_launch_or_two(gen, split):
+    from engine.ops.triton.quant import splitk
+    from engine.ops.triton.quant.table import KernelChoice
+    for serial in (True, False):                  # False: the partials are summed by a second kernel
         for M in (1, 5, 16):
-            for swap_ab, block_n in ((False, 128), (True, 64), (True, 128), (True, 256)):
-                cfg = tf.Fp8Config("fused", block_m=16, block_n=block_n, split_k=split, swap_ab=swap_ab,
-                                   num_warps=8 if block_n == 256 else 4)
-                wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, config=cfg)
+            for block_n in (64, 128, 256):
+                tiles = KernelChoice("w8a8_one_launch", block_m=16, block_n=block_n, split_k=split, swap_ab=True,
+                                     num_warps=8 if block_n == 256 else 4, serial=serial)
+                wo, w8a8 = _fp8_case(gen, M, 4096, 1024, BF16, tiles=tiles)
                 _check_fp8(wo, w8a8, BF16, weight_only=False)
-    monkeypatch.undo()
     locks = splitk._LOCKS.get(torch.device("cuda", 0))     # none at split 1 when this test runs alone
     assert locks is None or int(locks.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
+@pytest.mark.parametrize("kernel", ["fp8_gemv", "fp8_dequant"])
 @gpu_test
-def test_fp8_weight_only_without_fp8_tensor_cores(gen, path, monkeypatch):
-    # sm80/86: e4m3 bytes decoded with integer ops (forced on this GPU).
-    from engine.ops.triton import fp8_block as tf
-    monkeypatch.setattr(tf, "has_fp8_tensor_cores", lambda device: False)
-    for M in ((1,) if path == "gemv" else (5, 300)):
-        for K, N, block in ((4096, 1024, (128, 128)), (1000, 200, (128, 128)), (512, 96, (64, 128))):
-            cfg = tf.Fp8Config(path, block_m=16, block_n=32, split_k=2)
-            wo, _ = _fp8_case(gen, M, K, N, BF16, block, config=cfg)
-            assert wo < TOL[BF16], (M, K, N, block)
+def test_fp8_weight_only_without_fp8_tensor_cores(gen, kernel):
+    # sm80/86: e4m3 bytes decoded with integer ops (emulated on this GPU).
+    from engine.ops.triton.quant.table import KernelChoice
+    with override_caps(DeviceCaps.for_arch(86)):
+        for M in ((1,) if kernel == "fp8_gemv" else (5, 300)):
+            for K, N, block in ((4096, 1024, (128, 128)), (1000, 200, (128, 128)), (512, 96, (64, 128))):
+                tiles = KernelChoice(kernel, block_n=32, split_k=2)
+                wo, _ = _fp8_case(gen, M, K, N, BF16, block, tiles=tiles)
+                assert wo < TOL[BF16], (M, K, N, block)
 
 
 @gpu_test
 def test_fp8_activation_quant_kernel(gen):
-    from engine.ops.triton.fp8_block import per_token_group_quant
+    from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant
     x = torch.randn(37, 1024, device="cuda", dtype=BF16) * 10
     q, s = per_token_group_quant(x, 128, rows=40)
     qr, sr = quantize_fp8_per_token_group_ref(x.float(), 128)
@@ -344,12 +336,10 @@ def test_fp8_activation_quant_kernel(gen):
     assert (q[37:].float() == 0).all() and torch.isfinite(s[37:]).all()   # padding rows: zeros
 
 
-@pytest.mark.parametrize("op", ["wna16", "fp8", "fp8-weight-only", "fp8-fused"])
+@pytest.mark.parametrize("op,arch", [("wna16", None), ("fp8", None), ("fp8", 89), ("fp8", 86)])
 @pytest.mark.parametrize("M", [1, 16, 300])
 @gpu_test
-def test_cuda_graph_capture(gen, op, M, monkeypatch):
-    monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1" if op == "fp8-weight-only" else "0")
-    monkeypatch.setenv("ENGINE_FP8_KERNELS", "fused" if op == "fp8-fused" else "old")
+def test_cuda_graph_capture(gen, op, arch, M):
     K, N = 4096, 1024
     if op == "wna16":
         qweight, scales, zeros, _ = random_wna16(K, N, 128, 4, BF16, device="cuda")
@@ -360,59 +350,41 @@ def test_cuda_graph_capture(gen, op, M, monkeypatch):
         w, s = random_fp8(N, K, (128, 128), device="cuda")
         args = (w, s, (128, 128))
         fn, ref_fn = fp8_block_linear, lambda x: fp8_block_linear_ref(x.float(), w, s, (128, 128))
-    x = torch.randn(M, K, device="cuda", dtype=BF16)
-    fn(x, *args)                                                 # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(x, *args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fn(x, *args)
+    with _as(arch):
+        x = torch.randn(M, K, device="cuda", dtype=BF16)
+        fn(x, *args)                                             # compile outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(x, *args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = fn(x, *args)
     x.copy_(torch.randn(M, K, device="cuda", dtype=BF16))       # new input, same buffers
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, ref_fn(x)) < (6e-2 if op in ("fp8", "fp8-fused") else TOL[BF16])
-
-
-def test_programmatic_dependent_launch_is_for_one_token_launches_on_hopper(monkeypatch):
-    pytest.importorskip("triton")
-    from engine.ops.triton import pdl
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pdl, "_sm90", lambda index: True)
-    assert pdl.options(cuda, 1) == {"GDC": True, "launch_pdl": True}
-    assert pdl.options(cuda, 8) == {"GDC": False}         # batches run GEMMs, which neither trigger nor wait
-    assert not pdl.enabled(torch.device("cpu"), 1)
-    monkeypatch.setenv("ENGINE_PDL", "0")
-    assert not pdl.enabled(cuda, 1)
-    monkeypatch.delenv("ENGINE_PDL")
-    monkeypatch.setattr(pdl, "_sm90", lambda index: False)  # sm80-89: no griddepcontrol instructions
-    assert pdl.options(cuda, 1) == {"GDC": False}
+    assert rel_err(y, ref_fn(x)) < (6e-2 if op == "fp8" and arch != 86 else TOL[BF16])
 
 
 @gpu_test
-@pytest.mark.parametrize("weights", ["4-bit", "fp8", "fp8-fused"])
-def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch):
+@pytest.mark.parametrize("weights", ["4-bit", "fp8-weight-only", "fp8"])
+def test_programmatic_dependent_launch_changes_no_bit(gen, weights):
     # sm90+: along a decode step each kernel launches while the one before still runs (engine/ops/triton/pdl.py):
     # a one-token GEMV (4-bit, or FP8 weight-only) loads weights before it waits for the RMSNorm or SwiGLU before
     # it, and those wait for the GEMV before them; the FP8 one-launch W8A8 kernel waits before its K loop. A chain
     # of MLP blocks, eager and replayed from a CUDA graph, gives the same bits as without PDL (a kernel reading its
     # input early would not).
     from engine.ops import rms_norm, silu_and_mul
-    from engine.ops.triton import fp8_block as tfp8
+    from engine.ops.kernel_config import override_kernel_config
     from engine.ops.triton import pdl
-    from engine.ops.triton.fp8_block import Fp8Config
     if not pdl.enabled(torch.device("cuda"), 1):
         pytest.skip("programmatic dependent launch needs sm90+")
     K, inter = 4096, 2048
     if weights.startswith("fp8"):
-        monkeypatch.setenv("ENGINE_FP8_WEIGHT_ONLY", "1" if weights == "fp8" else "0")
         layers = [(random_fp8(2 * inter, K, (128, 128), device="cuda"), random_fp8(K, inter, (128, 128), "cuda"))
                   for _ in range(4)]
-        cfg = Fp8Config("fused", block_m=16, block_n=128, split_k=4, num_stages=4, swap_ab=True) \
-            if weights == "fp8-fused" else None
-        linear = lambda x, w: tfp8.fp8_block_linear(x, *w, (128, 128), config=cfg)  # noqa: E731
+        linear = lambda x, w: fp8_block_linear(x, *w, (128, 128))  # noqa: E731
     else:
         layers = [(random_wna16(K, 2 * inter, 128, 4, BF16, device="cuda")[:3],
                    random_wna16(inter, K, 128, 4, BF16, device="cuda")[:3]) for _ in range(4)]
@@ -426,84 +398,113 @@ def test_programmatic_dependent_launch_changes_no_bit(gen, weights, monkeypatch)
         return x
 
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("ENGINE_PDL", flag)
-        x = inputs[0].clone()
-        eager = chain(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = chain(x)
-        x.copy_(inputs[1])
-        graph.replay()
-        torch.cuda.synchronize()
-        results[flag] = (eager, y.clone())
-    assert torch.equal(results["0"][0], results["1"][0])
-    assert torch.equal(results["0"][1], results["1"][1])
-    assert torch.equal(results["1"][1], chain(inputs[1]))
+    # Weight-only: this GPU without its FP8 tensor cores (PDL stays on), the GEMV's e4m3 decoded with integer ops.
+    with override_caps(fp8_tensor_cores=weights != "fp8-weight-only"):
+        for pdl_on in (False, True):
+            with override_kernel_config(pdl=pdl_on):
+                x = inputs[0].clone()
+                eager = chain(x)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = chain(x)
+                x.copy_(inputs[1])
+                graph.replay()
+                torch.cuda.synchronize()
+                results[pdl_on] = (eager, y.clone())
+        assert torch.equal(results[False][0], results[True][0])
+        assert torch.equal(results[False][1], results[True][1])
+        assert torch.equal(results[True][1], chain(inputs[1]))
 
 
 # ---------------------------------------------------------------- CPU: the kernels in Triton's interpreter
 
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
-@pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("kernel", ["fp8_gemv", "fp8_dequant"])
 @interpreter_test
-def test_wna16_paths_in_the_interpreter(gen, path, dtype, monkeypatch):
-    # Small shapes with N not a multiple of the tile; the GEMV's split 2 sums its partials in the tile's last
-    # program (serial) or, without split-K counters (a graph captured before any eager launch), in a second kernel.
-    from engine.ops.triton import splitk, wna16 as tw
-    M = 1 if path == "gemv" else 5
-    for split, bias, serial in ((1, True, True), (2, True, True), (2, False, True), (2, True, False)):
-        if not serial:
-            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
-        for bits, group in ((4, 32), (8, 64)):
-            cfg = tw.Wna16Config(path, block_n=32, block_kp=64 // (32 // bits), split_k=split)
-            err = _wna16_case(gen, M, 256, 40, group, bits, dtype, bias=bias, config=cfg, device="cpu")
-            assert err < TOL[dtype], (split, bias, serial, bits)
-
-
-@pytest.mark.parametrize("path", ["gemv", "dequant"])
-@interpreter_test
-def test_fp8_weight_only_paths_in_the_interpreter(gen, path, monkeypatch):
-    # e4m3 bytes decoded with integer ops (no FP8 tensor cores). Scale blocks: one per tile, two along K per tile
-    # (the GEMV scales its activations per column), and smaller than the tile along N too (per weight). The
-    # GEMV's split-K ranges are summed by the tile's last program (serial) or, without counters, a second kernel.
-    from engine.ops.triton import fp8_block as tf
-    from engine.ops.triton import splitk
-    monkeypatch.setattr(tf, "has_fp8_tensor_cores", lambda device: False)
-    M = 1 if path == "gemv" else 5
-    for split, bias, serial in ((1, True, True), (2, True, True), (2, False, True), (4, True, False)):
-        if not serial:
-            monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
+def test_fp8_weight_only_paths_in_the_interpreter(gen, kernel):
+    # e4m3 bytes decoded with integer ops (the interpreter has no FP8 conversions: DeviceCaps.fp8_tensor_cores is
+    # off there). Scale blocks: one per tile, two along K per tile (the GEMV scales its activations per column),
+    # and smaller than the tile along N too (per weight). The GEMV's split-K ranges are summed by the tile's last
+    # program (serial) or, without counters, a second kernel.
+    from engine.ops.triton.quant import splitk
+    from engine.ops.triton.quant.table import KernelChoice
+    M = 1 if kernel == "fp8_gemv" else 5
+    cases = ((1, True, True), (2, False, True), (4, True, False)) if kernel == "fp8_gemv" else ((1, True, True),)
+    for split, bias, serial in cases:
         for K, N, block in ((256, 40, (32, 64)), (256, 40, (16, 16)), (200, 24, (8, 16))):
-            cfg = tf.Fp8Config(path, block_m=16, block_n=16, block_k=32, split_k=split)
-            wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, config=cfg, device="cpu")
+            tiles = KernelChoice(kernel, block_n=16, block_k=32, split_k=split, serial=serial)
+            wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, tiles=tiles, device="cpu")
             assert wo < TOL[F16], (split, bias, serial, K, N, block)
     locks = splitk._LOCKS.get(torch.device("cpu"))
     assert locks is None or int(locks.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("split,serial,swap_ab", [(1, True, False), (2, True, True), (4, True, False),
-                                                   (4, False, True), (1, True, True)])
+def _w8a8_interpreter_ref(x, w, s, b):
+    """The W8A8 product with x quantized by the interpreter's own activation-quantization kernel: the interpreter
+    rounds to e4m3 its own way (not always to nearest), so the tests compare the kernels' indexing, scales and
+    split-K sums at the same rounding."""
+    from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant
+    M, K = x.shape
+    xq, xs = per_token_group_quant(x, 128)
+    xd = (xq.float().reshape(M, -1, 128) * xs.reshape(M, -1, 1)).reshape(M, K)
+    return xd @ dequantize_fp8_block(w, s, (128, 128)).T + b.float()
+
+
+@pytest.mark.parametrize("split,serial", [(1, True), (2, True), (4, False)])
 @interpreter_test
-def test_fp8_fused_kernel_in_the_interpreter(gen, split, serial, swap_ab, monkeypatch):
+def test_fp8_one_launch_kernel_in_the_interpreter(gen, split, serial):
     """The one-launch W8A8 kernel: x quantized per token and 128-group inside the K loop, K split in ranges summed
-    by the tile's last program (serial) or by a second kernel, the weight tile on either side of the dot. The
-    interpreter rounds to e4m3 its own way (not
-    always to nearest), so the reference takes x quantized by the interpreter's per_token_group_quant kernel: the
-    same rounding; what is checked is the kernel's indexing, scales and split-K sums."""
-    from engine.ops.triton import fp8_block as tf
-    from engine.ops.triton import splitk
-    if not serial:
-        monkeypatch.setattr(splitk, "split_locks", lambda *args: None)
+    by the tile's last program (serial) or by a second kernel, the weight tile on the dot's M side."""
+    from engine.ops.triton.quant import linear, splitk
+    from engine.ops.triton.quant.table import KernelChoice
     for M, K, N in ((1, 512, 256), (5, 512, 200), (16, 1024, 128)):
         w, s = random_fp8(N, K, (128, 128), device="cpu")
         x = torch.randn(M, K, generator=gen).to(BF16)
         b = torch.randn(N, generator=gen).to(BF16)
-        cfg = tf.Fp8Config("fused", block_m=16, block_n=128, split_k=split, swap_ab=swap_ab)
-        y = tf.fp8_block_linear(x, w, s, (128, 128), b, config=cfg)
-        xq, xs = tf.per_token_group_quant(x, 128)
-        xd = (xq.float().reshape(M, -1, 128) * xs.reshape(M, -1, 1)).reshape(M, K)
-        ref = xd @ dequantize_fp8_block(w, s, (128, 128)).T + b.float()
-        assert rel_err(y, ref) < TOL[BF16], (M, K, N)
+        tiles = KernelChoice("w8a8_one_launch", block_m=16, block_n=128, split_k=split, swap_ab=True,
+                             serial=serial)
+        y = linear.fp8_block_linear(x, w, s, (128, 128), b, tiles=tiles)
+        assert rel_err(y, _w8a8_interpreter_ref(x, w, s, b)) < TOL[BF16], (M, K, N)
     locks = splitk._LOCKS.get(torch.device("cpu"))
     assert locks is None or int(locks.abs().sum()) == 0
+
+
+@interpreter_test
+def test_fp8_two_launch_w8a8_in_the_interpreter(gen):
+    """sm89's path: the activation-quantization kernel, then the block-scaled GEMM (rows and columns past the
+    tiles masked, grouped tile order)."""
+    from engine.ops.triton.quant import linear
+    from engine.ops.triton.quant.table import KernelChoice
+    for M, K, N, bm, bn in ((1, 256, 64, 16, 64), (20, 384, 200, 16, 64), (40, 256, 96, 64, 128)):
+        w, s = random_fp8(N, K, (128, 128), device="cpu")
+        x = torch.randn(M, K, generator=gen).to(BF16)
+        b = torch.randn(N, generator=gen).to(BF16)
+        y = linear.fp8_block_linear(x, w, s, (128, 128), b, tiles=KernelChoice("w8a8", block_m=bm, block_n=bn))
+        assert rel_err(y, _w8a8_interpreter_ref(x, w, s, b)) < TOL[BF16], (M, K, N)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "fp8"])
+@interpreter_test
+def test_each_checkpoint_format_through_the_kernels(gen, method, monkeypatch):
+    """A checkpoint layer of each format, packed as the format's public description says
+    (tests/quant_checkpoints.py), converted by the engine's loader and multiplied by the Triton kernels the table
+    chooses, at 1 and 5 tokens, against x times the checkpoint's dequantized weight."""
+    import engine.ops.quant as quant_ops
+    from engine.model.linear import ColumnParallelLinear
+    from engine.model.quantization.config import Fp8BlockScheme, QuantizationConfig, WNA16Scheme
+    from engine.model.quantization.loading import FORMATS
+    from quant_checkpoints import PACKERS, Spec
+    K, N = 256, 64
+    spec = Spec(method, group_size=64, symmetric=method != "gptq", act_order=method == "gptq",
+                block_size=(32, 128))
+    scheme = Fp8BlockScheme(spec.block_size) if method == "fp8" else \
+        WNA16Scheme(spec.bits, spec.group_size, spec.symmetric, spec.act_order)
+    tensors, dequantized = PACKERS[method](torch.randn(N, K, generator=gen) * 0.05, spec, gen)
+    layer = ColumnParallelLinear(K, N, False, QuantizationConfig(method, [(["Linear"], scheme)]), ["proj"])
+    layer.quant_method.load_shard(layer, None, FORMATS[method].convert(tensors, scheme, "proj"), "proj")
+    if method != "fp8":
+        layer.to(dtype=F16)        # scales and zeros in the model dtype (fp8 keeps its float32 block scales)
+    monkeypatch.setattr(quant_ops, "use_triton", lambda t: True)        # the kernels, on CPU tensors
+    for M in (1, 5):
+        x = torch.randn(M, K, generator=gen).to(F16)
+        y = layer(x)
+        assert rel_err(y, x.float() @ dequantized.T) < TOL[F16], M

@@ -1,4 +1,6 @@
-"""Linear layers over quantized weights (QUANT_CONTRACT.md is the specification of the layouts).
+"""Linear layers over quantized weights: the torch references (the specification, and the CPU path) and the
+public ops, which run the Triton kernels (engine/ops/triton/quant/) on CUDA. docs/QUANT_LAYOUTS.md specifies the
+layouts byte by byte.
 
 wna16_linear: 4- or 8-bit integer weights in groups along K, bf16/fp16 activations. qweight int32 [K // pack, N]
 packs `pack = 32 // bits` consecutive k of one column, lowest bits first; W[k, n] = (q[k, n] - zeros[g, n]) *
@@ -74,8 +76,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         _check_wna16(x, qweight, scales, zeros, group_size, bits)
-        from engine.ops.triton import wna16
-        return wna16.wna16_linear(x, qweight, scales, zeros, group_size, bits, bias)
+        from engine.ops.triton.quant import linear
+        return linear.wna16_linear(x, qweight, scales, zeros, group_size, bits, bias)
     return wna16_linear_ref(x, qweight, scales, zeros, group_size, bits, bias)
 
 
@@ -139,6 +141,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      block_size: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
         _check_fp8(x, weight, weight_scale_inv, block_size)
-        from engine.ops.triton import fp8_block
-        return fp8_block.fp8_block_linear(x, weight, weight_scale_inv, tuple(block_size), bias)
+        from engine.ops.triton.quant import linear
+        return linear.fp8_block_linear(x, weight, weight_scale_inv, tuple(block_size), bias)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block_size, bias)

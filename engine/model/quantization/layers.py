@@ -1,7 +1,7 @@
 """How a linear layer stores and multiplies its weights: a `quant_method` per layer (vLLM's pattern), chosen by
 the checkpoint's quantization scheme. The parallel layer (engine.model.linear) owns the sizes (this rank's),
-the bias and the collectives; the method creates the weight parameters on it, multiplies, and loads one output
-shard's converted weights.
+the bias and the collectives; the method creates the weight parameters on it (the layouts of
+docs/QUANT_LAYOUTS.md), multiplies, and loads one output shard's converted weights.
 
 A fused projection (q/k/v, gate/up) holds its shards side by side along the output dimension: rows of a float
 or fp8 weight and of its scale blocks, columns of qweight/scales/zeros. Under tensor parallelism a layer holds

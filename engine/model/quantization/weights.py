@@ -1,5 +1,6 @@
-"""One linear layer's (or fused shard's) quantized weights in the in-memory layout, as the format converters
-produce them from checkpoint tensors, and the column unpacking the converters share."""
+"""One linear layer's (or fused shard's) quantized weights as the format converters produce them from checkpoint
+tensors (unpacked; the layer packs them into the in-memory layouts of docs/QUANT_LAYOUTS.md), and the column
+unpacking the converters share."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -31,8 +31,8 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.ops.attention import AttentionMetadata, dense_causal_attention, fresh_prefill_len
+from engine.ops.platform import device_caps
 from engine.ops.triton import pdl
-from engine.ops.triton.fp8_block import has_fp8_tensor_cores
 from engine.ops.triton.kv_cache import fp8e4m3_to_float, kernel_view
 
 LOG2E = 1.4426950408889634
@@ -235,14 +235,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
 def fp8_native(device: torch.device) -> bool:
     """Whether Triton converts e4m3 on this device: where it has FP8 tensor cores (sm89+), not in the CPU
     interpreter."""
-    return device.type == "cuda" and has_fp8_tensor_cores(device)
+    return device_caps(device).fp8_tensor_cores
 
 
-@functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: small, so the tests' tiny batches still exercise several splits
+    """SMs to fill (the CPU interpreter's 4 are few, so the tests' tiny batches still exercise several splits)."""
+    return device_caps(device).sm_count
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -284,20 +282,22 @@ def tile_config(head_dim_padded: int, dtype: torch.dtype, device: torch.device, 
     return 128, 64, 4, 3
 
 
-@functools.cache
 def _shared_memory(device: torch.device) -> int:
-    """Shared memory one program may opt in to (227 KB on Hopper, 163 KB on A100, 99 KB on RTX 30/40)."""
-    if device.type != "cuda":
-        return 1 << 30   # the interpreter has no such limit
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+    """Shared memory one program may opt in to (227 KB on Hopper, 163 KB on A100, 99 KB on RTX 30/40; the
+    interpreter has no such limit)."""
+    return device_caps(device).shared_memory_per_block
+
+
+def cudnn_attention_usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """cuDNN attention where it was measured to win (Hopper: DeviceCaps.wgmma), for the dtypes and head sizes it
+    takes."""
+    return (dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 128
+            and device_caps(device).wgmma and _cudnn_available())
 
 
 @functools.cache
-def cudnn_attention_usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """cuDNN attention where it was measured to win (Hopper), for the dtypes and head sizes it takes."""
-    return (dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 128
-            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] == 9)
+def _cudnn_available() -> bool:
+    return torch.backends.cudnn.is_available()
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -15,30 +15,24 @@ wait returns after the one before has finished, which waited for its own predece
 programmatic edges. Only one-token launches use PDL: with more tokens the linears are GEMMs that neither let the
 next kernel launch early nor wait, and the small kernels launched as their dependents measured 3% slower at
 batch 8 (docs/perf-log.md).
-ENGINE_PDL=0 turns it off (A/B measurements), read when a kernel launches.
+Where: DeviceCaps.pdl (engine/ops/platform.py: sm90 and later); KernelConfig.pdl=False (ENGINE_PDL=0) turns it
+off for A/B measurements.
 """
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-
-@functools.cache
-def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+from engine.ops.kernel_config import kernel_config
+from engine.ops.platform import device_caps
 
 
 def enabled(device: torch.device, tokens: int) -> bool:
-    """PDL for a launch over `tokens` tokens on `device`: one token, a CUDA device of compute capability 9.0 or
-    later, and ENGINE_PDL is not 0."""
-    if tokens != 1 or device.type != "cuda" or os.environ.get("ENGINE_PDL", "1") == "0":
-        return False
-    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+    """PDL for a launch over `tokens` tokens on `device`: one token, a device with PDL (DeviceCaps.pdl), and the
+    kernel configuration allows it."""
+    return tokens == 1 and kernel_config().pdl and device_caps(device).pdl
 
 
 def options(device: torch.device, tokens: int) -> dict:

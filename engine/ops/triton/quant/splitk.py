@@ -1,4 +1,5 @@
-"""Split-K, shared by the weight-streaming kernels (wna16.py, fp8_block.py).
+"""Split-K, shared by the quantized linears' weight-streaming kernels (the 4-bit GEMV and GEMM, the FP8 GEMV and
+one-launch W8A8 kernel).
 
 With few output tiles (one token, a narrow projection) the grid also splits K into `split` ranges, so that more
 programs stream the weight at once. Each program of a split launch stores its float32 sums in a [split, M, N]

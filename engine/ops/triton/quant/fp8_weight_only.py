@@ -1,0 +1,145 @@
+"""FP8 block weights (docs/QUANT_LAYOUTS.md), weight-only (table.py: GPUs without FP8 tensor cores, sm80/86, and
+any K that is not a multiple of the scale block): the activations stay in x.dtype and the e4m3 weights are
+converted in registers.
+- One token: `_fp8_gemv_kernel` streams rows of the [N, K] weight (contiguous along K) and sums each row once, at
+  the end; where a tile's rows share one scale row the block scales multiply the activations, so a weight costs
+  one conversion and one FMA. The next tile's load is issued before this tile's arithmetic; split-K is summed by
+  the tile's last program; a programmatic dependent launch where the device has PDL (pdl.py).
+- More tokens: `_fp8_dequant_kernel` writes the weight in x.dtype, then cuBLAS multiplies (measured faster than
+  a dot kernel).
+NATIVE (DeviceCaps.fp8_tensor_cores): Triton converts e4m3; else the raw bytes are decoded with integer ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.triton import pdl
+from engine.ops.triton.quant.splitk import fit_split, split_targets, splitk_epilogue
+from engine.ops.triton.quant.table import KernelChoice
+
+
+@triton.jit
+def _e4m3_to_f32(w, NATIVE: tl.constexpr):
+    """e4m3 values as float32. NATIVE: w is fp8e4nv (sm89+). Else w holds the raw bytes (uint8) and the bits are
+    moved into a float16 (same sign, exponent bias 15 instead of 7: times 2**8), which also maps e4m3's
+    subnormals exactly. The NaN byte (0x7f/0xff) decodes as 480; checkpoints hold no NaN weights."""
+    if NATIVE:
+        f = w.to(tl.float32)
+    else:
+        u = w.to(tl.uint16)
+        h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+        f = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return f
+
+
+@triton.jit
+def _weight_tile(w_rows, ws_ptr, n0, k0, offs_n, n_mask, K, stride_sn, stride_sk, BN_BLK: tl.constexpr,
+                 BK_BLK: tl.constexpr, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr, NATIVE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at rows offs_n (starting at n0; w_rows: where they start in memory) and
+    column k0, dequantized to float32, with its columns and their mask. The scale is one scalar when the tile lies
+    inside one scale block (the caller's tile sizes divide the block sizes), else one per element."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if UNIFORM:
+        s = tl.load(ws_ptr + (n0 // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
+    else:
+        s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk)
+    return _e4m3_to_f32(w, NATIVE) * s, offs_k, k_mask
+
+
+@triton.jit(do_not_specialize=["K_SPLIT"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, N, K, K_SPLIT, stride_wn, stride_sn,
+                     stride_sk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROW_UNIFORM: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+                     SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
+    # One token, weight-only: program (n, s) streams rows [n*BN, (n+1)*BN) of the [N, K] weight (contiguous along
+    # K) over K range s and sums each row once, at the end. ROW_UNIFORM (the tile's rows share one scale row):
+    # the block scales multiply the activations, so a weight costs one conversion and one FMA.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    # The first tile is in flight while the kernel before finishes (pdl.py); x is that kernel's output.
+    pdl.wait(GDC)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for _ in range(k_begin, k_end, BLOCK_K):
+        # Software prefetch, as in the 4-bit GEMV: the next tile's load is issued before this tile's arithmetic.
+        w = w_next
+        w_ptrs += BLOCK_K
+        k_mask = offs_k < k_end
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if ROW_UNIFORM:
+            s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (offs_k // BK_BLK) * stride_sk,
+                        mask=k_mask, other=0.0)
+            acc += _e4m3_to_f32(w, NATIVE) * (x * s)[None, :]
+        else:
+            s = tl.load(ws_ptr + (offs_n // BN_BLK)[:, None] * stride_sn + (offs_k // BK_BLK)[None, :] * stride_sk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += _e4m3_to_f32(w, NATIVE) * s * x[None, :]
+        offs_k += BLOCK_K
+    pdl.launch_dependents(GDC)
+    one_row = tl.full([], 1, tl.int32)
+    splitk_epilogue(tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N]), tl.arange(0, 1), offs_n, one_row, N, N,
+                    bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr,
+                        BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UNIFORM: tl.constexpr, NATIVE: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w, offs_k, k_mask = _weight_tile(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn, ws_ptr, n0,
+                                     tl.program_id(1) * BLOCK_K, offs_n, n_mask, K, stride_sn, stride_sk, BN_BLK,
+                                     BK_BLK, BLOCK_K, UNIFORM, NATIVE)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & k_mask[None, :])
+
+
+def _raw_bytes(weight: torch.Tensor, native: bool) -> torch.Tensor:
+    return weight if native else weight.view(torch.uint8)
+
+
+def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int],
+             bias: torch.Tensor | None, out: torch.Tensor, tiles: KernelChoice, native: bool) -> torch.Tensor:
+    """out [1, N] = x2 [1, K] @ W^T (+ bias), weight-only."""
+    if x2.shape[0] != 1:
+        raise ValueError(f"the FP8 GEMV takes one token, got {x2.shape[0]}")
+    (N, K), (bn, bk) = weight.shape, block_size
+    steps = triton.cdiv(K, tiles.block_k)
+    split = fit_split(steps, tiles.split_k)
+    grid = (triton.cdiv(N, tiles.block_n), split)
+    to = split_targets(out, split, grid[0], tiles.serial)
+    _fp8_gemv_kernel[grid](
+        x2, _raw_bytes(weight, native), weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
+        N, K, steps // split * tiles.block_k, weight.stride(0), weight_scale_inv.stride(0),
+        weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        ROW_UNIFORM=bn % tiles.block_n == 0, NATIVE=native, SPLIT=split, SERIAL=to.serial, HAS_BIAS=bias is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.options(x2.device, 1))
+    to.finish(bias, out)
+    return out
+
+
+def fp8_dequant_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                       block_size: tuple[int, int], bias: torch.Tensor | None, tiles: KernelChoice,
+                       native: bool) -> torch.Tensor:
+    """x2 [M, K] @ W^T (+ bias) through the weight dequantized to x2.dtype."""
+    (N, K), (bn, bk) = weight.shape, block_size
+    wd = torch.empty((N, K), dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(K, tiles.block_k))
+    _fp8_dequant_kernel[grid](_raw_bytes(weight, native), weight_scale_inv, wd, N, K, weight.stride(0),
+                              weight_scale_inv.stride(0), weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk,
+                              BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                              UNIFORM=bn % tiles.block_n == 0 and bk % tiles.block_k == 0, NATIVE=native,
+                              num_warps=tiles.num_warps)
+    return torch.nn.functional.linear(x2, wd, bias)
