@@ -14,10 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny_models  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+if INTERPRET:
     # Triton 3.6's interpreter holds a scalar (a loaded one, a program id times an int) as a 1-element array, and
     # numpy >= 2.4 refuses int() on that, so `range(start, ...)` over such a scalar fails in the interpreter only.
-    # Make __index__ take the single element (kernel tests: test_ops_triton.py, test_ops_quant.py).
+    # Make __index__ take the single element.
     from triton.runtime import interpreter as _interp
 
     _orig_patch = _interp._patch_lang_tensor
@@ -27,6 +29,30 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+_KERNEL_TESTS_LEFT = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)   # after -m and -k: count only the kernel tests that the arguments asked for
+def pytest_collection_modifyitems(config, items):
+    """A session runs either the Triton kernel tests (marked triton_interpret) in Triton's interpreter or every
+    other test: TRITON_INTERPRET must be set before triton is imported, so the interpreter is a property of the
+    whole session, and ./run_tests.sh runs the two sessions one after the other. Each test runs in one of them."""
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("triton_interpret") is not None) == INTERPRET else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        config.stash[_KERNEL_TESTS_LEFT] = 0 if INTERPRET else len(drop)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left = config.stash.get(_KERNEL_TESTS_LEFT, 0)
+    if left:
+        terminalreporter.write_line(f"{left} Triton kernel tests deselected here: they run in a session with "
+                                    "TRITON_INTERPRET=1 (./run_tests.sh runs both; ./run_tests.sh --kernels only it)")
 
 
 @pytest.fixture(scope="session")

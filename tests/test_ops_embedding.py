@@ -3,26 +3,16 @@ tensor-parallel shard rule (rows of other ranks give zeros), and its Triton kern
 Triton's CPU interpreter:
 
   CPU reference:               pytest tests/test_ops_embedding.py
-  Triton's interpreter:        TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_embedding.py
+  Triton's interpreter:        TRITON_INTERPRET=1 pytest tests/test_ops_embedding.py  (tests/conftest.py)
 The kernel reading a page-locked host table on a GPU: tests/test_gpu_cpu_embeddings.py.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.ops import embedding_ref
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def interp(test):
-    """A kernel test: in Triton's interpreter only (it needs triton and TRITON_INTERPRET=1)."""
-    skip = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run in Triton's interpreter")
-    return pytest.mark.triton_interpret(skip(test))
 
 VOCAB, HIDDEN = 103, 40     # a vocabulary that no rank count divides; a hidden size that is no power of two
 
@@ -72,7 +62,7 @@ def test_reference_keeps_the_ids_shape_and_the_tables_dtype(gen):
     assert torch.equal(out, F.embedding(ids, table))
 
 
-@interp
+@pytest.mark.triton_interpret   # in Triton's interpreter: the TRITON_INTERPRET=1 session
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("tp_size", [1, 3])
 @pytest.mark.parametrize("hidden", [HIDDEN, 1500])   # one column block; several, the last one partial
@@ -86,7 +76,7 @@ def test_triton_kernel_equals_the_reference(tp_size, dtype, hidden, gen):
         assert torch.equal(got, embedding_ref(ids, table, start, end)), "a copy: bit for bit"
 
 
-@interp
+@pytest.mark.triton_interpret   # in Triton's interpreter: the TRITON_INTERPRET=1 session
 def test_triton_kernel_with_no_tokens_and_2d_ids(gen):
     from engine.ops.triton.embedding import embedding
 

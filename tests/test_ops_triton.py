@@ -2,15 +2,16 @@
 
 Two ways to run the same tests:
   GPU, compiled kernels:        pytest -m gpu tests/test_ops_triton.py
-  CPU, Triton's interpreter:    TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_triton.py
+  CPU, Triton's interpreter:    ./run_tests.sh --kernels tests/test_ops_triton.py   (TRITON_INTERPRET=1 pytest ...)
 TRITON_INTERPRET must be set before triton decorates the kernels (at import), so it is an environment variable of
-the whole run; the GPU cases skip themselves when it is set, the CPU cases when it is not. The interpreter is slow
-and runs no bf16 matmul (it multiplies bf16's raw bits), so CPU attention runs in fp32/fp16 on small shapes.
+the whole run; a session with it runs only the interpreter cases, one without it the others (tests/conftest.py).
+The interpreter is slow and runs no bf16 matmul (it multiplies bf16's raw bits), so CPU attention runs in
+fp32/fp16 on small shapes, and where the GPU runs a grid of shapes the interpreter runs each value once.
 The seed of each test is printed; OPS_TEST_SEED=N reproduces a failure.
 """
 from __future__ import annotations
 
-import os
+import itertools
 
 import pytest
 import torch
@@ -25,7 +26,6 @@ from engine.ops.rotary import (apply_rotary_ref, qk_norm_rope_ref, rope_and_stor
                                vision_qkv_rope_ref)
 from paged_batches import make_batch, randn  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Max error relative to the reference's largest magnitude. Elementwise kernels reproduce torch's rounding
@@ -39,15 +39,24 @@ def elementwise_tol(dtype, device):
     return INTERP_BF16_TOL if device == "cpu" and dtype == BF16 else TOL[dtype]
 
 
-def device_cases(cpu_dtypes, gpu_dtypes):
-    """(device, dtype) params: CUDA ones marked gpu, interpreter ones marked triton_interpret."""
-    gpu_skip = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA and TRITON_INTERPRET unset")
-    cpu_skip = pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run in Triton's interpreter")
-    cases = [pytest.param("cuda", d, marks=[pytest.mark.gpu, gpu_skip], id=f"cuda-{str(d)[6:]}") for d in gpu_dtypes]
-    cases += [pytest.param("cpu", d, marks=[pytest.mark.triton_interpret, cpu_skip], id=f"interp-{str(d)[6:]}")
-              for d in cpu_dtypes]
+def device_cases(cpu_dtypes, gpu_dtypes, *axes):
+    """(device, dtype, *values) params: CUDA ones marked gpu, interpreter ones marked triton_interpret (the
+    interpreter runs in its own pytest session: tests/conftest.py). On the GPU every combination of the dtypes and
+    the axes' values; the interpreter runs each program in turn on the CPU, so it takes the fewest cases that
+    give each axis (the dtypes too) each of its values once. A tuple value fills several names ("hq,hk")."""
+    gpu_marks = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+    cases = [case("cuda", d, values, gpu_marks) for d in gpu_dtypes for values in itertools.product(*axes)]
+    cpu_axes = [cpu_dtypes, *axes]
+    for i in range(max(map(len, cpu_axes)) if cpu_dtypes else 0):
+        d, *values = (axis[i % len(axis)] for axis in cpu_axes)
+        cases.append(case("cpu", d, values, [pytest.mark.triton_interpret]))
     return cases
 
+
+def case(device, dtype, values, marks):
+    flat = [v for value in values for v in (value if isinstance(value, tuple) else (value,))]
+    name = "-".join(["cuda" if device == "cuda" else "interp", str(dtype)[6:], *map(str, flat)])
+    return pytest.param(device, dtype, *flat, marks=marks, id=name)
 
 
 def assert_close(out, ref, tol, what=""):
@@ -237,10 +246,8 @@ def check_paged(q, k_cache, v_cache, md, dtype):
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, scale), ATTN_TOL[dtype], "paged attention")
 
 
-@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16]))
-@pytest.mark.parametrize("hq,hk", [(2, 2), (8, 2), (8, 1)])  # GQA groups 1, 4, 8
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("device,dtype,hq,hk,d,block_size",   # GQA groups 1, 4, 8
+                         device_cases([F32], [F32, BF16], [(2, 2), (8, 2), (8, 1)], [64, 128], [1, 16, 32]))
 def test_paged_attention_mixed(device, dtype, hq, hk, d, block_size, gen):
     """Decodes (with padding entries) then prefill chunks: a fresh prompt, chunks after cached prefixes,
     a one-token chunk, lengths on and around block and tile borders."""
@@ -259,9 +266,8 @@ def test_paged_attention_head_dim_below_16(device, dtype, gen):
     check_paged(*make_batch(gen, [5, 40], [(30, 30), (7, 50)], 6, 2, 8, 16, dtype, device), dtype)
 
 
-@pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [BF16, F16]))
-@pytest.mark.parametrize("splits", [None, 1, 2, 16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("device,dtype,splits,block_size",
+                         device_cases([F32, F16], [BF16, F16], [None, 1, 2, 16], [16, 32]))
 def test_paged_decode_splits(device, dtype, splits, block_size, gen, monkeypatch):
     """Decode only, with forced split counts: empty splits, padding sequences (seq_len 0), long contexts."""
     import engine.ops.triton.attention as attn
@@ -271,8 +277,7 @@ def test_paged_decode_splits(device, dtype, splits, block_size, gen, monkeypatch
     check_paged(*make_batch(gen, decodes, [], 8, 2, 128, block_size, dtype, device), dtype)
 
 
-@pytest.mark.parametrize("device,dtype", device_cases([F32, F16], [BF16, F16]))
-@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("device,dtype,block_size", device_cases([F32, F16], [BF16, F16], [1, 16, 64]))
 def test_paged_prefill_only(device, dtype, block_size, gen):
     """Prefill chunks alone (num_decodes 0), several per batch, plus trailing tokens outside any sequence."""
     prefills = [(300, 300), (1, 1), (200, 457), (129, 129)]

@@ -1,7 +1,7 @@
 """The Triton kernels that write or read the paged KV cache, on an fp8 (e4m3fn) cache, against their torch
 references (--kv-cache-dtype fp8). Run as test_ops_triton.py:
   GPU, compiled kernels:        pytest -m gpu tests/test_ops_triton_kv_fp8.py
-  CPU, Triton's interpreter:    TRITON_INTERPRET=1 pytest -m triton_interpret tests/test_ops_triton_kv_fp8.py
+  CPU, Triton's interpreter:    ./run_tests.sh --kernels tests/test_ops_triton_kv_fp8.py
 Writes must be bit-exact (the kernels' integer e4m3 encoding against torch's clamp-and-cast); reads decode exact
 values, so attention on an fp8 cache keeps the tolerances of attention on a model-dtype cache. The Qwen-shape and
 CUDA-graph attention tests run on both caches in test_ops_triton.py.
@@ -92,9 +92,8 @@ def check_paged_fp8(q, k_cache, v_cache, md, dtype):
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, md, scale), ATTN_TOL[dtype], "fp8-cache attention")
 
 
-@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16]))
-@pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1)])
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("device,dtype,hq,hk,block_size",
+                         device_cases([F32], [F32, BF16], [(8, 2), (8, 1)], [1, 16]))
 def test_paged_attention_mixed_fp8(device, dtype, hq, hk, block_size, gen):
     """Decodes (one a padding entry) and prefill chunks after cached prefixes, reading an fp8 cache."""
     decodes = [1, 17, 0, 600, int(torch.randint(1, 600, (1,), generator=gen))]
