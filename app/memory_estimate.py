@@ -20,6 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.checkpoints import GB, GiB, WeightFormat, weight_format
+from engine.args import EngineArgs
+from engine.sizing import (LIMIT_SLACK_BYTES, MAX_GRAPH_PATCHES, PREFILL_BUCKETS, batch_size_ladder,
+                           scratch_blocks_needed)
 
 # Figures of the README (measured on the H200, or derived from its logged memory profile):
 NON_TORCH_BYTES = int(0.73 * GB)     # CUDA context and libraries
@@ -29,12 +32,8 @@ CUDA_GRAPH_BYTES = int(0.55 * GiB)   # the graph pools ("Captured CUDA graphs ..
 # logits, their temperature-scaled copy, the sorted values, the int64 order, the cumulative softmax, a mask and the
 # masked and scattered copies at once: ~30 bytes (half of the FP8 profile's sum below, which it matches).
 SAMPLER_BYTES_PER_LOGIT = 30
-# engine/cuda_graphs.py: prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are not
-# captured when the pool holds fewer than twice that (the decode graphs, which need none, still are).
-GRAPH_SCRATCH_TOKENS = 4096
-GRAPH_PREFILL_TOKENS = 2048          # the largest prefill bucket
-MAX_GRAPH_PATCHES = 16384            # engine/vision_graphs.py: the largest image the vision graphs take
-LIMIT_SLACK_BYTES = 256 << 20        # engine/memory.py: set aside under --gpu-memory-limit for the allocator
+GRAPH_PREFILL_TOKENS = PREFILL_BUCKETS[-1]         # the largest prefill bucket
+GRAPH_SCRATCH_TOKENS = scratch_blocks_needed(1)    # the prefill graphs' scratch KV, kept out of the pool
 # Under a limit the engine sets its own measure of the graph pools aside (engine/kv_sizing.py: the reserved peak
 # of each pool's largest step, plus every graph's output and the vision graph's inputs). For the 2048-token prefill
 # step this figure makes the sum match the one logged profile: 0.82 GB for FP8 at 16 GiB (graphs + encoder cache
@@ -142,17 +141,17 @@ def processor_max_pixels(cfg: dict) -> int:
 @dataclass(frozen=True)
 class EngineSettings:
     """The engine flags the memory depends on, at the engine's defaults (engine/args.py)."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    encoder_cache_size: int = 16384
+    max_num_batched_tokens: int = max(8192, EngineArgs.max_num_seqs)   # EngineArgs.batched_tokens_budget's default
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    encoder_cache_size: int = EngineArgs.encoder_cache_size
     max_pixels: int | None = None            # --mm-processor-kwargs '{"max_pixels": N}'; None: the processor's
-    cpu_embeddings: bool = False
-    kv_cache_dtype: str = "auto"
-    enforce_eager: bool = False
-    max_model_len: int | None = None         # None: the model's context
-    gpu_memory_utilization: float = 0.9
-    gpu_memory_limit: float | None = None    # GiB
-    block_size: int = 16
+    cpu_embeddings: bool = EngineArgs.cpu_embeddings
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype
+    enforce_eager: bool = EngineArgs.enforce_eager
+    max_model_len: int | None = EngineArgs.max_model_len       # None: the model's context
+    gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
+    gpu_memory_limit: float | None = EngineArgs.gpu_memory_limit     # GiB
+    block_size: int = EngineArgs.block_size
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, oth
     sampler = rows * shape.vocab * SAMPLER_BYTES_PER_LOGIT
     encoder = s.encoder_cache_size * shape.encoder_bytes_per_token
     per_token = shape.kv_bytes_per_token_as(s.kv_cache_dtype)
-    scratch = GRAPH_SCRATCH_TOKENS // s.block_size
+    scratch = scratch_blocks_needed(s.block_size)
     graphs = prefill_graphs = not s.enforce_eager
     if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
         usable, activation = int(s.gpu_memory_limit * GiB), decoder + sampler + vision
@@ -232,7 +231,7 @@ def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: boo
     rows = sum(batch_size_ladder(s.max_num_seqs))
     if prefill:
         step = GRAPH_PREFILL_STEP_BYTES + shape.dequant_bytes(GRAPH_PREFILL_TOKENS)
-        rows += sum(range(64, GRAPH_PREFILL_TOKENS + 1, 64))
+        rows += sum(PREFILL_BUCKETS)
     else:
         step = s.max_num_seqs * GRAPH_PREFILL_STEP_BYTES // GRAPH_PREFILL_TOKENS + shape.dequant_bytes(s.max_num_seqs)
     vision = 0
@@ -241,8 +240,3 @@ def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: boo
         vision = patches * (shape.vit_bytes_per_patch + shape.vit_input_bytes_per_patch)
     return step + rows * shape.hidden * 2 + vision
 
-
-def batch_size_ladder(max_num_seqs: int) -> list[int]:
-    """engine/cuda_graphs.py's decode batch sizes: one graph each."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
-    return [n for n in sizes if n < max_num_seqs] + [max_num_seqs]

@@ -53,19 +53,45 @@ def test_the_sum_uses_the_readmes_figures():
     assert e.graphs and e.pool_tokens == e.kv_bytes // (16 * SHAPE.kv_bytes_per_token) * 16 - 4096
 
 
-def test_the_engine_constants_the_sum_mirrors_are_the_engines():
-    """app/ cannot import the engine (torch): the figures it copies are checked against the engine here."""
+def test_the_sum_takes_the_engines_sizing_rules_from_the_engine():
+    """One implementation: the launcher imports the engine's torch-free sizing rules (engine/sizing.py), which
+    the engine's memory code uses too."""
     import app.memory_estimate as est
-    from engine.cuda_graphs import scratch_blocks_needed
+    import engine.memory
+    import engine.sizing
+    assert est.batch_size_ladder is engine.sizing.batch_size_ladder
+    assert est.scratch_blocks_needed is engine.sizing.scratch_blocks_needed
+    assert est.LIMIT_SLACK_BYTES is engine.memory.LIMIT_SLACK_BYTES is engine.sizing.LIMIT_SLACK_BYTES
+    assert est.MAX_GRAPH_PATCHES is engine.sizing.MAX_GRAPH_PATCHES
+    assert est.GRAPH_PREFILL_TOKENS == engine.sizing.PREFILL_BUCKETS[-1]
+
+
+def test_the_graph_code_captures_the_shapes_the_sizing_rules_name():
+    """The CUDA-graph modules still define these shapes themselves: they must be engine/sizing.py's until they
+    import them from there."""
+    import engine.cuda_graphs
+    import engine.sizing
+    import engine.vision_graphs
     from engine.inputs.image_processor import ImageProcessor
-    from engine.memory import LIMIT_SLACK_BYTES as engine_slack
-    assert est.LIMIT_SLACK_BYTES == engine_slack
-    assert est.GRAPH_SCRATCH_TOKENS == scratch_blocks_needed(16) * 16
+    import app.memory_estimate as est
+    assert engine.cuda_graphs.PREFILL_BUCKETS == engine.sizing.PREFILL_BUCKETS
+    assert engine.vision_graphs.MAX_GRAPH_PATCHES == engine.sizing.MAX_GRAPH_PATCHES
+    for n in range(1, 1100):
+        assert engine.cuda_graphs.batch_size_ladder(n) == engine.sizing.batch_size_ladder(n)
+    for blocks, size in ((100, 16), (513, 16), (1000, 32), (30000, 16)):
+        assert engine.cuda_graphs.prefill_scratch_blocks(blocks, size) == engine.sizing.prefill_scratch_blocks(
+            blocks, size)
     assert est.PROCESSOR_MAX_PIXELS == ImageProcessor().max_pixels
-    from engine.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.vision_graphs import MAX_GRAPH_PATCHES
-    assert est.GRAPH_PREFILL_TOKENS == PREFILL_BUCKETS[-1] and est.MAX_GRAPH_PATCHES == MAX_GRAPH_PATCHES
-    assert all(est.batch_size_ladder(n) == batch_size_ladder(n) for n in (1, 5, 16, 64, 100, 256, 1024))
+
+
+def test_the_settings_default_to_the_engines_flags():
+    from engine.args import EngineArgs
+    s, args = EngineSettings(), EngineArgs(model="m")
+    assert (s.max_num_batched_tokens, s.max_num_seqs, s.encoder_cache_size, s.block_size, s.kv_cache_dtype) == (
+        args.batched_tokens_budget, args.max_num_seqs, args.encoder_cache_size, args.block_size,
+        args.kv_cache_dtype)
+    assert (s.gpu_memory_utilization, s.gpu_memory_limit, s.enforce_eager, s.cpu_embeddings) == (
+        args.gpu_memory_utilization, args.gpu_memory_limit, args.enforce_eager, args.cpu_embeddings)
 
 
 def test_the_dequantizing_step_size_is_the_engines():
