@@ -5,11 +5,15 @@ clear error before any stream starts; only valid requests cross to the engine th
 queue that the loop drains between steps. Each step's outputs go back to the owning coroutine's queue via
 call_soon_threadsafe. A client that goes away aborts its request at the next step boundary, freeing its
 blocks at once.
+
+It is the server's one way into the engine (vLLM's EngineClient role): model_info, encode/decode (on the input
+pool, under the prompt-text budgets of a prompt), process_chat/process_prompt, generate, get_stats and
+get_block_map. No other thread reads the scheduler or the KV cache: the engine thread publishes the running count
+after each step and copies counters and block tables when asked, between two steps.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import queue
 import threading
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.args import EngineArgs
+from engine.engine_commands import AbortRequest, AddRequest, EngineCommand, ReadState
 from engine.errors import EngineError, EngineOverloadedError, InvalidInputError, QueueFullError
 from engine.inputs.types import ProcessedPrompt
 from engine.llm_engine import LLMEngine
@@ -65,32 +70,6 @@ class StartRequest:
 
 
 @dataclass
-class AddRequest:
-    """Engine-thread command: queue a checked request (its stream already waits for outputs)."""
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-
-
-@dataclass
-class AbortRequest:
-    """Engine-thread command: stop a request and free its blocks (its client left)."""
-    request_id: str
-
-
-@dataclass
-class ReadState:
-    """Engine-thread command: copy some engine state for another thread (`read`, run between two steps)."""
-    read: Callable[[], Any]
-    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-EngineCommand = AddRequest | AbortRequest | ReadState
-
-
-@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -113,12 +92,12 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._token_texts: dict[int, str] = {}     # token_text's, filled by the event loop
         self._stopping = False
         self.dead_error: BaseException | None = None
         # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
         # the running count after each step, and the last copies of the counters and the block map.
         self._num_running = 0
-        self._token_texts: dict[int, str] = {}
         self._last_stats = self._copy_stats()
         self._last_block_map = self._copy_block_map()
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
@@ -362,7 +341,7 @@ class AsyncLLM:
             if isinstance(command, AbortRequest):
                 aborts.append(command.request_id)
             elif isinstance(command, ReadState):
-                _run_into(command.result, command.read)
+                command.run()
             else:
                 rid = command.request_id
                 if rid not in self._streams:       # the client left before the request reached the engine
@@ -430,13 +409,6 @@ class AsyncLLM:
             for rid in failed:
                 self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
             return []
-
-
-def _run_into(result: concurrent.futures.Future, read: Callable[[], Any]) -> None:
-    try:
-        result.set_result(read())
-    except Exception as e:   # noqa: BLE001 - the reader gets the error, the engine loop goes on
-        result.set_exception(e)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
