@@ -148,8 +148,8 @@ class AsyncLLM:
         return await asyncio.wrap_future(self._workers.submit(ip.tokenize, text, add_special_tokens))
 
     async def decode(self, token_ids: list[int]) -> str:
-        """The text of `token_ids` (the tokenizer's decode), on the input pool; an id outside the vocabulary is
-        a 400 naming `tokens`."""
+        """The text of `token_ids` (the tokenizer's decode), on the input pool; anything but ids of the vocabulary
+        is a 400 naming `tokens` (checked there too: a body's worth of ids takes a while)."""
         return await asyncio.wrap_future(self._workers.submit(self._decode, token_ids))
 
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
@@ -167,9 +167,9 @@ class AsyncLLM:
 
     def _decode(self, token_ids: list[int]) -> str:
         vocab = self.model_info.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]   # a bool is no token id
         if bad:
-            raise InvalidInputError(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+            raise InvalidInputError(f"tokens {bad[:5]} are not token ids: integers in [0, {vocab})", param="tokens")
         return self.engine.tokenizer.decode(token_ids)
 
     # ---- requests ------------------------------------------------------------------------------------------

@@ -126,10 +126,12 @@ def test_encode_meets_the_prompt_text_budgets_of_a_prompt(llm):
     assert busy.value.code == "text_budget_exceeded" and busy.value.status == 429
 
 
-def test_decode_refuses_ids_outside_the_vocabulary(llm):
+@pytest.mark.parametrize("bad", [-1, "vocab_size", 1.0, True, "7"])
+def test_decode_refuses_anything_but_ids_of_the_vocabulary(llm, bad):
+    bad = llm.model_info.vocab_size if bad == "vocab_size" else bad
     with pytest.raises(InvalidInputError) as e:
-        asyncio.run(llm.decode([1, llm.model_info.vocab_size]))
-    assert e.value.param == "tokens"
+        asyncio.run(llm.decode([1, bad]))
+    assert e.value.param == "tokens" and repr(bad) in e.value.message
 
 
 def test_model_info_describes_the_served_model(llm):

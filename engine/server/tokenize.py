@@ -34,7 +34,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     f = Fields(await read_json_body(request))
     state.check_model(f.string("model", None))
-    ids = f.integers("tokens")
-    if ids is None:
+    ids = f.body.get("tokens")
+    if not isinstance(ids, list):      # its items are checked off the event loop, with the decoding
         raise InvalidInputError("tokens (a list of token ids) is required", param="tokens")
     return web.json_response({"prompt": await state.engine.decode(ids)}, dumps=dumps)
