@@ -21,6 +21,8 @@ from pathlib import Path
 
 from app.checkpoints import GB, GiB, WeightFormat, weight_format
 from engine.args import EngineArgs
+from engine.errors import ModelLoadError
+from engine.inputs.processor_config import DEFAULT_MAX_PIXELS, image_processor_config, pixel_bounds
 from engine.sizing import (LIMIT_SLACK_BYTES, MAX_GRAPH_PATCHES, PREFILL_BUCKETS, batch_size_ladder,
                            scratch_blocks_needed)
 
@@ -43,7 +45,6 @@ GRAPH_PREFILL_STEP_BYTES = int(0.35 * GB)
 # multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at the 8B) is live beside the
 # activations, in the profiled step and in the 2048-token graph the engine measures under a limit.
 DEQUANT_ABOVE_TOKENS = 64
-PROCESSOR_MAX_PIXELS = 16_777_216    # engine/inputs/image_processor.py's default (4096x4096)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class ModelShape:
     token_pixels: int = 1024         # pixels per LLM token (a 2x2 block of patches)
     encoder_bytes_per_token: int = 0  # a cached image token: the merger's row and the deepstack rows, bf16
     vit_input_bytes_per_patch: int = 0  # a vision graph's static inputs: a patch's pixels and position row, bf16
-    max_pixels: int = PROCESSOR_MAX_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
     largest_linear: int = 0          # weights of the decoder's largest fused linear layer (gate_up)
     integer_weights: bool = False    # AWQ / GPTQ / compressed-tensors int: dequantized for prefill-sized steps
 
@@ -86,15 +87,18 @@ class ModelShape:
                        vit_input_bytes_per_patch=(patch_dim + v["hidden_size"]) * 2,
                        token_pixels=(v["patch_size"] * merge) ** 2,
                        encoder_bytes_per_token=(1 + taps) * v["out_hidden_size"] * 2,
-                       max_pixels=processor_max_pixels(preprocessor or {}))
+                       max_pixels=pixel_bounds(preprocessor or {})[1])
 
     @classmethod
     def from_model_dir(cls, path: Path, config: dict | None = None) -> "ModelShape":
-        """From the directory's config.json (or `config`, as read and perhaps amended) and its
-        preprocessor_config.json where there is one."""
-        pre = path / "preprocessor_config.json"
-        return cls.from_config(config if config is not None else json.loads((path / "config.json").read_text()),
-                               json.loads(pre.read_text()) if pre.is_file() else None)
+        """From the directory's config.json (or `config`, as read and perhaps amended) and its image-processor
+        settings where there are some (as the engine finds them)."""
+        config = config if config is not None else json.loads((path / "config.json").read_text())
+        try:
+            processor = image_processor_config(path) if config.get("vision_config") else None
+        except ModelLoadError:      # the engine refuses to load it; the sum takes the processor's defaults
+            processor = None
+        return cls.from_config(config, processor)
 
     def with_format(self, fmt: WeightFormat) -> "ModelShape":
         """The same model with its decoder's linear layers stored as `fmt`."""
@@ -130,12 +134,6 @@ def vit_bytes_per_patch(v: dict) -> int:
     h, head_dim = v["hidden_size"], v["hidden_size"] // v["num_heads"]
     rows = len(v.get("deepstack_visual_indexes", [])) * v["out_hidden_size"] // v["spatial_merge_size"] ** 2
     return patch_dim * (4 + 2) + 2 * h + 4 * head_dim + 4 * 2 * h + 2 * v["intermediate_size"] + 2 * h + 2 * rows
-
-
-def processor_max_pixels(cfg: dict) -> int:
-    """The image pixel cap as engine/inputs/image_processor.py reads it from preprocessor_config.json."""
-    size = cfg.get("size") or {}
-    return int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or PROCESSOR_MAX_PIXELS)
 
 
 @dataclass(frozen=True)

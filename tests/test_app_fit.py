@@ -72,8 +72,6 @@ def test_the_graph_code_captures_the_shapes_the_sizing_rules_name():
     import engine.cuda_graphs
     import engine.sizing
     import engine.vision_graphs
-    from engine.inputs.image_processor import ImageProcessor
-    import app.memory_estimate as est
     assert engine.cuda_graphs.PREFILL_BUCKETS == engine.sizing.PREFILL_BUCKETS
     assert engine.vision_graphs.MAX_GRAPH_PATCHES == engine.sizing.MAX_GRAPH_PATCHES
     for n in range(1, 1100):
@@ -81,7 +79,22 @@ def test_the_graph_code_captures_the_shapes_the_sizing_rules_name():
     for blocks, size in ((100, 16), (513, 16), (1000, 32), (30000, 16)):
         assert engine.cuda_graphs.prefill_scratch_blocks(blocks, size) == engine.sizing.prefill_scratch_blocks(
             blocks, size)
-    assert est.PROCESSOR_MAX_PIXELS == ImageProcessor().max_pixels
+
+
+def test_the_image_cap_is_read_where_and_as_the_engine_reads_it(qwen3_vl_dir, qwen3_vl_transformers5_dir, tmp_path):
+    """preprocessor_config.json, or transformers 5's processor_config.json: the largest image the sum profiles is
+    the one the engine's image processor lets through."""
+    from engine.inputs.image_processor import ImageProcessor
+    from app.memory_estimate import ModelShape
+    capped = tmp_path / "capped"
+    capped.mkdir()
+    for name in ("config.json", "preprocessor_config.json"):
+        (capped / name).write_text((qwen3_vl_dir / name).read_text())
+    pre = json.loads((capped / "preprocessor_config.json").read_text())
+    (capped / "preprocessor_config.json").write_text(json.dumps({**pre, "max_pixels": 1 << 20}))
+    for model in (qwen3_vl_dir, qwen3_vl_transformers5_dir, capped):
+        assert ModelShape.from_model_dir(model).max_pixels == ImageProcessor.from_model_dir(model).max_pixels
+    assert ModelShape.from_model_dir(capped).max_pixels == 1 << 20
 
 
 def test_the_settings_default_to_the_engines_flags():
