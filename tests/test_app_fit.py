@@ -59,21 +59,20 @@ def test_the_sum_takes_the_engines_sizing_rules_from_the_engine():
     import app.memory_estimate as est
     import engine.memory
     import engine.sizing
+    import engine.vision_graphs
     assert est.batch_size_ladder is engine.sizing.batch_size_ladder
     assert est.scratch_blocks_needed is engine.sizing.scratch_blocks_needed
     assert est.LIMIT_SLACK_BYTES is engine.memory.LIMIT_SLACK_BYTES is engine.sizing.LIMIT_SLACK_BYTES
-    assert est.MAX_GRAPH_PATCHES is engine.sizing.MAX_GRAPH_PATCHES
+    assert est.MAX_GRAPH_PATCHES is engine.vision_graphs.MAX_GRAPH_PATCHES is engine.sizing.MAX_GRAPH_PATCHES
     assert est.GRAPH_PREFILL_TOKENS == engine.sizing.PREFILL_BUCKETS[-1]
 
 
 def test_the_graph_code_captures_the_shapes_the_sizing_rules_name():
-    """The CUDA-graph modules still define these shapes themselves: they must be engine/sizing.py's until they
-    import them from there."""
+    """engine/cuda_graphs.py still defines these shapes itself: they must be engine/sizing.py's until it imports
+    them from there."""
     import engine.cuda_graphs
     import engine.sizing
-    import engine.vision_graphs
     assert engine.cuda_graphs.PREFILL_BUCKETS == engine.sizing.PREFILL_BUCKETS
-    assert engine.vision_graphs.MAX_GRAPH_PATCHES == engine.sizing.MAX_GRAPH_PATCHES
     for n in range(1, 1100):
         assert engine.cuda_graphs.batch_size_ladder(n) == engine.sizing.batch_size_ladder(n)
     for blocks, size in ((100, 16), (513, 16), (1000, 32), (30000, 16)):
