@@ -234,23 +234,29 @@ def test_a_large_tokenize_does_not_stall_open_streams(server):
     text = "The quick brown fox jumps over the lazy dog. " * (2_000_000 // 45)     # ~2 MB, seconds to tokenize
 
     async def run() -> tuple[float, float]:
-        async with aiohttp.ClientSession() as session:
-            body = chat(max_tokens=1900, ignore_eos=True, stream=True)
-            async with session.post(server.url + CHAT, json=body) as resp:
-                arrivals = []
-                async for line in resp.content:
-                    if line.startswith(b"data:"):
-                        arrivals.append(time.monotonic())
-                        if len(arrivals) == 5:
+        arrivals: list[float] = []
+        done = asyncio.Event()
+
+        async def stream_until_done(session: aiohttp.ClientSession) -> None:
+            while not done.is_set():              # one stream after another, for as long as the tokenizing takes
+                body = chat(max_tokens=1900, ignore_eos=True, stream=True)
+                async with session.post(server.url + CHAT, json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            arrivals.append(time.monotonic())
+                        if done.is_set():
                             break
-                start = time.monotonic()
-                tokenize = asyncio.ensure_future(session.post(server.url + "/tokenize", json={"prompt": text}))
-                while not tokenize.done():
-                    await resp.content.readline()
-                    arrivals.append(time.monotonic())
-                reply = await tokenize
+
+        async with aiohttp.ClientSession() as session:
+            streaming = asyncio.ensure_future(stream_until_done(session))
+            while len(arrivals) < 5:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            async with session.post(server.url + "/tokenize", json={"prompt": text}) as reply:
                 assert reply.status == 200 and (await reply.json())["count"] > 100_000
-                end = time.monotonic()
+            end = time.monotonic()
+            done.set()
+            await streaming
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end]
         return max(gaps), end - start
     largest_gap, tokenize_s = asyncio.run(run())

@@ -36,5 +36,6 @@ async def detokenize(request: web.Request) -> web.Response:
     state.check_model(f.string("model", None))
     ids = f.body.get("tokens")
     if not isinstance(ids, list):      # its items are checked off the event loop, with the decoding
-        raise InvalidInputError("tokens (a list of token ids) is required", param="tokens")
+        raise InvalidInputError("tokens (a list of token ids) is required" if ids is None else
+                                "tokens must be a list of token ids", param="tokens")
     return web.json_response({"prompt": await state.engine.decode(ids)}, dumps=dumps)
