@@ -25,8 +25,8 @@ TOP_LEVEL = "engine/*.py"
 # border to fix, not a rule: remove an entry once its import is gone (the test fails on a stale entry too).
 KNOWN_VIOLATIONS = {
     # The engine top level and engine/distributed import each other: Worker lives in distributed/ though TP=1 uses
-    # it too, and the top level's runner, cache, graphs and KV sizing read the tensor-parallel group (issue 33's
-    # engine/worker/ package ends this).
+    # it too, and the top level's runner, cache, graphs and KV sizing read the tensor-parallel group (a worker
+    # package holding the worker, runner, graphs and KV sizing ends this).
     ("engine.cache_engine", "engine.distributed.parallel_state"),
     ("engine.cuda_graphs", "engine.distributed.parallel_state"),
     ("engine.kv_sizing", "engine.distributed.parallel_state"),
