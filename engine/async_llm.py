@@ -9,17 +9,16 @@ blocks at once.
 It is the server's one way into the engine (vLLM's EngineClient role): model_info, encode/decode (on the input
 pool, under the prompt-text budgets of a prompt), process_chat/process_prompt, generate, get_stats and
 get_block_map. No other thread reads the scheduler or the KV cache: the engine thread publishes the running count
-after each step and copies counters and block tables when asked, between two steps.
+and a copy of the counters after each step, and copies the block tables when asked, between two steps.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from engine.args import EngineArgs
@@ -34,7 +33,7 @@ from engine.stats import Histogram
 
 logger = init_logger(__name__)
 T = TypeVar("T")
-# How long a read of engine state waits for the engine thread to reach a step boundary before it takes the last
+# How long a read of the block map waits for the engine thread to reach a step boundary before it takes the last
 # copy instead (a long prefill on the CPU can hold the thread for seconds).
 READ_WAIT_S = 0.5
 
@@ -52,8 +51,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class StatsSnapshot:
-    """The engine's counters (/stats) and its tokens-per-step histogram (/metrics), copied on the engine thread
-    between two steps."""
+    """The engine's counters (/stats) and its tokens-per-step histogram (/metrics), as the engine thread copied
+    them after its last step."""
     counters: dict[str, Any]
     iteration_tokens: Histogram
 
@@ -96,9 +95,10 @@ class AsyncLLM:
         self._stopping = False
         self.dead_error: BaseException | None = None
         # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
-        # the running count after each step, and the last copies of the counters and the block map.
+        # after each step the running count and a copy of the counters; the block map when asked.
         self._num_running = 0
-        self._last_stats = self._copy_stats()
+        self._started = self.engine.stats.started
+        self._publish()
         self._last_block_map = self._copy_block_map()
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
         # executor, which is shut down with the engine
@@ -116,13 +116,16 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None
 
-    async def get_stats(self) -> StatsSnapshot:
-        """The engine's counters, copied by the engine thread at its next step boundary (the last copy while a
-        step runs longer than READ_WAIT_S, or once the loop has stopped)."""
-        return await self._read(self._copy_stats, lambda: self._last_stats)
+    def get_stats(self) -> StatsSnapshot:
+        """The engine's counters as the engine thread copied them after its last step (or command), at once:
+        /stats must answer while a long step runs."""
+        stats = self._stats
+        return replace(stats, counters={**stats.counters, "uptime_s": time.time() - self._started})
 
     async def get_block_map(self) -> dict:
-        """Who holds which GPU block (engine/kv_map.py), copied as get_stats' counters are."""
+        """Who holds which GPU block (engine/kv_map.py), copied by the engine thread at its next step boundary
+        (the last copy while a step runs longer than READ_WAIT_S, or once the loop has stopped): tens of
+        thousands of blocks are too many to copy after every step."""
         return await self._read(self._copy_block_map, lambda: self._last_block_map)
 
     @property
@@ -328,11 +331,13 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
         """Every command queued since the last step: adds in order, then all aborts as one batch (a burst of
         disconnects is one pass over the scheduler's queues). An abort of a request added in the same drain
-        comes after its add; one whose add is still to come finds no stream there, and the add is skipped."""
+        comes after its add; one whose add is still to come finds no stream there, and the add is skipped. Returns
+        whether a request was added or aborted."""
         aborts: list[str] = []
+        changed = False
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -346,6 +351,7 @@ class AsyncLLM:
                 rid = command.request_id
                 if rid not in self._streams:       # the client left before the request reached the engine
                     continue
+                changed = True
                 try:
                     self.engine.add_request(rid, command.prompt, command.params, priority=command.priority,
                                             arrival_time=command.arrival_time)
@@ -361,27 +367,29 @@ class AsyncLLM:
         if aborts:
             for out in self.engine.abort_requests(aborts):
                 self._deliver(out.request_id, out)
-        self._num_running = len(self.engine.scheduler.running)
+        return changed or bool(aborts)
 
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands()
+                if self._drain_commands():
+                    self._publish()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
                 self._deliver_step(self._step())
-                self._num_running = len(self.engine.scheduler.running)
+                self._publish()
         except BaseException as e:   # noqa: BLE001 - the loop must never die silently
             self.dead_error = e
             logger.exception("engine loop died")
             for rid in list(self._streams):
                 self._deliver(rid, EngineOverloadedError(f"the engine failed: {e}", code="engine_dead"))
 
-    def _copy_stats(self) -> StatsSnapshot:
-        self._last_stats = StatsSnapshot(self.engine.get_stats(), copy.deepcopy(self.engine.stats.iteration_tokens))
-        return self._last_stats
+    def _publish(self) -> None:
+        """On the engine thread: what other threads read of it, each a new object (the reference swap is atomic)."""
+        self._num_running = len(self.engine.scheduler.running)
+        self._stats = StatsSnapshot(self.engine.get_stats(), _copy_histogram(self.engine.stats.iteration_tokens))
 
     def _copy_block_map(self) -> dict:
         self._last_block_map = self.engine.get_block_map()
@@ -409,6 +417,12 @@ class AsyncLLM:
             for rid in failed:
                 self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
             return []
+
+
+def _copy_histogram(h: Histogram) -> Histogram:
+    copied = Histogram(h.buckets)
+    copied.counts, copied.total, copied.count = list(h.counts), h.total, h.count
+    return copied
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

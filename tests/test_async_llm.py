@@ -166,7 +166,7 @@ def test_only_the_engine_thread_reads_the_scheduler_and_the_kv_cache(llm, monkey
         prompt = await llm.process_prompt("Hello there")
         stream = llm.generate("owned-1", prompt, params)
         await anext(stream)
-        stats, blocks = await llm.get_stats(), await llm.get_block_map()
+        stats, blocks = llm.get_stats(), await llm.get_block_map()
         llm.admission_stats()
         async for _ in stream:
             pass
@@ -178,26 +178,30 @@ def test_only_the_engine_thread_reads_the_scheduler_and_the_kv_cache(llm, monkey
     wait_idle(llm)
 
 
-def test_a_read_during_a_long_step_gets_the_last_copy(llm, monkeypatch):
-    """A step that holds the engine thread (a long prefill on the CPU) does not hold /stats: after READ_WAIT_S
-    the read answers with the counters copied last."""
-    asyncio.run(llm.get_stats())                        # a fresh copy while idle
+def test_reads_during_a_long_step_answer_from_the_last_copies(llm, monkeypatch):
+    """A step that holds the engine thread (a long prefill on the CPU) holds neither /stats, answered at once from
+    the counters copied after the last step or command, nor /stats/blocks, answered after READ_WAIT_S from the
+    block map copied last."""
+    asyncio.run(llm.get_block_map())                    # a fresh copy while idle
     step = llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(2 * READ_WAIT_S) or step())
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(4 * READ_WAIT_S) or step())
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
-    async def run() -> tuple[float, StatsSnapshot]:
+    async def run() -> tuple[float, StatsSnapshot, float, dict]:
         prompt = await llm.process_prompt("Hello there")
         stream = llm.generate("slow-1", prompt, params)
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.2)                         # the engine thread is inside the slow step
         start = time.monotonic()
-        stats = await llm.get_stats()
-        waited = time.monotonic() - start
+        stats = llm.get_stats()
+        stats_s = time.monotonic() - start
+        blocks = await llm.get_block_map()
+        blocks_s = time.monotonic() - start - stats_s
         await first
         async for _ in stream:
             pass
-        return waited, stats
-    waited, stats = asyncio.run(run())
-    assert waited < 2 * READ_WAIT_S and stats.counters["num_running"] == 0
+        return stats_s, stats, blocks_s, blocks
+    stats_s, stats, blocks_s, blocks = asyncio.run(run())
+    assert stats_s < 0.05 and (stats.counters["num_running"], stats.counters["num_waiting"]) == (0, 1)
+    assert READ_WAIT_S <= blocks_s < 3 * READ_WAIT_S and blocks["requests"] == []
     wait_idle(llm)

@@ -66,7 +66,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    counters = (await engine.get_stats()).counters
+    counters = engine.get_stats().counters
     return web.json_response({**counters, **engine.admission_stats(), "version": __version__}, dumps=dumps)
 
 
@@ -76,7 +76,7 @@ async def block_map(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    snapshot = await state.engine.get_stats()
+    snapshot = state.engine.get_stats()
     text = render_metrics(snapshot.counters, state.metrics, state.served_model_name, snapshot.iteration_tokens)
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
