@@ -1,11 +1,11 @@
 """Qwen3-VL-8B-Instruct checkpoints in the Hugging Face cache, bf16 and quantized, and which one fits this GPU.
 
-A checkpoint's format comes from its config.json (`quantization_config`, as the engine reads it); its weight size
-is computed from the config's shapes as the engine holds them on the GPU: the decoder's linear layers in the
-checkpoint's format (integer formats repacked with a bf16 scale and zero point per group), and the embeddings,
+A checkpoint's format comes from its config.json (`quantization_config`, read by the engine's own parser); its
+weight size is computed from the config's shapes as the engine holds them on the GPU: the decoder's linear layers
+in the checkpoint's format (integer formats repacked with a bf16 scale and zero point per group), and the embeddings,
 lm_head, norms and the whole vision tower in bf16 (a checkpoint that ships its vision blocks quantized, which its
-exclusion list `modules_to_not_convert` / `ignore` shows, has them dequantized at load). Pure Python: the
-launcher must start without importing torch.
+exclusion list `modules_to_not_convert` / `ignore` shows, has them dequantized at load). Without torch: the
+launcher must start without it, so it imports only the engine's torch-free modules.
 
     python -m app.checkpoints [CONFIG.json]     # the weight sizes of each format for that config
 """
@@ -20,13 +20,16 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.errors import ModelLoadError
+from engine.model.quantization.config import Fp8BlockScheme, Scheme
+from engine.model.quantization.parse import parse_quantization_config
+
 GB = 1e9
 GiB = 1 << 30
 TARGET_MARK = "qwen3-vl-8b-instruct"
 # What a repo name carries when it holds a quantized checkpoint.
 QUANT_MARKER = re.compile(r"awq|gptq|fp8|w4a16|w8a8|w8a16|w4a8|int4|int8|4bit|8bit|4-bit|8-bit|nvfp4|mxfp4|"
                           r"quantized|compressed", re.IGNORECASE)
-SUPPORTED_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 # The 8B's shapes, for a cached config.json that lacks them (sizes are then those of the published model).
 REFERENCE_CONFIG = Path(__file__).resolve().parent.parent / "bench" / "model_configs" / "qwen3-vl-8b-instruct" / \
     "config.json"
@@ -53,66 +56,39 @@ class WeightFormat:
     @property
     def integer(self) -> bool:
         """Integer weight groups (AWQ, GPTQ, compressed-tensors int4/int8): the engine's 4/8-bit kernels."""
-        return self.bits < 16 and not self.name.startswith("fp8")
+        return self.bits < 16 and self.block is None
 
 
 BF16 = WeightFormat("bf16", 16)
 
 
 def weight_format(config: dict) -> WeightFormat | str:
-    """The format of a checkpoint from its config.json, or why the engine cannot load it (a string)."""
-    q = config.get("quantization_config")
-    if not q:
+    """The format of a checkpoint from its config.json as the engine reads it (the engine's own parser,
+    engine/model/quantization/parse.py), or why the engine refuses it (a string)."""
+    try:
+        qc = parse_quantization_config(config.get("quantization_config"))
+    except ModelLoadError as e:
+        return e.message
+    if qc is None:
         return BF16
-    method = str(q.get("quant_method", "")).lower()
-    fmt = _weight_format(q, method)
-    if isinstance(fmt, WeightFormat) and not _excluded(q, method, VISION_PROBE):
-        fmt = replace(fmt, vision_quantized=True)
-    return fmt
+    decoder = "model.language_model.layers.0.mlp.gate_proj" if config.get("vision_config") else \
+        "model.layers.0.mlp.gate_proj"
+    fmt = _format_of(qc.method, qc.scheme_for(decoder))
+    return replace(fmt, vision_quantized=qc.scheme_for(VISION_PROBE) is not None)
 
 
 # A vision block's linear layer as the checkpoints name it: whether the exclusion list covers the vision blocks.
 VISION_PROBE = "model.visual.blocks.0.attn.qkv"
 
 
-def _excluded(q: dict, method: str, name: str) -> bool:
-    """Whether the config keeps module `name` unquantized: `ignore` (compressed-tensors: exact names or `re:`
-    patterns) or `modules_to_not_convert` (awq, gptq, fp8: substrings, as vLLM and transformers read them)."""
-    if method == "compressed-tensors":
-        return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in q.get("ignore") or [])
-    return any(p in name for p in q.get("modules_to_not_convert") or [])
-
-
-def _weight_format(q: dict, method: str) -> WeightFormat | str:
-    if method == "fp8":
-        block = q.get("weight_block_size")
-        return WeightFormat("fp8", 8, block=tuple(block) if block else None)
-    if method in ("awq", "gptq"):
-        bits = int(q.get("bits", q.get("w_bit", 4)))
-        group = int(q.get("group_size", q.get("q_group_size", 128)))
-        zero = bool(q.get("zero_point", True)) if method == "awq" else not q.get("sym", True)
-        return WeightFormat(f"{method} {bits}-bit g{group}", bits, group if group > 0 else None, zero)
-    if method == "compressed-tensors":
-        return _compressed_tensors_format(q)
-    return f"quant_method {method or '?'!r} is not one the engine loads ({', '.join(SUPPORTED_METHODS)})"
-
-
-def _compressed_tensors_format(q: dict) -> WeightFormat | str:
-    groups = list((q.get("config_groups") or {}).values())
-    weights = [g.get("weights") or {} for g in groups]
-    if not weights:
-        return "compressed-tensors without config_groups"
-    w = weights[0]
-    bits, kind, strategy = int(w.get("num_bits", 0)), w.get("type", "int"), w.get("strategy")
-    fmt = q.get("format", "")
-    if kind == "float" and bits == 8:
-        block = w.get("block_structure")
-        return WeightFormat(f"fp8 ({fmt})", 8, block=tuple(block) if block else None)
-    if kind == "int" and bits in (4, 8):
-        group = int(w["group_size"]) if strategy == "group" and w.get("group_size") else None
-        zero = not w.get("symmetric", True)
-        return WeightFormat(f"compressed-tensors int{bits}" + (f" g{group}" if group else ""), bits, group, zero)
-    return f"compressed-tensors weights {kind}{bits} ({fmt}) are not a layout the engine loads"
+def _format_of(method: str, scheme: Scheme | None) -> WeightFormat:
+    if scheme is None:
+        return BF16
+    if isinstance(scheme, Fp8BlockScheme):
+        return WeightFormat("fp8", 8, block=scheme.block_size)
+    group = scheme.group_size if scheme.group_size > 0 else None
+    return WeightFormat(f"{method} {scheme.bits}-bit" + (f" g{group}" if group else ""), scheme.bits, group,
+                        zero_points=not scheme.symmetric)
 
 
 # ---- sizes from the config -----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from app.fit import fit_for_launch
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
 from app.settings import REPO, Settings
+from engine.args import EngineArgs
+from engine.server.cli import ServerArgs
 
 POLL_S = 0.3
 
@@ -105,9 +107,9 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
     return cmd + extra
 
 
-# The engine's defaults for --max-num-seqs and --max-waiting-requests (engine/args.py, engine/server/defaults.py:
-# not imported, the launcher never loads the engine), and room for streams that are ending.
-ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING, UPSTREAM_ROOM = 256, 1024, 64
+# The engine's defaults for --max-num-seqs and --max-waiting-requests, and room for streams that are ending.
+ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING = EngineArgs.max_num_seqs, ServerArgs.max_waiting_requests
+UPSTREAM_ROOM = 64
 
 
 def flag_value(args: list[str], flag: str, default: int) -> int:

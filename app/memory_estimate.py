@@ -20,6 +20,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.checkpoints import GB, GiB, WeightFormat, weight_format
+from engine.args import EngineArgs
+from engine.errors import ModelLoadError
+from engine.inputs.processor_config import DEFAULT_MAX_PIXELS, image_processor_config, pixel_bounds
+from engine.sizing import (LIMIT_SLACK_BYTES, MAX_GRAPH_PATCHES, PREFILL_BUCKETS, batch_size_ladder,
+                           scratch_blocks_needed)
 
 # Figures of the README (measured on the H200, or derived from its logged memory profile):
 NON_TORCH_BYTES = int(0.73 * GB)     # CUDA context and libraries
@@ -29,12 +34,8 @@ CUDA_GRAPH_BYTES = int(0.55 * GiB)   # the graph pools ("Captured CUDA graphs ..
 # logits, their temperature-scaled copy, the sorted values, the int64 order, the cumulative softmax, a mask and the
 # masked and scattered copies at once: ~30 bytes (half of the FP8 profile's sum below, which it matches).
 SAMPLER_BYTES_PER_LOGIT = 30
-# engine/cuda_graphs.py: prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are not
-# captured when the pool holds fewer than twice that (the decode graphs, which need none, still are).
-GRAPH_SCRATCH_TOKENS = 4096
-GRAPH_PREFILL_TOKENS = 2048          # the largest prefill bucket
-MAX_GRAPH_PATCHES = 16384            # engine/vision_graphs.py: the largest image the vision graphs take
-LIMIT_SLACK_BYTES = 256 << 20        # engine/memory.py: set aside under --gpu-memory-limit for the allocator
+GRAPH_PREFILL_TOKENS = PREFILL_BUCKETS[-1]         # the largest prefill bucket
+GRAPH_SCRATCH_TOKENS = scratch_blocks_needed(1)    # the prefill graphs' scratch KV, kept out of the pool
 # Under a limit the engine sets its own measure of the graph pools aside (engine/kv_sizing.py: the reserved peak
 # of each pool's largest step, plus every graph's output and the vision graph's inputs). For the 2048-token prefill
 # step this figure makes the sum match the one logged profile: 0.82 GB for FP8 at 16 GiB (graphs + encoder cache
@@ -44,7 +45,6 @@ GRAPH_PREFILL_STEP_BYTES = int(0.35 * GB)
 # multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at the 8B) is live beside the
 # activations, in the profiled step and in the 2048-token graph the engine measures under a limit.
 DEQUANT_ABOVE_TOKENS = 64
-PROCESSOR_MAX_PIXELS = 16_777_216    # engine/inputs/image_processor.py's default (4096x4096)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class ModelShape:
     token_pixels: int = 1024         # pixels per LLM token (a 2x2 block of patches)
     encoder_bytes_per_token: int = 0  # a cached image token: the merger's row and the deepstack rows, bf16
     vit_input_bytes_per_patch: int = 0  # a vision graph's static inputs: a patch's pixels and position row, bf16
-    max_pixels: int = PROCESSOR_MAX_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
     largest_linear: int = 0          # weights of the decoder's largest fused linear layer (gate_up)
     integer_weights: bool = False    # AWQ / GPTQ / compressed-tensors int: dequantized for prefill-sized steps
 
@@ -87,15 +87,18 @@ class ModelShape:
                        vit_input_bytes_per_patch=(patch_dim + v["hidden_size"]) * 2,
                        token_pixels=(v["patch_size"] * merge) ** 2,
                        encoder_bytes_per_token=(1 + taps) * v["out_hidden_size"] * 2,
-                       max_pixels=processor_max_pixels(preprocessor or {}))
+                       max_pixels=pixel_bounds(preprocessor or {})[1])
 
     @classmethod
     def from_model_dir(cls, path: Path, config: dict | None = None) -> "ModelShape":
-        """From the directory's config.json (or `config`, as read and perhaps amended) and its
-        preprocessor_config.json where there is one."""
-        pre = path / "preprocessor_config.json"
-        return cls.from_config(config if config is not None else json.loads((path / "config.json").read_text()),
-                               json.loads(pre.read_text()) if pre.is_file() else None)
+        """From the directory's config.json (or `config`, as read and perhaps amended) and its image-processor
+        settings where there are some (as the engine finds them)."""
+        config = config if config is not None else json.loads((path / "config.json").read_text())
+        try:
+            processor = image_processor_config(path) if config.get("vision_config") else None
+        except ModelLoadError:      # the engine refuses to load it; the sum takes the processor's defaults
+            processor = None
+        return cls.from_config(config, processor)
 
     def with_format(self, fmt: WeightFormat) -> "ModelShape":
         """The same model with its decoder's linear layers stored as `fmt`."""
@@ -133,26 +136,20 @@ def vit_bytes_per_patch(v: dict) -> int:
     return patch_dim * (4 + 2) + 2 * h + 4 * head_dim + 4 * 2 * h + 2 * v["intermediate_size"] + 2 * h + 2 * rows
 
 
-def processor_max_pixels(cfg: dict) -> int:
-    """The image pixel cap as engine/inputs/image_processor.py reads it from preprocessor_config.json."""
-    size = cfg.get("size") or {}
-    return int(cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or PROCESSOR_MAX_PIXELS)
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """The engine flags the memory depends on, at the engine's defaults (engine/args.py)."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    encoder_cache_size: int = 16384
+    max_num_batched_tokens: int = max(8192, EngineArgs.max_num_seqs)   # EngineArgs.batched_tokens_budget's default
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    encoder_cache_size: int = EngineArgs.encoder_cache_size
     max_pixels: int | None = None            # --mm-processor-kwargs '{"max_pixels": N}'; None: the processor's
-    cpu_embeddings: bool = False
-    kv_cache_dtype: str = "auto"
-    enforce_eager: bool = False
-    max_model_len: int | None = None         # None: the model's context
-    gpu_memory_utilization: float = 0.9
-    gpu_memory_limit: float | None = None    # GiB
-    block_size: int = 16
+    cpu_embeddings: bool = EngineArgs.cpu_embeddings
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype
+    enforce_eager: bool = EngineArgs.enforce_eager
+    max_model_len: int | None = EngineArgs.max_model_len       # None: the model's context
+    gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization
+    gpu_memory_limit: float | None = EngineArgs.gpu_memory_limit     # GiB
+    block_size: int = EngineArgs.block_size
 
 
 @dataclass(frozen=True)
@@ -195,7 +192,7 @@ def estimate(total: int, weights: int, shape: ModelShape, s: EngineSettings, oth
     sampler = rows * shape.vocab * SAMPLER_BYTES_PER_LOGIT
     encoder = s.encoder_cache_size * shape.encoder_bytes_per_token
     per_token = shape.kv_bytes_per_token_as(s.kv_cache_dtype)
-    scratch = GRAPH_SCRATCH_TOKENS // s.block_size
+    scratch = scratch_blocks_needed(s.block_size)
     graphs = prefill_graphs = not s.enforce_eager
     if s.gpu_memory_limit is not None:       # the engine sets the graphs and the encoder cache aside itself
         usable, activation = int(s.gpu_memory_limit * GiB), decoder + sampler + vision
@@ -232,7 +229,7 @@ def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: boo
     rows = sum(batch_size_ladder(s.max_num_seqs))
     if prefill:
         step = GRAPH_PREFILL_STEP_BYTES + shape.dequant_bytes(GRAPH_PREFILL_TOKENS)
-        rows += sum(range(64, GRAPH_PREFILL_TOKENS + 1, 64))
+        rows += sum(PREFILL_BUCKETS)
     else:
         step = s.max_num_seqs * GRAPH_PREFILL_STEP_BYTES // GRAPH_PREFILL_TOKENS + shape.dequant_bytes(s.max_num_seqs)
     vision = 0
@@ -241,8 +238,3 @@ def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: boo
         vision = patches * (shape.vit_bytes_per_patch + shape.vit_input_bytes_per_patch)
     return step + rows * shape.hidden * 2 + vision
 
-
-def batch_size_ladder(max_num_seqs: int) -> list[int]:
-    """engine/cuda_graphs.py's decode batch sizes: one graph each."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
-    return [n for n in sizes if n < max_num_seqs] + [max_num_seqs]

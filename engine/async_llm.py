@@ -5,6 +5,11 @@ clear error before any stream starts; only valid requests cross to the engine th
 queue that the loop drains between steps. Each step's outputs go back to the owning coroutine's queue via
 call_soon_threadsafe. A client that goes away aborts its request at the next step boundary, freeing its
 blocks at once.
+
+It is the server's one way into the engine (vLLM's EngineClient role): model_info, encode/decode (on the input
+pool, under the prompt-text budgets of a prompt), process_chat/process_prompt, generate, get_stats and
+get_block_map. No other thread reads the scheduler or the KV cache: the engine thread publishes the running count
+and a copy of the counters after each step, and copies the block tables when asked, between two steps.
 """
 from __future__ import annotations
 
@@ -13,17 +18,43 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from engine.args import EngineArgs
+from engine.engine_commands import AbortRequest, AddRequest, EngineCommand, ReadState
 from engine.errors import EngineError, EngineOverloadedError, InvalidInputError, QueueFullError
 from engine.inputs.types import ProcessedPrompt
 from engine.llm_engine import LLMEngine
 from engine.logger import init_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import Histogram
 
 logger = init_logger(__name__)
+T = TypeVar("T")
+# How long a read of the block map waits for the engine thread to reach a step boundary before it takes the last
+# copy instead (a long prefill on the CPU can hold the thread for seconds).
+READ_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as the server describes it; fixed once the engine is built."""
+    name: str                        # --served-model-name, else the model directory's name
+    max_model_len: int
+    vocab_size: int
+    multimodal: bool
+    max_images_per_prompt: int
+    demo_model: bool                 # --demo-model: the page shows a banner
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """The engine's counters (/stats) and its tokens-per-step histogram (/metrics), as the engine thread copied
+    them after its last step."""
+    counters: dict[str, Any]
+    iteration_tokens: Histogram
 
 
 @dataclass
@@ -38,25 +69,6 @@ class StartRequest:
 
 
 @dataclass
-class AddRequest:
-    """Engine-thread command: queue a checked request (its stream already waits for outputs)."""
-    request_id: str
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-
-
-@dataclass
-class AbortRequest:
-    """Engine-thread command: stop a request and free its blocks (its client left)."""
-    request_id: str
-
-
-EngineCommand = AddRequest | AbortRequest
-
-
-@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -66,7 +78,12 @@ class _Stream:
 class AsyncLLM:
     def __init__(self, args: EngineArgs, max_pending: int = 4096, max_waiting: int | None = None):
         self.engine = LLMEngine(args)
-        self.model_name = self.engine.model_name
+        e = self.engine
+        self.model_info = ModelInfo(e.model_name, e.max_model_len, e.model_config.vocab_size,
+                                    e.model_config.is_multimodal, e.input_processor.limits.limit_images_per_prompt,
+                                    args.demo_model)
+        self.model_name = self.model_info.name
+        self.max_num_seqs = args.max_num_seqs
         self.max_pending = max_pending      # every request in flight, whatever its priority
         self.max_waiting = max_waiting      # requests without a running slot; None: only max_pending applies
         self.num_refused_queue_full = 0
@@ -74,8 +91,15 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._token_texts: dict[int, str] = {}     # token_text's, filled by the event loop
         self._stopping = False
         self.dead_error: BaseException | None = None
+        # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
+        # after each step the running count and a copy of the counters; the block map when asked.
+        self._num_running = 0
+        self._started = self.engine.stats.started
+        self._publish()
+        self._last_block_map = self._copy_block_map()
         # Prompt processing (templates, tokenizing, image decodes) runs off the event loop, on the input processor's
         # executor, which is shut down with the engine
         self._workers = self.engine.input_processor.executor
@@ -91,17 +115,23 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.dead_error is None
 
-    def stats(self) -> dict:
-        return self.engine.get_stats()
+    def get_stats(self) -> StatsSnapshot:
+        """The engine's counters as the engine thread copied them after its last step (or command), at once:
+        /stats must answer while a long step runs."""
+        stats = self._stats
+        return replace(stats, counters={**stats.counters, "uptime_s": time.time() - self._started})
 
-    def block_map(self) -> dict:
-        return self.engine.get_block_map()
+    async def get_block_map(self) -> dict:
+        """Who holds which GPU block (engine/kv_map.py), copied by the engine thread at its next step boundary
+        (the last copy while a step runs longer than READ_WAIT_S, or once the loop has stopped): tens of
+        thousands of blocks are too many to copy after every step."""
+        return await self._read(self._copy_block_map, lambda: self._last_block_map)
 
     @property
     def num_waiting(self) -> int:
         """Requests admitted here that hold no running slot: still crossing to the engine thread, waiting, or
-        swapped out. (The scheduler's lists are read from this thread; len() of a list is atomic.)"""
-        return max(0, len(self._streams) - len(self.engine.scheduler.running))
+        swapped out (the running count as the engine thread last published it)."""
+        return max(0, len(self._streams) - self._num_running)
 
     def admission_stats(self) -> dict:
         return {"num_pending": self.num_waiting, "max_waiting_requests": self.max_waiting,
@@ -109,8 +139,40 @@ class AsyncLLM:
 
     def _retry_after_s(self) -> int:
         """A hint for Retry-After: about one wave of running requests per queued batch of max_num_seqs."""
-        waves = self.num_waiting // max(1, self.engine.scheduler.max_num_seqs) + 1
+        waves = self.num_waiting // max(1, self.max_num_seqs) + 1
         return min(60, waves)
+
+    # ---- tokens --------------------------------------------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text` (the tokenizer's encode), on the input pool under the prompt-text budgets that
+        chat prompts meet (413 past the per-request cap, 429 past the in-flight one)."""
+        ip = self.engine.input_processor
+        return await asyncio.wrap_future(self._workers.submit(ip.tokenize, text, add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (the tokenizer's decode), on the input pool; anything but ids of the vocabulary
+        is a 400 naming `tokens` (checked there too: a body's worth of ids takes a while)."""
+        return await asyncio.wrap_future(self._workers.submit(self._decode, token_ids))
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's symbol for each id (the tokenizer's convert_ids_to_tokens), on the input pool."""
+        tokenizer = self.engine.tokenizer
+        return await asyncio.wrap_future(self._workers.submit(tokenizer.convert_ids_to_tokens, token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it (decoded, not the vocabulary's symbol): a one-token decode, cheap
+        enough for the event loop, and kept. From the event loop only."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        vocab = self.model_info.vocab_size
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]   # a bool is no token id
+        if bad:
+            raise InvalidInputError(f"tokens {bad[:5]} are not token ids: integers in [0, {vocab})", param="tokens")
+        return self.engine.tokenizer.decode(token_ids)
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None,
@@ -268,11 +330,13 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
         """Every command queued since the last step: adds in order, then all aborts as one batch (a burst of
         disconnects is one pass over the scheduler's queues). An abort of a request added in the same drain
-        comes after its add; one whose add is still to come finds no stream there, and the add is skipped."""
+        comes after its add; one whose add is still to come finds no stream there, and the add is skipped. Returns
+        whether a request was added or aborted."""
         aborts: list[str] = []
+        changed = False
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -280,10 +344,13 @@ class AsyncLLM:
                 break
             if isinstance(command, AbortRequest):
                 aborts.append(command.request_id)
+            elif isinstance(command, ReadState):
+                command.run()
             else:
                 rid = command.request_id
                 if rid not in self._streams:       # the client left before the request reached the engine
                     continue
+                changed = True
                 try:
                     self.engine.add_request(rid, command.prompt, command.params, priority=command.priority,
                                             arrival_time=command.arrival_time)
@@ -299,21 +366,45 @@ class AsyncLLM:
         if aborts:
             for out in self.engine.abort_requests(aborts):
                 self._deliver(out.request_id, out)
+        return changed or bool(aborts)
 
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands()
+                if self._drain_commands():
+                    self._publish()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
                 self._deliver_step(self._step())
+                self._publish()
         except BaseException as e:   # noqa: BLE001 - the loop must never die silently
             self.dead_error = e
             logger.exception("engine loop died")
             for rid in list(self._streams):
                 self._deliver(rid, EngineOverloadedError(f"the engine failed: {e}", code="engine_dead"))
+
+    def _publish(self) -> None:
+        """On the engine thread: what other threads read of it, each a new object (the reference swap is atomic)."""
+        self._num_running = len(self.engine.scheduler.running)
+        self._stats = StatsSnapshot(self.engine.get_stats(), _copy_histogram(self.engine.stats.iteration_tokens))
+
+    def _copy_block_map(self) -> dict:
+        self._last_block_map = self.engine.get_block_map()
+        return self._last_block_map
+
+    async def _read(self, read: Callable[[], T], last: Callable[[], T]) -> T:
+        """`read` run by the engine thread between two steps; `last()` (its previous result) when the thread does
+        not come to it within READ_WAIT_S or has stopped."""
+        if not self._thread.is_alive():
+            return last()
+        command = ReadState(read)
+        self._send(command)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(command.result)), READ_WAIT_S)
+        except TimeoutError:
+            return last()
 
     def _step(self) -> list[RequestOutput]:
         try:
@@ -325,6 +416,12 @@ class AsyncLLM:
             for rid in failed:
                 self._deliver(rid, EngineError(f"generation failed: {type(e).__name__}: {e}", code="step_failed"))
             return []
+
+
+def _copy_histogram(h: Histogram) -> Histogram:
+    copied = Histogram(h.buckets)
+    copied.counts, copied.total, copied.count = list(h.counts), h.total, h.count
+    return copied
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

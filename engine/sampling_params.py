@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidInputError
 
 _GREEDY_EPS = 1e-5
+# Optional whitespace between JSON tokens in a structured output: one space, or one line break and an indentation;
+# what compact and pretty-printed JSON use. Unbounded whitespace would let a model (surely a random one) pad
+# forever inside a valid prefix.
+JSON_WHITESPACE = r"(\x20|\n[\x20\x09]{0,32})?"
 
 
 @dataclass

@@ -20,14 +20,10 @@ import torch
 
 from engine.errors import InvalidInputError
 from engine.logger import init_logger
-from engine.sampling_params import StructuredOutputsParams
+from engine.sampling_params import JSON_WHITESPACE, StructuredOutputsParams
 
 logger = init_logger(__name__)
 
-# Optional whitespace between JSON tokens: one space, or one line break and an indentation; what compact and
-# pretty-printed JSON use. Unbounded whitespace would let a model (surely a random one) pad forever inside a
-# valid prefix.
-JSON_WHITESPACE = r"(\x20|\n[\x20\x09]{0,32})?"
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:

@@ -8,10 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from app.checkpoints import (BF16, GB, GiB, RUNTIME_BYTES, CachedCheckpoint, choose,
+from app.checkpoints import (BF16, GB, GiB, RUNTIME_BYTES, VISION_PROBE, CachedCheckpoint, choose,
                              decoder_linear_shapes, gpu_memory, other_params, parse_nvidia_smi,
                              vision_bytes, vision_linear_shapes, weight_bytes, weight_format)
 from app.models import resolve_model
+from engine.errors import ModelLoadError
+from engine.model.quantization.parse import parse_quantization_config
 from test_app_launcher import clean_env, fake_snapshot  # noqa: F401  (clean_env is a fixture)
 
 REFERENCE = json.loads(open(__file__.rsplit("/", 2)[0] + "/bench/model_configs/qwen3-vl-8b-instruct/config.json")
@@ -39,14 +41,32 @@ def with_quant(q: dict | None) -> dict:
 # ---- formats -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("q, name, bits", [
     (None, "bf16", 16), (QWEN_FP8, "fp8", 8), (AWQ, "awq 4-bit g128", 4), (GPTQ, "gptq 4-bit g128", 4),
-    (CT_W4A16, "compressed-tensors int4 g128", 4), (CT_FP8_DYNAMIC, "fp8 (float-quantized)", 8)])
+    (CT_W4A16, "compressed-tensors 4-bit g128", 4)])
 def test_format_comes_from_quantization_config(q, name, bits):
     fmt = weight_format(with_quant(q))
     assert (fmt.name, fmt.bits) == (name, bits)
 
 
-def test_a_method_the_engine_does_not_load_is_named():
-    assert "'bitsandbytes' is not one the engine loads" in weight_format(with_quant(BNB))
+@pytest.mark.parametrize("q", [
+    BNB, CT_FP8_DYNAMIC, {**QWEN_FP8, "weight_block_size": None}, {**AWQ, "zero_point": False},
+    {**GPTQ, "checkpoint_format": "gptq_v2"}, {**CT_W4A16, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}])
+def test_a_checkpoint_the_engine_refuses_is_refused_with_the_engines_reason(q):
+    """One parser: the launcher reads quantization_config with the engine's, so it never offers a checkpoint
+    the engine would refuse at load, and says why in the engine's words."""
+    with pytest.raises(ModelLoadError) as refused:
+        parse_quantization_config(q)
+    assert weight_format(with_quant(q)) == refused.value.message
+
+
+@pytest.mark.parametrize("ignore, vision_quantized", [
+    (["lm_head", "model.visual"], False),                 # a parent module: its blocks are kept too
+    (["lm_head", "visual.blocks.0.attn.qkv"], False),     # a trailing part of the name, as vLLM reads it
+    (["re:.*visual.*"], False), (["lm_head"], True)])
+def test_the_vision_tower_is_excluded_as_the_engine_matches_names(ignore, vision_quantized):
+    fmt = weight_format(with_quant({**CT_W4A16, "ignore": ignore}))
+    assert fmt.vision_quantized is vision_quantized
+    engine_scheme = parse_quantization_config({**CT_W4A16, "ignore": ignore}).scheme_for(VISION_PROBE)
+    assert (engine_scheme is not None) is vision_quantized
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------------
@@ -135,7 +155,7 @@ def test_the_smallest_of_the_gpus_tensor_parallelism_uses():
 def test_without_a_gpu_bf16_else_the_most_precise():
     assert choose(FOUND, None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct"
     assert choose(FOUND[1:], None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct-FP8"
-    official_first = [checkpoint("someone/Qwen3-VL-8B-Instruct-FP8-dynamic", CT_FP8_DYNAMIC), FOUND[1]]
+    official_first = [checkpoint("someone/Qwen3-VL-8B-Instruct-FP8-block", QWEN_FP8), FOUND[1]]
     assert choose(official_first, None).checkpoint.repo == "Qwen/Qwen3-VL-8B-Instruct-FP8"
 
 
@@ -159,7 +179,8 @@ def test_resolve_picks_from_the_cache_and_says_why(clean_env, tmp_path):
                             "checkpoint needs its weights + ~3.5 GB at run time)")
     assert "also found: Qwen/Qwen3-VL-8B-Instruct (bf16, weights ~17.5 GB, needs ~21 GB)" in notes
     assert "also found: someone/Qwen3-VL-8B-Instruct-AWQ-4bit (awq 4-bit g128, weights ~7.3 GB" in notes
-    assert "someone/Qwen3-VL-8B-Instruct-bnb-4bit (not used: quant_method 'bitsandbytes'" in notes
+    assert ("someone/Qwen3-VL-8B-Instruct-bnb-4bit (not used: unsupported quantized checkpoint: quantization "
+            "method 'bitsandbytes'") in notes
     for absent in ("GPTQ", "Thinking", "abliterated"):
         assert absent not in notes
     assert "--model <its snapshot folder>" in notes

@@ -53,19 +53,56 @@ def test_the_sum_uses_the_readmes_figures():
     assert e.graphs and e.pool_tokens == e.kv_bytes // (16 * SHAPE.kv_bytes_per_token) * 16 - 4096
 
 
-def test_the_engine_constants_the_sum_mirrors_are_the_engines():
-    """app/ cannot import the engine (torch): the figures it copies are checked against the engine here."""
+def test_the_sum_takes_the_engines_sizing_rules_from_the_engine():
+    """One implementation: the launcher imports the engine's torch-free sizing rules (engine/sizing.py), which
+    the engine's memory code uses too."""
     import app.memory_estimate as est
-    from engine.worker.cuda_graphs import scratch_blocks_needed
+        import engine.sizing
+    import engine.worker.vision_graphs
+    assert est.batch_size_ladder is engine.sizing.batch_size_ladder
+    assert est.scratch_blocks_needed is engine.sizing.scratch_blocks_needed
+    assert est.LIMIT_SLACK_BYTES is engine.sizing.LIMIT_SLACK_BYTES
+    assert est.MAX_GRAPH_PATCHES is engine.worker.vision_graphs.MAX_GRAPH_PATCHES is engine.sizing.MAX_GRAPH_PATCHES
+    assert est.GRAPH_PREFILL_TOKENS == engine.sizing.PREFILL_BUCKETS[-1]
+
+
+def test_the_graph_code_captures_the_shapes_the_sizing_rules_name():
+    """The CUDA graphs and the KV sizing take their shapes from engine/sizing.py, as the launcher does."""
+    import engine.sizing
+    import engine.worker.cuda_graphs as graphs
+    import engine.worker.kv_sizing as kv_sizing
+    import engine.worker.worker as worker
+    assert graphs.PREFILL_BUCKETS is engine.sizing.PREFILL_BUCKETS
+    assert graphs.batch_size_ladder is engine.sizing.batch_size_ladder
+    assert worker.prefill_scratch_blocks is kv_sizing.prefill_scratch_blocks is engine.sizing.prefill_scratch_blocks
+    assert worker.scratch_blocks_needed is engine.sizing.scratch_blocks_needed
+    assert kv_sizing.LIMIT_SLACK_BYTES is engine.sizing.LIMIT_SLACK_BYTES
+
+
+def test_the_image_cap_is_read_where_and_as_the_engine_reads_it(qwen3_vl_dir, qwen3_vl_transformers5_dir, tmp_path):
+    """preprocessor_config.json, or transformers 5's processor_config.json: the largest image the sum profiles is
+    the one the engine's image processor lets through."""
     from engine.inputs.image_processor import ImageProcessor
-    from engine.worker.memory import LIMIT_SLACK_BYTES as engine_slack
-    assert est.LIMIT_SLACK_BYTES == engine_slack
-    assert est.GRAPH_SCRATCH_TOKENS == scratch_blocks_needed(16) * 16
-    assert est.PROCESSOR_MAX_PIXELS == ImageProcessor().max_pixels
-    from engine.worker.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
-    from engine.worker.vision_graphs import MAX_GRAPH_PATCHES
-    assert est.GRAPH_PREFILL_TOKENS == PREFILL_BUCKETS[-1] and est.MAX_GRAPH_PATCHES == MAX_GRAPH_PATCHES
-    assert all(est.batch_size_ladder(n) == batch_size_ladder(n) for n in (1, 5, 16, 64, 100, 256, 1024))
+    from app.memory_estimate import ModelShape
+    capped = tmp_path / "capped"
+    capped.mkdir()
+    for name in ("config.json", "preprocessor_config.json"):
+        (capped / name).write_text((qwen3_vl_dir / name).read_text())
+    pre = json.loads((capped / "preprocessor_config.json").read_text())
+    (capped / "preprocessor_config.json").write_text(json.dumps({**pre, "max_pixels": 1 << 20}))
+    for model in (qwen3_vl_dir, qwen3_vl_transformers5_dir, capped):
+        assert ModelShape.from_model_dir(model).max_pixels == ImageProcessor.from_model_dir(model).max_pixels
+    assert ModelShape.from_model_dir(capped).max_pixels == 1 << 20
+
+
+def test_the_settings_default_to_the_engines_flags():
+    from engine.args import EngineArgs
+    s, args = EngineSettings(), EngineArgs(model="m")
+    assert (s.max_num_batched_tokens, s.max_num_seqs, s.encoder_cache_size, s.block_size, s.kv_cache_dtype) == (
+        args.batched_tokens_budget, args.max_num_seqs, args.encoder_cache_size, args.block_size,
+        args.kv_cache_dtype)
+    assert (s.gpu_memory_utilization, s.gpu_memory_limit, s.enforce_eager, s.cpu_embeddings) == (
+        args.gpu_memory_utilization, args.gpu_memory_limit, args.enforce_eager, args.cpu_embeddings)
 
 
 def test_the_dequantizing_step_size_is_the_engines():

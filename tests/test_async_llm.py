@@ -1,8 +1,11 @@
 """AsyncLLM, the engine thread behind the server: a request queued from the worker that processed its prompt
-streams like any other, and one whose client left while its prompt was being processed never runs."""
+streams like any other, and one whose client left while its prompt was being processed never runs. The server's
+narrow API: tokens encoded and decoded on the input pool under the prompt-text budgets, and engine state read
+only by the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -10,7 +13,8 @@ import pytest
 from engine_helpers import assert_pool_idle
 
 from engine.args import EngineArgs
-from engine.async_llm import AsyncLLM, StartRequest
+from engine.async_llm import READ_WAIT_S, AsyncLLM, StartRequest, StatsSnapshot
+from engine.errors import InvalidInputError, PayloadTooLargeError, ServerBusyError
 from engine.sampling_params import SamplingParams
 
 
@@ -92,3 +96,112 @@ def test_thousands_of_queued_and_running_requests_are_aborted_at_once(llm):
     assert asyncio.run(run()) < 5.0
     assert not llm._streams
     assert_pool_idle(llm)
+
+
+# ---- the narrow API the server uses ----------------------------------------------------------------------------
+def test_encode_and_decode_run_on_the_input_pool(llm, monkeypatch):
+    threads = []
+    tokenize = llm.engine.input_processor.tokenize
+    monkeypatch.setattr(llm.engine.input_processor, "tokenize",
+                        lambda *a: threads.append(threading.current_thread().name) or tokenize(*a))
+
+    async def run():
+        ids = await llm.encode("Hello cat", add_special_tokens=False)
+        return ids, await llm.decode(ids), await llm.convert_ids_to_tokens(ids)
+    ids, text, symbols = asyncio.run(run())
+    assert ids == llm.engine.tokenizer.encode("Hello cat", add_special_tokens=False)
+    assert text == "Hello cat" and symbols == llm.engine.tokenizer.convert_ids_to_tokens(ids)
+    assert threads and threads[0].startswith("input")
+
+
+def test_encode_meets_the_prompt_text_budgets_of_a_prompt(llm):
+    """Past the per-request cap a 413 before anything is tokenized; beside other text in flight a 429."""
+    ip = llm.engine.input_processor
+    with pytest.raises(PayloadTooLargeError) as too_large:
+        asyncio.run(llm.encode("x" * (ip.limits.max_prompt_text_bytes + 1)))
+    assert too_large.value.code == "prompt_text_too_large" and too_large.value.status == 413
+    with ip.text_budget.hold(ip.limits.max_prompt_text_bytes_in_flight):      # other requests' text
+        with pytest.raises(ServerBusyError) as busy:
+            asyncio.run(llm.encode("Hello"))
+    assert busy.value.code == "text_budget_exceeded" and busy.value.status == 429
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab_size", 1.0, True, "7"])
+def test_decode_refuses_anything_but_ids_of_the_vocabulary(llm, bad):
+    bad = llm.model_info.vocab_size if bad == "vocab_size" else bad
+    with pytest.raises(InvalidInputError) as e:
+        asyncio.run(llm.decode([1, bad]))
+    assert e.value.param == "tokens" and repr(bad) in e.value.message
+
+
+def test_model_info_describes_the_served_model(llm):
+    info = llm.model_info
+    assert (info.max_model_len, info.vocab_size) == (256, llm.engine.model_config.vocab_size)
+    assert not info.multimodal and not info.demo_model
+
+
+class OwnedBy:
+    """A stand-in for an engine-core object that records the threads reading it."""
+
+    def __init__(self, target, readers: set[str]):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_readers", readers)
+
+    def __getattr__(self, name):
+        self._readers.add(threading.current_thread().name)
+        return getattr(self._target, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._target, name, value)
+
+
+def test_only_the_engine_thread_reads_the_scheduler_and_the_kv_cache(llm, monkeypatch):
+    """Admission counts, /stats and /stats/blocks come from what the engine thread publishes between steps."""
+    readers: set[str] = set()
+    monkeypatch.setattr(llm.engine, "scheduler", OwnedBy(llm.engine.scheduler, readers))
+    monkeypatch.setattr(llm.engine, "kv", OwnedBy(llm.engine.kv, readers))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def run():
+        prompt = await llm.process_prompt("Hello there")
+        stream = llm.generate("owned-1", prompt, params)
+        await anext(stream)
+        stats, blocks = llm.get_stats(), await llm.get_block_map()
+        llm.admission_stats()
+        async for _ in stream:
+            pass
+        return stats, blocks
+    stats, blocks = asyncio.run(run())
+    assert stats.counters["num_running"] == 1 and stats.iteration_tokens.count >= 1
+    assert [r["id"] for r in blocks["requests"]] == ["owned-1"]
+    assert readers == {"engine-loop"}
+    wait_idle(llm)
+
+
+def test_reads_during_a_long_step_answer_from_the_last_copies(llm, monkeypatch):
+    """A step that holds the engine thread (a long prefill on the CPU) holds neither /stats, answered at once from
+    the counters copied after the last step or command, nor /stats/blocks, answered after READ_WAIT_S from the
+    block map copied last."""
+    asyncio.run(llm.get_block_map())                    # a fresh copy while idle
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(4 * READ_WAIT_S) or step())
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run() -> tuple[float, StatsSnapshot, float, dict]:
+        prompt = await llm.process_prompt("Hello there")
+        stream = llm.generate("slow-1", prompt, params)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.2)                         # the engine thread is inside the slow step
+        start = time.monotonic()
+        stats = llm.get_stats()
+        stats_s = time.monotonic() - start
+        blocks = await llm.get_block_map()
+        blocks_s = time.monotonic() - start - stats_s
+        await first
+        async for _ in stream:
+            pass
+        return stats_s, stats, blocks_s, blocks
+    stats_s, stats, blocks_s, blocks = asyncio.run(run())
+    assert stats_s < 0.05 and (stats.counters["num_running"], stats.counters["num_waiting"]) == (0, 1)
+    assert READ_WAIT_S <= blocks_s < 3 * READ_WAIT_S and blocks["requests"] == []
+    wait_idle(llm)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from engine.async_llm import ModelInfo
 from engine.errors import EngineError, EngineOverloadedError
 from engine.inputs.types import ProcessedPrompt
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -35,8 +35,11 @@ class ScriptedLLM:
         self.released: list[str] = []
         self.is_healthy = healthy
         self.dead_error = None if healthy else RuntimeError("CUDA error: an illegal memory access")
-        self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: "x"), max_model_len=64,
-                                      model_config=SimpleNamespace(vocab_size=100))
+        self.model_info = ModelInfo(MODEL, max_model_len=64, vocab_size=100, multimodal=False,
+                                    max_images_per_prompt=0, demo_model=False)
+
+    def token_text(self, token_id: int) -> str:
+        return "x"
 
     async def process_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, start=None,
                            **options):
@@ -44,9 +47,6 @@ class ScriptedLLM:
 
     def check_request(self, prompt, params) -> int:
         return params.max_tokens
-
-    def stats(self) -> dict:
-        return {"multimodal": False, "demo_model": False}
 
     def admission_stats(self) -> dict:
         return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}

@@ -228,6 +228,51 @@ async def _open_stream(port: int, max_tokens: int) -> tuple[asyncio.StreamReader
     return reader, writer
 
 
+def test_a_large_tokenize_does_not_stall_open_streams(server):
+    """/tokenize runs the tokenizer on the engine's input pool, as a chat prompt's: a stream open meanwhile keeps
+    getting its tokens. (On the event loop, the stream would wait the whole tokenization.)"""
+    text = "The quick brown fox jumps over the lazy dog. " * (2_000_000 // 45)     # ~2 MB, seconds to tokenize
+
+    async def run() -> tuple[float, float]:
+        arrivals: list[float] = []
+        done = asyncio.Event()
+
+        async def stream_until_done(session: aiohttp.ClientSession) -> None:
+            while not done.is_set():              # one stream after another, for as long as the tokenizing takes
+                body = chat(max_tokens=1900, ignore_eos=True, stream=True)
+                async with session.post(server.url + CHAT, json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            arrivals.append(time.monotonic())
+                        if done.is_set():
+                            break
+
+        async with aiohttp.ClientSession() as session:
+            streaming = asyncio.ensure_future(stream_until_done(session))
+            while len(arrivals) < 5:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            async with session.post(server.url + "/tokenize", json={"prompt": text}) as reply:
+                assert reply.status == 200 and (await reply.json())["count"] > 100_000
+            end = time.monotonic()
+            done.set()
+            await streaming
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end]
+        return max(gaps), end - start
+    largest_gap, tokenize_s = asyncio.run(run())
+    assert largest_gap < tokenize_s / 4, (largest_gap, tokenize_s)
+    wait_blocks_free(server, timeout=10)
+
+
+def test_tokenize_meets_the_prompt_text_cap_of_a_chat(server):
+    """A text over --max-prompt-text-mb is the same 413 from /tokenize as from a chat, before any tokenizing."""
+    text = "x" * (8 * 2**20 + 1)
+    tokenize = http("POST", server.url + "/tokenize", {"prompt": text})
+    chat_reply = http("POST", server.url + CHAT, {"messages": [{"role": "user", "content": text}]})
+    assert tokenize.status == chat_reply.status == 413, (tokenize.text, chat_reply.text)
+    assert tokenize.json()["error"]["code"] == chat_reply.json()["error"]["code"] == "prompt_text_too_large"
+
+
 def test_stop_ends_open_streams_with_an_error_event_and_done(server):
     """Runs last: SIGTERM while a long stream is open. Once the grace period is over, the stream gets an error
     event and [DONE] rather than a cut connection."""

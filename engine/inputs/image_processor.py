@@ -20,9 +20,10 @@ import torch
 from PIL import Image
 
 from engine import ops
-from engine.config import read_model_json
-from engine.errors import ImageError, ModelLoadError
+from engine.errors import ImageError
 from engine.inputs.image_io import to_rgb
+from engine.inputs.processor_config import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, image_processor_config,
+                                            pixel_bounds)
 
 MAX_ASPECT_RATIO = 200  # the vision encoder's limit; smart_resize refuses more elongated images
 
@@ -32,8 +33,8 @@ class ImageProcessor:
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 65_536            # preprocessor_config.json size.shortest_edge (an area, despite the name)
-    max_pixels: int = 16_777_216        # size.longest_edge; servers cap it far lower (one token per 32x32 pixels)
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS    # servers cap it far lower (one token per 32x32 pixels)
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
@@ -47,18 +48,15 @@ class ImageProcessor:
     @classmethod
     def from_config(cls, cfg: dict[str, Any], min_pixels: int | None = None,
                     max_pixels: int | None = None) -> "ImageProcessor":
-        """From a preprocessor_config.json dict. Top-level min_pixels/max_pixels keys win over `size` (as in
-        transformers); the arguments win over both (the server's cap)."""
-        size = cfg.get("size") or {}
-        lo = min_pixels or cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
-        hi = max_pixels or cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        """From a preprocessor_config.json dict; `min_pixels`/`max_pixels` as pixel_bounds reads them."""
+        lo, hi = pixel_bounds(cfg, min_pixels, max_pixels)
         defaults = cls()
         return cls(
             patch_size=int(cfg.get("patch_size", defaults.patch_size)),
             temporal_patch_size=int(cfg.get("temporal_patch_size", defaults.temporal_patch_size)),
             merge_size=int(cfg.get("merge_size", defaults.merge_size)),
-            min_pixels=int(lo or defaults.min_pixels),
-            max_pixels=int(hi or defaults.max_pixels),
+            min_pixels=lo,
+            max_pixels=hi,
             image_mean=tuple(float(x) for x in cfg.get("image_mean", defaults.image_mean)),
             image_std=tuple(float(x) for x in cfg.get("image_std", defaults.image_std)),
             rescale_factor=float(cfg.get("rescale_factor", defaults.rescale_factor)),
@@ -67,19 +65,8 @@ class ImageProcessor:
     @classmethod
     def from_model_dir(cls, path: str | Path, min_pixels: int | None = None,
                        max_pixels: int | None = None) -> "ImageProcessor":
-        """From preprocessor_config.json, or from the image_processor entry of processor_config.json, where
-        transformers 5 saves a processor's parts together."""
-        directory = Path(path)
-        if (directory / "processor_config.json").is_file() and not (directory / "preprocessor_config.json").is_file():
-            cfg = read_model_json(path, "processor_config.json", "a vision model needs it")
-            cfg = cfg.get("image_processor") if isinstance(cfg, dict) else None
-            if not isinstance(cfg, dict):
-                raise ModelLoadError(f"{directory / 'processor_config.json'} has no image_processor entry, and "
-                                     f"there is no preprocessor_config.json: a vision model needs one of them")
-        else:
-            cfg = read_model_json(path, "preprocessor_config.json", "a vision model needs it (or transformers 5's "
-                                  "processor_config.json with an image_processor entry)")
-        return cls.from_config(cfg, min_pixels=min_pixels, max_pixels=max_pixels)
+        """From the model's image-processor settings (processor_config.image_processor_config)."""
+        return cls.from_config(image_processor_config(path), min_pixels=min_pixels, max_pixels=max_pixels)
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @property

@@ -106,6 +106,13 @@ class InputProcessor:
                 return self._build(self._encode(text, add_special_tokens=True), images, text)
         return self._build(self._check_token_ids(prompt["prompt_token_ids"]), images, None)
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids, as /tokenize gives them: under the prompt-text budgets of a prompt (413 past the
+        per-request cap, 429 past the in-flight one), but neither an empty text nor one past max_model_len is an
+        error here (the answer's count says so)."""
+        with self._text_held(text, "prompt"):
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,

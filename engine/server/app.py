@@ -45,12 +45,12 @@ async def health(request: web.Request) -> web.Response:
 
 def _model_card(state: ServerState) -> dict:
     # root is the served name, not vLLM's model path: the API must not hand out where files live on this machine.
-    stats = state.engine.stats()
+    info = state.engine.model_info
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "localchat",
             "root": state.served_model_name, "parent": None, "max_model_len": state.max_model_len,
-            "multimodal": stats["multimodal"], "demo_model": stats["demo_model"],
+            "multimodal": info.multimodal, "demo_model": info.demo_model,
             # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
-            "max_images_per_prompt": stats.get("max_images_per_prompt"),
+            "max_images_per_prompt": info.max_images_per_prompt,
             "sampling_defaults": asdict(state.sampling_defaults)}
 
 
@@ -66,17 +66,18 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
-    return web.json_response({**engine.stats(), **engine.admission_stats(), "version": __version__}, dumps=dumps)
+    counters = engine.get_stats().counters
+    return web.json_response({**counters, **engine.admission_stats(), "version": __version__}, dumps=dumps)
 
 
 async def block_map(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].engine.block_map(), dumps=dumps)
+    return web.json_response(await request.app[STATE].engine.get_block_map(), dumps=dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine.stats(), state.metrics, state.served_model_name,
-                          state.engine.engine.stats.iteration_tokens)
+    snapshot = state.engine.get_stats()
+    text = render_metrics(snapshot.counters, state.metrics, state.served_model_name, snapshot.iteration_tokens)
     return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

@@ -55,7 +55,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             prompts.append((prompt, own))
     gen = Generation(request_id, prompts[0][0], params, options, int(time.time()), n=n, best_of=best_of,
                      prompts=prompts)
-    return await serve_generation(request, state, gen, CompletionFormat(gen, state, logprobs, echo))
+    # echo: each prompt's text; a prompt sent as token ids is decoded (off the event loop) to give it.
+    echoed = [p.prompt if p.prompt is not None else await state.engine.decode(p.prompt_token_ids)
+              for p, _ in prompts] if echo else None
+    return await serve_generation(request, state, gen, CompletionFormat(gen, state, logprobs, echoed))
 
 
 def parse_prompts(value: Any) -> list[str | dict[str, Any]]:
@@ -86,9 +89,10 @@ def parse_prompts(value: Any) -> list[str | dict[str, Any]]:
 class CompletionFormat(ResponseFormat):
     chunk_object = "text_completion"
 
-    def __init__(self, gen: Generation, state: ServerState, logprobs: int | None, echo: bool):
+    def __init__(self, gen: Generation, state: ServerState, logprobs: int | None, echoed: list[str] | None):
         super().__init__(gen, state, logprobs)
-        self.echo = echo
+        self.echoed = echoed            # echo: the text of each prompt, which goes before its choices' text
+        self.echo = echoed is not None
         self.text_offset: dict[int, int] = {}    # per choice: characters already covered by streamed logprobs
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict[int, float]] | None,
@@ -113,16 +117,15 @@ class CompletionFormat(ResponseFormat):
             choice["stop_reason"] = stop_reason          # vLLM's extension: the stop string or token id
         return choice
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.state.engine.engine.tokenizer.decode(
-            out.prompt_token_ids)
+    def _prompt_text(self, index: int) -> str:
+        return self.echoed[index // self.gen.n]
 
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
         c = out.outputs[0]
         first = index not in self.text_offset
         echo = self.echo and first
         logprobs = self._logprobs(index, c.token_ids_delta, c.logprobs, out if echo else None)
-        text = (self._prompt_text(out) if echo else "") + c.text_delta
+        text = (self._prompt_text(index) if echo else "") + c.text_delta
         if not text and c.finish_reason is None and logprobs is None:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
         self.text_offset.setdefault(index, 0)
@@ -133,7 +136,7 @@ class CompletionFormat(ResponseFormat):
         for index, final in enumerate(finals):
             c = final.outputs[0]
             logprobs = self._logprobs(index, c.token_ids, c.logprobs, final if self.echo else None)
-            text = (self._prompt_text(final) if self.echo else "") + c.text
+            text = (self._prompt_text(index) if self.echo else "") + c.text
             choices.append(self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
             if self.gen.params.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, self.state.token_text)

@@ -3,24 +3,15 @@ shapes OpenAI uses: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}
 `{tokens, token_logprobs, top_logprobs, text_offset}`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # JSON has no -Infinity (a token masked by top-k or min_tokens has that logprob); vLLM sends -9999.0 instead.
 _MIN_LOGPROB = -9999.0
 
 
-class TokenText:
-    """Token id -> its text, as vLLM shows tokens in logprobs (the decoded token, not the BPE symbol)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+# Token id -> its text, as vLLM shows tokens in logprobs (the decoded token, not the BPE symbol): AsyncLLM.token_text.
+TokenText = Callable[[int], str]
 
 
 def _finite(logprob: float) -> float:

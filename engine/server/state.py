@@ -14,7 +14,6 @@ from engine.sampling_params import SamplingParams
 from engine.logger import init_logger
 from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
-from engine.server.logprobs import TokenText
 from engine.server.metrics import ServerMetrics
 
 logger = init_logger(__name__)
@@ -31,16 +30,18 @@ class ServerState:
     stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    token_text: TokenText = field(init=False)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
 
     def __post_init__(self) -> None:
-        self.token_text = TokenText(self.engine.engine.tokenizer)
         self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.model_info.max_model_len
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as logprobs show it."""
+        return self.engine.token_text(token_id)
 
     def fit_default_max_tokens(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """A max_tokens the server chose (completions' 16, generation_config's max_new_tokens) is cut to the room
@@ -50,7 +51,7 @@ class ServerState:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.model_config.vocab_size
+        return self.engine.model_info.vocab_size
 
     def check_model(self, requested: str | None) -> None:
         """An omitted model means the served one (as vLLM); the model's path is accepted as an alias."""

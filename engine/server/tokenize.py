@@ -1,5 +1,6 @@
 """POST /tokenize and POST /detokenize, as vLLM has them: a prompt (or chat messages, rendered by the chat
-template as /v1/chat/completions renders them) to token ids, and token ids back to text."""
+template as /v1/chat/completions renders them) to token ids, and token ids back to text. The tokenizer runs on the
+engine's input pool, under the prompt-text budgets a chat prompt meets, never on the event loop."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -22,11 +23,10 @@ async def tokenize(request: web.Request) -> web.Response:
         text = f.string("prompt", None)
         if text is None:
             raise InvalidInputError("send prompt (a string) or messages", param="prompt")
-        tokenizer = state.engine.engine.tokenizer
-        ids = tokenizer.encode(text, add_special_tokens=f.boolean("add_special_tokens", True))
+        ids = await state.engine.encode(text, add_special_tokens=f.boolean("add_special_tokens", True))
     body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
     if f.boolean("return_token_strs", False):
-        body["token_strs"] = state.engine.engine.tokenizer.convert_ids_to_tokens(ids)
+        body["token_strs"] = await state.engine.convert_ids_to_tokens(ids)
     return web.json_response(body, dumps=dumps)
 
 
@@ -34,11 +34,8 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     f = Fields(await read_json_body(request))
     state.check_model(f.string("model", None))
-    ids = f.integers("tokens")
-    if ids is None:
-        raise InvalidInputError("tokens (a list of token ids) is required", param="tokens")
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise InvalidInputError(f"tokens {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
-                                param="tokens")
-    return web.json_response({"prompt": state.engine.engine.tokenizer.decode(ids)}, dumps=dumps)
+    ids = f.body.get("tokens")
+    if not isinstance(ids, list):      # its items are checked off the event loop, with the decoding
+        raise InvalidInputError("tokens (a list of token ids) is required" if ids is None else
+                                "tokens must be a list of token ids", param="tokens")
+    return web.json_response({"prompt": await state.engine.decode(ids)}, dumps=dumps)

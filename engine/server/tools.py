@@ -15,7 +15,7 @@ from typing import Any
 from engine.errors import InvalidInputError
 from engine.sampling_params import StructuredOutputsParams
 from engine.server.protocol import Fields
-from engine.structured_output import JSON_WHITESPACE
+from engine.sampling_params import JSON_WHITESPACE
 
 
 

@@ -23,41 +23,18 @@ from engine.logger import init_logger
 from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
+from engine.sizing import PREFILL_BUCKETS, batch_size_ladder
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
     from engine.worker.worker import Worker
 
 logger = init_logger(__name__)
-# Every 64 tokens up to 2048: padding (computed, then dropped) stays under 64 rows, 6% of a 1024-token prefill.
-# A 1024x1024 image is 1024 tokens plus its question; with 128-token steps past 1024 it would run in the 1152
-# bucket: 10% wasted GEMM work.
-PREFILL_BUCKETS = tuple(range(64, 2049, 64))
-
-
-def batch_size_ladder(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 beyond (vLLM-like), capped."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
-    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
 
 
 def cuda_graphs_wanted(args, device: torch.device) -> bool:
     """Whether steps will replay CUDA graphs (unless the KV pool turns out too small for their scratch blocks)."""
     return device.type == "cuda" and not args.enforce_eager and triton_available()
-
-
-def scratch_blocks_needed(block_size: int) -> int:
-    """KV blocks the prefill graphs keep out of the pool: the dummy sequence's region, and a second one for the
-    capture check."""
-    return 2 * -(-PREFILL_BUCKETS[-1] // block_size)
-
-
-def prefill_scratch_blocks(num_gpu_blocks: int, block_size: int) -> int:
-    """The scratch blocks the prefill graphs take out of a profiled pool of num_gpu_blocks, or 0 where they would
-    take half of it or more: then only the decode graphs are captured (they need none), since eager decode steps
-    are ~10x slower and an eager prefill chunk only pays its launches once."""
-    need = scratch_blocks_needed(block_size)
-    return need if num_gpu_blocks > 2 * need else 0
 
 
 def padded_decode_metadata(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -8,11 +8,11 @@ import psutil
 import torch
 
 from engine.worker.cache_engine import CacheEngine
-from engine.worker.cuda_graphs import PREFILL_BUCKETS, prefill_scratch_blocks
 from engine.distributed.parallel_state import all_gather_object, get_tp_size
 from engine.errors import ModelLoadError
 from engine.logger import init_logger
-from engine.worker.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, check_weights_fit, cpu_kv_budget,
+from engine.sizing import LIMIT_SLACK_BYTES, PREFILL_BUCKETS, prefill_scratch_blocks
+from engine.worker.memory import (GiB, MemoryProfile, check_weights_fit, cpu_kv_budget,
                                   encoder_cache_bytes, no_kv_room_message, non_torch_bytes, profile_cuda,
                                   steps_out_of_memory)
 
@@ -148,7 +148,7 @@ def _decoder_graph_pool_bytes(worker: Worker, max_len: int, scratch: CacheEngine
     """The decoder graphs' private pool, measured on an eager run of its largest shape: the graphs share it,
     captured largest first (the 2048-token prefill bucket, or without prefill graphs the largest decode batch):
     that step's transient peak, plus every graph's output (each stays alive)."""
-    from engine.worker.cuda_graphs import batch_size_ladder
+    from engine.sizing import batch_size_ladder
 
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
     ladder = batch_size_ladder(worker.args.max_num_seqs)

@@ -18,10 +18,6 @@ from engine.logger import init_logger
 
 logger = init_logger(__name__)
 GiB = 1 << 30
-# Under a limit, room the profile does not see: blocks the caching allocator keeps split after the profiled step,
-# so that a step's large transient tensor (a 4-bit layer's 192 MiB dequantized weight) needs a fresh segment. On
-# an H200 capped at 8 GiB such a step failed with 256 MiB reserved but free and 0.12 GiB left under the cap.
-LIMIT_SLACK_BYTES = 256 << 20
 # Fixes on a limit that cannot be met, in the order a user would try them.
 LIMIT_HINTS = ("use a quantized checkpoint (README: 'Which checkpoint for which GPU')",
                "lower --max-num-batched-tokens, --max-num-seqs or --mm-processor-kwargs '{\"max_pixels\": ...}'",

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.logger import init_logger
+from engine.sizing import MAX_GRAPH_PATCHES
 
 logger = init_logger(__name__)
 
 BUCKET_PATCHES = 512          # 128 LLM tokens: at most 511 padding rows (12% of a 1024x1024 image's 4096 patches)
-MAX_GRAPH_PATCHES = 16384     # up to a 2048x2048 image (4096 tokens); larger batches run eagerly
 MAX_GRAPHS = 8
 
 

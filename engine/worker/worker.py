@@ -19,12 +19,12 @@ from engine import load_progress
 from engine.args import EngineArgs
 from engine.worker.cache_engine import CacheEngine, resolve_kv_cache_dtype
 from engine.config import ModelConfig
-from engine.worker.cuda_graphs import (cuda_graphs_wanted, enable_cuda_graphs, prefill_scratch_blocks,
-                                 scratch_blocks_needed)
+from engine.worker.cuda_graphs import cuda_graphs_wanted, enable_cuda_graphs
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.parallel_state import get_tp_rank
 from engine.logger import init_logger
 from engine.model.loader import build_model, load_weights
+from engine.sizing import prefill_scratch_blocks, scratch_blocks_needed
 from engine.structured_output import Grammar
 from engine.worker.inflight import InflightStep
 from engine.worker.kv_sizing import plan_kv_cache
