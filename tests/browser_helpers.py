@@ -98,7 +98,8 @@ def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=Fa
     if fake_stream:
         context.add_init_script(FAKE_STREAM)
     if not auto_title:
-        context.add_init_script("localStorage.setItem('localchat.auto-title', 'off')")
+        # (try: an error page, such as a reload while the proxy is down, has no storage)
+        context.add_init_script("try { localStorage.setItem('localchat.auto-title', 'off'); } catch {}")
     pg = context.new_page()
     errors: list[str] = []
     pg.expected_errors = []

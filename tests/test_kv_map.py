@@ -122,7 +122,7 @@ def test_the_block_snapshot_carries_the_counters_with_the_map(qwen3_vl_dir):
         seen = counts_of(snap["runs"])
         assert snap["num_used_gpu_blocks"] == seen["used"] > 0
         assert snap["num_free_gpu_blocks"] == seen["cached"] + seen["free"]
-        assert snap["num_total_gpu_blocks"] == snap["num_blocks"] == engine.num_gpu_blocks
+        assert snap["num_total_gpu_blocks"] == snap["num_blocks"] == engine.kv_cache_config.num_gpu_blocks
         assert snap["num_running"] == 1 and snap["block_size"] == BLOCK_SIZE
         assert snap["gpu_cache_usage"] == snap["num_used_gpu_blocks"] / snap["num_blocks"]
     # Monotonic counters on the engine's clock: a reader's rate is their difference over uptime_s.
