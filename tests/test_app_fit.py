@@ -57,7 +57,7 @@ def test_the_sum_takes_the_engines_sizing_rules_from_the_engine():
     """One implementation: the launcher imports the engine's torch-free sizing rules (engine/sizing.py), which
     the engine's memory code uses too."""
     import app.memory_estimate as est
-        import engine.sizing
+    import engine.sizing
     import engine.worker.vision_graphs
     assert est.batch_size_ladder is engine.sizing.batch_size_ladder
     assert est.scratch_blocks_needed is engine.sizing.scratch_blocks_needed

@@ -13,7 +13,8 @@ import torch
 from engine.args import EngineArgs, add_cli_args
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.worker.memory import (LIMIT_SLACK_BYTES, GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit,
+from engine.sizing import LIMIT_SLACK_BYTES
+from engine.worker.memory import (GiB, MemoryProfile, allocator_fraction, apply_gpu_memory_limit,
                            check_limit, check_weights_fit, encoder_cache_bytes, kv_budget, no_kv_room_message,
                            profile_cuda, usable_bytes, weights_out_of_memory)
 from engine_helpers import make_llm
