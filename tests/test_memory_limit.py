@@ -209,7 +209,7 @@ def test_profile_steps_and_reserve_run_on_a_real_model(qwen3_vl_dir, monkeypatch
     CUDA), and the graph-pool estimate is every graph's output plus the vision graph's static inputs, with the
     prefill graphs or without them (their largest step, a padded decode batch, runs too)."""
     from engine.worker.cache_engine import CacheEngine
-    from engine.worker.cuda_graphs import PREFILL_BUCKETS, batch_size_ladder
+    from engine.sizing import PREFILL_BUCKETS, batch_size_ladder
     from engine.worker.kv_sizing import _decoder_graph_pool_bytes, _largest_image, _profile, _vision_graph_pool_bytes
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
@@ -240,19 +240,20 @@ def test_under_a_limit_a_pool_too_small_for_the_prefill_scratch_sets_aside_the_d
     """The prefill graphs keep 2 x 2048 tokens of scratch KV blocks out of the pool, and are dropped where that
     is half the pool or more; the decode graphs need none and stay (eager decode steps are ~10x slower). Under a
     limit the profile then sets aside the decode graphs' pool alone, and the KV pool gets the difference."""
+    import engine.sizing
     import engine.worker.cuda_graphs as cuda_graphs
     from engine.worker.kv_sizing import _profile
 
     llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
     worker, cfg = llm.engine.model_executor.driver_worker, llm.engine.model_config
     monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
-    assert cuda_graphs.scratch_blocks_needed(16) == 256
+    assert engine.sizing.scratch_blocks_needed(16) == 256
     fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
     fake.install(monkeypatch)
     fake.alloc(GiB)                                           # the "weights"
     per_block = 16 * 1024
     itemsize = torch.tensor([], dtype=worker.dtype).element_size()
-    prefill_pool = sum(cuda_graphs.PREFILL_BUCKETS) * cfg.hidden_size * itemsize   # the prefill graphs' outputs
+    prefill_pool = sum(engine.sizing.PREFILL_BUCKETS) * cfg.hidden_size * itemsize   # the prefill graphs' outputs
     worker.gpu_memory_limit = 4 * GiB
     roomy = _profile(worker, 2048, per_block)
     # The limit that leaves `spare_blocks` blocks of pool once the prefill graphs' pool is set aside:
@@ -284,7 +285,7 @@ def test_under_a_limit_the_profile_measures_the_largest_prefill_graph_with_small
 
 
 def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size():
-    from engine.worker.cuda_graphs import prefill_scratch_blocks
+    from engine.sizing import prefill_scratch_blocks
     assert prefill_scratch_blocks(512, 16) == 0          # 2 x 2048 tokens would be half of this pool
     assert prefill_scratch_blocks(513, 16) == 256
     assert prefill_scratch_blocks(10_000, 32) == 128
