@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.args import EngineArgs
-from engine.engine_commands import AbortRequest, AddRequest, EngineCommand, ReadState
+from engine.engine_commands import (AbortRequest, AddRequest, EngineCommand, ModelInfo, ReadState, StartRequest,
+                                    StatsSnapshot)
 from engine.errors import EngineError, EngineOverloadedError, InvalidInputError, QueueFullError
 from engine.inputs.types import ProcessedPrompt
 from engine.llm_engine import LLMEngine
@@ -36,36 +37,6 @@ T = TypeVar("T")
 # How long a read of the block map waits for the engine thread to reach a step boundary before it takes the last
 # copy instead (a long prefill on the CPU can hold the thread for seconds).
 READ_WAIT_S = 0.5
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model as the server describes it; fixed once the engine is built."""
-    name: str                        # --served-model-name, else the model directory's name
-    max_model_len: int
-    vocab_size: int
-    multimodal: bool
-    max_images_per_prompt: int
-    demo_model: bool                 # --demo-model: the page shows a banner
-
-
-@dataclass(frozen=True)
-class StatsSnapshot:
-    """The engine's counters (/stats) and its tokens-per-step histogram (/metrics), as the engine thread copied
-    them after its last step."""
-    counters: dict[str, Any]
-    iteration_tokens: Histogram
-
-
-@dataclass
-class StartRequest:
-    """Queue the request as soon as its prompt is processed, from the worker thread that processed it: the engine
-    then starts without waiting for the event loop to come back for the prompt (~0.3 ms on the H200's host).
-    `fit(prompt, params)` first adapts the parameters to the prompt (a server-chosen max_tokens)."""
-    request_id: str
-    params: SamplingParams
-    priority: int = 0
-    fit: Callable[[ProcessedPrompt, SamplingParams], None] | None = None
 
 
 @dataclass
