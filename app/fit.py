@@ -158,7 +158,7 @@ def fit(total: int, weights: int, shape: ModelShape, user_args: list[str] | None
 def _walk(size, shape: ModelShape, user: EngineSettings, given: set[str], target: int, steps: list[dict]):
     """Take the steps in order, each one that helps, until the target fits: (settings, their estimate).
     Each candidate is judged at the context its pool holds (--max-model-len, unless the user gave one): a shorter
-    context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/cuda_graphs.py)."""
+    context grows the pool, which then may hold the CUDA graphs' scratch blocks (engine/worker/cuda_graphs.py)."""
     fitted = _fitted(size, given, shape.max_positions)
     floor = min(MIN_CONTEXT, target)
     base = user

@@ -1,7 +1,7 @@
 """GPU memory of the engine on a card, computed from the model's config.json and the engine flags the memory
 depends on, without torch: what app/fit.py weighs its steps with.
 
-The engine sizes its KV pool (engine/memory.py, engine/kv_sizing.py) as gpu_memory_utilization x total memory
+The engine sizes its KV pool (engine/worker/memory.py, engine/worker/kv_sizing.py) as gpu_memory_utilization x total memory
 minus the weights (with the rotary tables), the memory held outside torch and the activation peak of a profiled
 worst-case step; the CUDA graph pools and the encoder cache then come out of the utilization's headroom (under
 --gpu-memory-limit: out of the limit). estimate() makes the same sum with the figures of the README ("Which
@@ -36,12 +36,13 @@ CUDA_GRAPH_BYTES = int(0.55 * GiB)   # the graph pools ("Captured CUDA graphs ..
 SAMPLER_BYTES_PER_LOGIT = 30
 GRAPH_PREFILL_TOKENS = PREFILL_BUCKETS[-1]         # the largest prefill bucket
 GRAPH_SCRATCH_TOKENS = scratch_blocks_needed(1)    # the prefill graphs' scratch KV, kept out of the pool
-# Under a limit the engine sets its own measure of the graph pools aside (engine/kv_sizing.py: the reserved peak
+# Under a limit the engine sets its own measure of the graph pools aside (engine/worker/kv_sizing.py: the reserved peak
 # of each pool's largest step, plus every graph's output and the vision graph's inputs). For the 2048-token prefill
 # step this figure makes the sum match the one logged profile: 0.82 GB for FP8 at 16 GiB (graphs + encoder cache
 # 1.36 GB, less the 0.54 GB encoder cache) = 0.35 + 0.30 of outputs + 0.18 for the vision graph.
 GRAPH_PREFILL_STEP_BYTES = int(0.35 * GB)
-# engine/ops/triton/wna16.py: integer-format linears on more tokens than this are dequantized to bf16 whole, then
+# engine/ops/triton/quant/table.py (WNA16_DEQUANT_ABOVE; engine/ops imports triton, so the launcher keeps this
+# copy, and tests/test_app_fit.py fails if the two differ): integer-format linears on more tokens than this are dequantized to bf16 whole, then
 # multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at the 8B) is live beside the
 # activations, in the profiled step and in the 2048-token graph the engine measures under a limit.
 DEQUANT_ABOVE_TOKENS = 64
@@ -223,7 +224,7 @@ def _image_patches(shape: ModelShape, s: EngineSettings, max_len: int, max_patch
 
 
 def graph_pools(shape: ModelShape, s: EngineSettings, max_len: int, prefill: bool) -> int:
-    """What the engine sets aside for the CUDA graph pools under a limit (engine/kv_sizing.py): the largest
+    """What the engine sets aside for the CUDA graph pools under a limit (engine/worker/kv_sizing.py): the largest
     decoder graph's step (the 2048-token prefill bucket, or without prefill graphs the largest decode batch, at
     the prefill step's bytes per token), every graph's output row, and the vision graph's largest image."""
     rows = sum(batch_size_ladder(s.max_num_seqs))
