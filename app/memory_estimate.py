@@ -41,10 +41,11 @@ GRAPH_SCRATCH_TOKENS = scratch_blocks_needed(1)    # the prefill graphs' scratch
 # step this figure makes the sum match the one logged profile: 0.82 GB for FP8 at 16 GiB (graphs + encoder cache
 # 1.36 GB, less the 0.54 GB encoder cache) = 0.35 + 0.30 of outputs + 0.18 for the vision graph.
 GRAPH_PREFILL_STEP_BYTES = int(0.35 * GB)
-# engine/ops/triton/quant/table.py (WNA16_DEQUANT_ABOVE; engine/ops imports triton, so the launcher keeps this
-# copy, and tests/test_app_fit.py fails if the two differ): integer-format linears on more tokens than this are dequantized to bf16 whole, then
-# multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at the 8B) is live beside the
-# activations, in the profiled step and in the 2048-token graph the engine measures under a limit.
+# engine/ops/triton/quant/table.py's WNA16_DEQUANT_ABOVE (engine/ops imports triton, so the launcher keeps this
+# copy; tests/test_app_fit.py fails if the two differ): integer-format linears on more tokens than this are
+# dequantized to bf16 whole, then multiplied by cuBLAS; the step's largest dequantized weight (gate_up: 192 MiB at
+# the 8B) is live beside the activations, in the profiled step and in the 2048-token graph the engine measures
+# under a limit.
 DEQUANT_ABOVE_TOKENS = 64
 
 
