@@ -55,9 +55,11 @@ export class Drafts {
   // Shows chat `chatId`'s draft in the composer: in place of what it holds (`replace`, switching chats), or
   // only where it is empty (at the start, what was typed before the page was ready stays).
   async load(chatId, { replace }) {
-    await this.flush();
+    const flushed = this.flush();             // takes the draft of the chat being left before anything awaits
     this.chatId = null;
     const load = ++this.loads;
+    if (replace) { this.prompt.value = ""; this.attachments.restore([]); this.resize(); }   // never the old chat's
+    await flushed;
     const draft = await this.get(chatId);
     if (load !== this.loads) return;          // another chat was opened meanwhile
     if (replace || !this.prompt.value) { this.prompt.value = draft?.text || ""; this.resize(); }

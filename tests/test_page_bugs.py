@@ -277,7 +277,7 @@ def test_the_draft_and_its_images_survive_a_reload(chat, tmp_path):
     assert chat.input_value("#prompt") == "half-written\nthought"
     expect(chat.locator(".thumb")).to_have_count(1)
     chat.click("#new-chat")                       # each chat has its own draft
-    assert chat.input_value("#prompt") == ""
+    expect(chat.locator("#prompt")).to_have_value("")
     expect(chat.locator(".thumb")).to_have_count(0)
     chat.locator(".chat-open", has_text="earlier").click()
     expect(chat.locator(".thumb")).to_have_count(1)
