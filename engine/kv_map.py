@@ -26,7 +26,7 @@ def run_lengths(codes) -> list[list[int]]:
 
 
 def block_map(kv, bytes_per_block: int) -> dict:
-    tables, cached_free, swapped = _owners(kv)
+    tables, cached_free, swapped = kv.block_owners()
     codes = np.full(kv.pool.num_blocks, FREE, dtype=np.int64)
     codes[np.asarray(cached_free, dtype=np.int64)] = CACHED
     held = [np.asarray(ids, dtype=np.int64) for ids in tables.values()]
@@ -42,15 +42,6 @@ def block_map(kv, bytes_per_block: int) -> dict:
             "num_free_cached_blocks": int(np.count_nonzero(codes == CACHED)),
             "num_running": len(tables), "num_swapped": len(swapped),
             "num_used_cpu_blocks": sum(swapped.values())}
-
-
-def _owners(kv):
-    for _ in range(3):          # the engine thread may resize a dict while it is copied: copy again
-        try:
-            return kv.block_owners()
-        except RuntimeError:
-            continue
-    return {}, [], {}
 
 
 def _runs_where(flags: np.ndarray) -> list[list[int]]:

@@ -224,8 +224,8 @@ class LLMEngine:
         return self.stats.snapshot()
 
     def get_block_map(self) -> dict:
-        """Who holds which GPU block, run-length encoded (engine/kv_map.py), with the counters of that moment;
-        read from any thread."""
+        """Who holds which GPU block, run-length encoded (engine/kv_map.py), with the counters of that moment; on
+        the thread that runs the steps (AsyncLLM asks for it between two steps)."""
         return self.stats.block_snapshot()
 
 

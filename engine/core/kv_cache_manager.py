@@ -165,9 +165,8 @@ class KVCacheManager:
     # ---- read-only view for the page's block map (engine/kv_map.py) ----------------------------------------
     def block_owners(self) -> tuple[dict[str, list[int]], list[int], dict[str, int]]:
         """(request id -> GPU block ids, the free blocks that still hold a prefix-cache hash, request id -> CPU
-        blocks held while swapped out). Copies, so a reader on another thread never sees a table change under
-        it; the engine thread may still move on between the three. Walks what requests and the prefix cache
-        hold, not every block of the pool."""
+        blocks held while swapped out), copied between two steps on the engine thread (the map is built from the
+        copies). Walks what requests and the prefix cache hold, not every block of the pool."""
         records = list(self.requests.items())
         tables = {rid: list(r.block_ids) for rid, r in records if not r.cpu_block_ids}
         cached_free = [b.block_id for b in list(self.pool.cached.values()) if b.ref_cnt == 0]
