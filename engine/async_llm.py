@@ -8,8 +8,9 @@ blocks at once.
 
 It is the server's one way into the engine (vLLM's EngineClient role): model_info, encode/decode (on the input
 pool, under the prompt-text budgets of a prompt), process_chat/process_prompt, generate, get_stats and
-get_block_map. No other thread reads the scheduler or the KV cache: the engine thread publishes the running count
-and a copy of the counters after each step, and copies the block tables when asked, between two steps.
+get_block_map. No other thread reads the scheduler or the KV cache: the engine core publishes its running count at
+each schedule() (LLMEngine.num_running, an int), the engine thread a copy of the counters after each step, and it
+copies the block tables when asked, between two steps.
 """
 from __future__ import annotations
 
@@ -67,7 +68,6 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
         # after each step the running count and a copy of the counters; the block map when asked.
-        self._num_running = 0
         self._started = self.engine.stats.started
         self._publish()
         self._last_block_map = self._copy_block_map()
@@ -101,8 +101,8 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Requests admitted here that hold no running slot: still crossing to the engine thread, waiting, or
-        swapped out (the running count as the engine thread last published it)."""
-        return max(0, len(self._streams) - self._num_running)
+        swapped out (the running count as the engine's last schedule() published it)."""
+        return max(0, len(self._streams) - self.engine.num_running)
 
     def admission_stats(self) -> dict:
         return {"num_pending": self.num_waiting, "max_waiting_requests": self.max_waiting,
@@ -358,7 +358,6 @@ class AsyncLLM:
 
     def _publish(self) -> None:
         """On the engine thread: what other threads read of it, each a new object (the reference swap is atomic)."""
-        self._num_running = len(self.engine.scheduler.running)
         self._stats = StatsSnapshot(self.engine.get_stats(), _copy_histogram(self.engine.stats.iteration_tokens))
 
     def _copy_block_map(self) -> dict:

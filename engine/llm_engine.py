@@ -67,6 +67,8 @@ class LLMEngine:
         self.stats = StatLogger(self)
         self._next_id = 0
         self._inflight: InflightStep | None = None      # the launched step not yet read (see PendingTokens)
+        # Published for other threads (AsyncLLM's admission): the running count as the last schedule() left it.
+        self.num_running = 0
         # The start-up objects (modules, tokenizer, config: ~350k) would otherwise be scanned by every full
         # collection, a stall for every running stream. vLLM freezes them too.
         gc.collect()
@@ -159,6 +161,7 @@ class LLMEngine:
         outputs. A thousand aborts cost one pass over the scheduler's queues."""
         reqs = {rid: req for rid in request_ids if (req := self.scheduler.requests.get(rid)) is not None}
         self.scheduler.finish_requests(list(reqs.values()), RequestStatus.FINISHED_ABORTED)
+        self.num_running = len(self.scheduler.running)
         for rid in reqs:
             self.grammars.pop(rid, None)        # never scheduled: the runner did not take its matcher
         return [self.outputs.finish(req) for req in reqs.values()]
@@ -177,6 +180,7 @@ class LLMEngine:
             outputs = self._finish(self._inflight)       # its sampling reads every token id: no overlap
             self._inflight = None
         so = self.scheduler.schedule()
+        self.num_running = len(self.scheduler.running)
         launched = None
         if not so.is_empty:
             self.stats.on_schedule(so)
