@@ -1,13 +1,14 @@
 // The chat page: saved chats, sending, streaming answers in, Stop, message actions, errors.
-import { loadPageConfig, postChat } from "./api.js";
+import { loadPageConfig } from "./api.js";
+import { AnswerStream } from "./answer.js";
+import { messageActions } from "./actions.js";
 import { Attachments } from "./attachments.js";
-import { addChild, buildMessages, newChat, pathOf, removeNode, selectSibling, titleFrom } from "./conversation.js";
-import { editInPlace, finishElement, messageElement } from "./messages.js";
+import { addChild, buildMessages, newChat, pathOf, removeNode, titleFrom } from "./conversation.js";
+import { finishElement, messageElement } from "./messages.js";
 import { handleCodeCopy, loadLibraries } from "./render.js";
 import { Settings } from "./settings.js";
 import { Sidebar } from "./sidebar.js";
 import { DOWN_STATES, StatusMonitor } from "./status.js";
-import { readSSE } from "./sse.js";
 import { ChatStore, noteRemoved } from "./store.js";
 import { Drafts } from "./drafts.js";
 import { showContextMeter } from "./meter.js";
@@ -17,7 +18,6 @@ import { ChatSettings } from "./chatsettings.js";
 import { TabSync } from "./tabsync.js";
 import { titleChat } from "./autotitle.js";
 import { initScrollButton } from "./scrolldown.js";
-import { copyWithFeedback } from "./copy.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
@@ -73,10 +73,6 @@ const status = new StatusMonitor({
     }
   },
 });
-// An answer's speed is measured only over a stream that lasts this long: chunks that arrive together (a
-// buffering network, a short answer) would otherwise give absurd rates.
-const MIN_RATE_SPAN_MS = 250;
-
 // ---- errors -----------------------------------------------------------------------------------------------
 // A transient error (the server or engine could not be reached) goes away by itself once the engine is back.
 function showError(message, { transient = false } = {}) {
@@ -293,12 +289,7 @@ async function generate(chat, user, continuing = null) {
   app.controller = controller;
   app.abortReason = "";
   setBusy(true);
-  const t0 = performance.now();
-  let chunks = 0, tFirst = null, tLast = null, usage = null, finish = null, frame = 0;
-  // Until the first words: "Thinking… 12 s", so that a long wait (a queue, a long prompt) shows as one.
-  const waiting = setInterval(() => {
-    box.querySelector(".content").dataset.wait = `${Math.round((performance.now() - t0) / 1000)} s`;
-  }, 1000);
+  let frame = 0;
   const render = () => {
     frame = 0;
     const stick = nearBottom();
@@ -306,34 +297,17 @@ async function generate(chat, user, continuing = null) {
     if (app.chat === chat) updateMeter();
     if (stick) scrollToEnd();
   };
+  const answer = new AnswerStream(node, (chunks) => {
+    box.dataset.chunks = String(chunks);
+    if (!frame) frame = requestAnimationFrame(render);  // at most one render per frame
+  });
+  // Until the first words: "Thinking… 12 s", so that a long wait (a queue, a long prompt) shows as one.
+  const waiting = setInterval(() => {
+    box.querySelector(".content").dataset.wait = `${Math.round((performance.now() - answer.t0) / 1000)} s`;
+  }, 1000);
   node.status = "done";
   try {
-    const resp = await postChat(request.body, controller, node);
-    let sawDone = false;
-    for await (const data of readSSE(resp.body)) {
-      if (data === "[DONE]") { sawDone = true; break; }
-      let event;
-      try { event = JSON.parse(data); } catch { continue; }
-      if (event.error) throw new Error(`The engine reported an error: ${event.error.message || "unknown error"}`);
-      if (event.usage) {
-        usage = event.usage;
-        node.meta.promptTokens = usage.prompt_tokens ?? null;
-        node.meta.tokens = usage.completion_tokens ?? node.meta.tokens;
-      }
-      const choice = event.choices?.[0];
-      const delta = choice?.delta?.content;
-      if (delta) {
-        const now = performance.now();
-        if (tFirst === null) tFirst = now;
-        tLast = now;
-        chunks += 1;
-        node.text += delta;
-        box.dataset.chunks = String(chunks);
-        if (!frame) frame = requestAnimationFrame(render);  // at most one render per frame
-      }
-      if (choice?.finish_reason) finish = choice.finish_reason;
-    }
-    if (!sawDone) throw new Error("The answer stream ended unexpectedly (the server closed the connection).");
+    await answer.read(request.body, controller);
   } catch (err) {
     if (err.name === "AbortError" && !app.abortReason) node.status = "stopped";
     else if (app.abortReason) {
@@ -341,7 +315,7 @@ async function generate(chat, user, continuing = null) {
       showError(app.abortReason, { transient: true });
     } else if (err instanceof TypeError) {
       node.status = "error";
-      await showNetworkError(chunks > 0);
+      await showNetworkError(answer.chunks > 0);
     } else {
       node.status = "error";
       const lost = /lost|unexpectedly|not reachable/.test(err.message);
@@ -360,12 +334,7 @@ async function generate(chat, user, continuing = null) {
     if (app.chat === chat) renderConversation();
     return false;
   }
-  const tokens = usage?.completion_tokens ?? chunks;
-  Object.assign(node.meta, {
-    ttftMs: tFirst === null ? null : Math.round(tFirst - t0), tokens: earlierTokens + tokens, finish,
-    promptTokens: usage?.prompt_tokens ?? null,
-    rate: tFirst !== null && tLast - tFirst >= MIN_RATE_SPAN_MS && tokens > 1 ? (tokens - 1) / ((tLast - tFirst) / 1000) : null,
-  });
+  Object.assign(node.meta, answer.meta(earlierTokens));
   chat.updated = Date.now();
   finishElement(chat, box, node);
   if (app.chat === chat) { updateMeter(); if (nearBottom()) scrollToEnd(); }
@@ -390,63 +359,7 @@ function stop() {
 }
 
 // ---- message actions ----------------------------------------------------------------------------------------
-async function onAction(action, id, button) {
-  const chat = app.chat;
-  const node = chat.nodes[id];
-  if (!node) return;
-  if (action === "copy") {
-    if (!(await copyWithFeedback(button, node.text))) showError("Copying needs clipboard access.");
-    return;
-  }
-  if (action === "prev" || action === "next") {
-    selectSibling(chat, id, action === "prev" ? -1 : 1);
-    renderConversation();
-    await save(chat);
-    return;
-  }
-  if (app.controller) return;   // nothing else while an answer streams
-  if (action === "delete") {
-    removeMessage(chat, id);
-    renderConversation();
-    await save(chat);
-  } else if (action === "answer") {
-    hideError();
-    await generate(chat, node);
-    await save(chat);
-  } else if (action === "regenerate" || action === "retry") {
-    hideError();
-    renderConversationUpTo(chat.nodes[node.parent]);
-    await generate(chat, chat.nodes[node.parent]);   // the answer's element is finished in place (a selection stays)
-    await save(chat);
-  } else if (action === "continue") {
-    hideError();
-    await generate(chat, chat.nodes[node.parent], node);
-    await save(chat);
-  } else if (action === "edit" && node.role === "assistant") {
-    // An edited answer is a new version of it (the model's own stays one click away).
-    const text = await editInPlace(ui.messages.querySelector(`[data-id="${id}"]`), node, { submit: "Save" });
-    if (text === null || text === node.text) return;
-    addChild(chat, node.parent, { role: "assistant", text, meta: { edited: true } });
-    renderConversation();
-    await save(chat);
-  } else if (action === "edit") {
-    const box = ui.messages.querySelector(`[data-id="${id}"]`);
-    const text = await editInPlace(box, node);
-    if (text === null || (text === node.text)) return;
-    const edited = addChild(chat, node.parent, { role: "user", text, images: node.images });
-    renderConversation();
-    save(chat);
-    await generate(chat, edited);
-    await save(chat);
-  }
-}
-
-// Before a regenerate: the conversation up to the question, with the new answer streaming below it.
-function renderConversationUpTo(user) {
-  const path = pathOf(app.chat);
-  const keep = path.slice(0, path.indexOf(user) + 1);
-  ui.messages.replaceChildren(...keep.map((n) => messageElement(app.chat, n)));
-}
+const onAction = messageActions({ app, ui, save, generate, renderConversation, removeMessage, hideError, showError });
 
 ui.messages.addEventListener("click", (e) => {
   const b = e.target.closest(".actions button[data-action]");
