@@ -40,7 +40,7 @@ class CachedRequestState:
         generator = None
         if seed is not None and device is not None:
             generator = torch.Generator(device=device).manual_seed(seed % 2**64)
-        return cls(new.request_id, new.prompt, new.sampling_params, set(new.eos_token_ids), row, generator,
+        return cls(new.request_id, new.prompt, new.sampling_params, new.eos_token_ids, row, generator,
                    grammar, new.bad_words_token_ids)
 
     @property
