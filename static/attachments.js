@@ -4,7 +4,7 @@
 // phone photo as base64 can exceed the upload limit and the model resizes to far fewer pixels anyway.
 import { el } from "./dom.js";
 import { pdfPages } from "./pdf_attach.js";
-import { fileChip, isTextFile, readTextFile, textTokens } from "./textfile_attach.js";
+import { fileChip, fileTokens, isTextFile, readTextFile } from "./textfile_attach.js";
 import { VIDEO_DEFAULTS, readVideo, videoCard, videoTokens } from "./video_attach.js";
 
 const MAX_SIDE = 1280;                  // longest side sent to the server, in pixels
@@ -126,7 +126,7 @@ export class Attachments {
   // Tokens the attachments add to the next prompt, estimated (the engine reports the real count).
   tokens() {
     return this.images.reduce((n, im) => n + imageTokens(im), 0) + this.videos.reduce((n, v) => n + videoTokens(v, this.video), 0)
-      + this.files.reduce((n, f) => n + textTokens(f.text), 0);
+      + this.files.reduce((n, f) => n + fileTokens(f), 0);
   }
 
   // Takes {images, videos, files} (a draft or a message given back); a list is images alone (older drafts).

@@ -10,11 +10,12 @@ export function showContextMeter(meter, path, maxModelLen, pending = 0) {
   if (!maxModelLen) return;
   const fmt = (n) => n.toLocaleString("en-US");
   meter.querySelector(".meter-text").textContent = pending
-    ? `Context ${fmt(used)} + ≈ ${fmt(pending)} attached / ${fmt(maxModelLen)} tokens`
+    ? `Context ${fmt(used)} +≈${fmt(pending)} / ${fmt(maxModelLen)} tokens`
     : `Context ${fmt(used)} / ${fmt(maxModelLen)} tokens`;
   meter.querySelector(".meter-fill").style.width = `${Math.min(100, (100 * used) / maxModelLen)}%`;
   meter.querySelector(".meter-pending").style.width = `${Math.min(100, (100 * pending) / maxModelLen)}%`;
   meter.dataset.used = String(used);
   meter.dataset.pending = String(pending);
+  meter.title = `Prompt and answer tokens of the last turn${pending ? ", plus about what the attachments add" : ""}, of the model's context`;
   meter.classList.toggle("full", (used + pending) / maxModelLen > 0.9);
 }

@@ -122,6 +122,6 @@ export async function pdfPages(file, { container, room }) {
     }
     return out;
   } finally {
-    doc.destroy();
+    doc.loadingTask.destroy();   // its worker too
   }
 }

@@ -1,6 +1,7 @@
 // Text files attached to a message (code, Markdown, CSV, JSON, logs…): read as UTF-8 and sent inline, each as a
 // fenced block headed by its name (conversation.js fileBlock), so the model reads them with the question.
 import { el } from "./dom.js";
+import { fileBlock } from "./conversation.js";
 
 export const MAX_TEXT_FILE_BYTES = 512 * 1024;   // about 130,000 tokens: more than a local context holds anyway
 
@@ -16,8 +17,9 @@ export function isTextFile(file) {
   return TEXT_TYPES.test(file.type || "") || TEXT_EXTENSIONS.has(ext);
 }
 
-// About 4 characters a token: the meter's estimate before the engine counts the real prompt.
-export function textTokens(text) { return Math.ceil(text.length / 4); }
+// About 4 characters a token, of the file as sent (its name and fence too): the meter's estimate before the
+// engine counts the real prompt.
+export function fileTokens(file) { return Math.ceil(fileBlock(file).length / 4); }
 
 function sizeText(bytes) {
   return bytes < 1024 ? `${bytes} B` : bytes < 1 << 20 ? `${(bytes / 1024).toFixed(1)} KB` : `${(bytes / (1 << 20)).toFixed(1)} MB`;
@@ -35,11 +37,17 @@ export async function readTextFile(file) {
   return { name, text: new TextDecoder("utf-8").decode(bytes), bytes: bytes.length };
 }
 
+// A small badge with the file's extension, where a file icon would be.
+function badge(name) {
+  const ext = /\.(\w+)$/.exec(name)?.[1] || "txt";
+  return el("span", "file-icon", ext.slice(0, 4).toUpperCase());
+}
+
 function lineCount(text) { return text ? text.split("\n").length - (text.endsWith("\n") ? 1 : 0) : 0; }
 
 export function fileSummary(file) {
   const lines = lineCount(file.text);
-  return `${lines} line${lines === 1 ? "" : "s"} · ${sizeText(file.bytes ?? file.text.length)} · ≈ ${textTokens(file.text).toLocaleString("en-US")} tokens`;
+  return `${lines} line${lines === 1 ? "" : "s"} · ${sizeText(file.bytes ?? file.text.length)} · ≈ ${fileTokens(file).toLocaleString("en-US")} tokens`;
 }
 
 // The composer's chip for an attached file.
@@ -52,15 +60,15 @@ export function fileChip(file, onRemove) {
   remove.type = "button";
   remove.setAttribute("aria-label", `Remove ${file.name}`);
   remove.addEventListener("click", onRemove);
-  box.append(el("span", "file-icon", "📄"), name, el("figcaption", null, fileSummary(file)), remove);
+  box.append(badge(file.name), name, el("figcaption", null, fileSummary(file)), remove);
   return box;
 }
 
 // A sent message's file: its name and size, its text shown when opened.
 export function fileElement(file) {
   const box = el("details", "msg-file");
-  const summary = el("summary", null, `📄 ${file.name}`);
-  summary.append(el("span", "file-meta", ` · ${fileSummary(file)}`));
+  const summary = el("summary");
+  summary.append(badge(file.name), ` ${file.name}`, el("span", "file-meta", ` · ${fileSummary(file)}`));
   box.append(summary, el("pre", null, file.text));
   return box;
 }
