@@ -2,7 +2,7 @@
 // (video_attach.js), PDF pages (pdf_attach.js: sent as images) and text files (textfile_attach.js: sent as text).
 // An image becomes a data: URL (the engine takes media only inline), downscaled first when large, because a
 // phone photo as base64 can exceed the upload limit and the model resizes to far fewer pixels anyway.
-import { el } from "./dom.js";
+import { el, readAsDataURL, removeButton } from "./dom.js";
 import { pdfPages } from "./pdf_attach.js";
 import { fileChip, fileTokens, isTextFile, readTextFile } from "./textfile_attach.js";
 import { VIDEO_DEFAULTS, readVideo, videoCard, videoTokens } from "./video_attach.js";
@@ -10,15 +10,6 @@ import { VIDEO_DEFAULTS, readVideo, videoCard, videoTokens } from "./video_attac
 const MAX_SIDE = 1280;                  // longest side sent to the server, in pixels
 const PASSTHROUGH_BYTES = 1_500_000;    // small files in a common format are sent as they are
 const PASSTHROUGH_TYPES = new Set(["image/png", "image/jpeg", "image/webp", "image/gif"]);
-
-function readAsDataURL(blob) {
-  return new Promise((resolve, reject) => {
-    const reader = new FileReader();
-    reader.onload = () => resolve(reader.result);
-    reader.onerror = () => reject(reader.error);
-    reader.readAsDataURL(blob);
-  });
-}
 
 export async function imageToDataURL(file) {
   let bitmap;
@@ -49,7 +40,7 @@ export async function imageToDataURL(file) {
 // What kind of attachment a file makes: "image", "video", "pdf", "text", or null (none the page takes).
 function kindOf(file) {
   if (file.type.startsWith("image/")) return "image";
-  if (file.type.startsWith("video/")) return "video";
+  if (file.type.startsWith("video/") || /\.(mp4|m4v|webm|mov|mkv|ogv)$/i.test(file.name || "")) return "video";
   if (file.type === "application/pdf" || /\.pdf$/i.test(file.name || "")) return "pdf";
   return isTextFile(file) ? "text" : null;
 }
@@ -99,7 +90,6 @@ export class Attachments {
         else for (const page of await pdfPages(file, { container: this.picker, room: this.maxImages - this.images.length })) this.addImage(page);
       } catch (err) {
         this.onError(err.message);
-        if (kind === "image") break;
       }
       this.render();
     }
@@ -157,10 +147,7 @@ function imageThumb(item, onRemove) {
   const img = el("img");
   img.src = item.url;
   img.alt = item.name;
-  const remove = el("button", "remove", "×");
-  remove.type = "button";
-  remove.setAttribute("aria-label", `Remove ${item.name}`);
-  remove.addEventListener("click", onRemove);
+  const remove = removeButton(item.name, onRemove);
   box.append(img, el("figcaption", null, item.page ? `p. ${item.page}` : `${item.width}×${item.height}`), remove);
   return box;
 }

@@ -155,6 +155,14 @@ function validNode(node, id) {
     && (id === "root" || (["user", "assistant"].includes(node.role) && typeof node.text === "string"));
 }
 
+// A video of an imported chat, its poster an inline image (never an address to fetch) and its numbers numbers.
+function importedVideo(v) {
+  const num = (x) => (Number.isFinite(x) && x > 0 ? x : 1);
+  return { url: v.url, name: String(v.name || "video"), bytes: num(v.bytes), duration: num(v.duration),
+           width: num(v.width), height: num(v.height), frames: Math.round(num(v.frames)),
+           poster: /^data:image\//.test(v.poster || "") ? v.poster : "" };
+}
+
 // The chats in an exported document (one chat object, or the export of several); throws with a message that
 // says what is wrong. Imported chats get fresh ids, so importing twice keeps both copies.
 export function parseImport(doc) {
@@ -168,7 +176,7 @@ export function parseImport(doc) {
     }
     for (const n of Object.values(nodes)) {
       n.images = Array.isArray(n.images) ? n.images.filter((im) => /^data:image\//.test(im?.url || "")) : [];
-      n.videos = Array.isArray(n.videos) ? n.videos.filter((v) => /^data:video\//.test(v?.url || "")) : [];
+      n.videos = Array.isArray(n.videos) ? n.videos.filter((v) => /^data:video\//.test(v?.url || "")).map(importedVideo) : [];
       n.files = Array.isArray(n.files) ? n.files.filter((f) => typeof f?.name === "string" && typeof f.text === "string") : [];
       n.meta = n.meta && typeof n.meta === "object" ? n.meta : {};
       n.sel = Number.isInteger(n.sel) ? n.sel : 0;

@@ -1,6 +1,6 @@
 // Text files attached to a message (code, Markdown, CSV, JSON, logs…): read as UTF-8 and sent inline, each as a
 // fenced block headed by its name (conversation.js fileBlock), so the model reads them with the question.
-import { el } from "./dom.js";
+import { el, removeButton } from "./dom.js";
 import { fileBlock } from "./conversation.js";
 
 export const MAX_TEXT_FILE_BYTES = 512 * 1024;   // about 130,000 tokens: more than a local context holds anyway
@@ -56,10 +56,7 @@ export function fileChip(file, onRemove) {
   box.dataset.testid = "file-chip";
   const name = el("span", "file-name", file.name);
   name.title = file.name;
-  const remove = el("button", "remove", "×");
-  remove.type = "button";
-  remove.setAttribute("aria-label", `Remove ${file.name}`);
-  remove.addEventListener("click", onRemove);
+  const remove = removeButton(file.name, onRemove);
   box.append(badge(file.name), name, el("figcaption", null, fileSummary(file)), remove);
   return box;
 }

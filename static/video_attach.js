@@ -1,7 +1,7 @@
 // Videos attached to a message: sent whole as a data: URL in a video_url content part; the engine decodes the
 // clip and samples its frames. The composer's card shows a poster frame, the duration, how many frames will be
 // sent and what they cost in vision tokens, with a slider to send fewer (mm_processor_kwargs.num_frames).
-import { el } from "./dom.js";
+import { el, readAsDataURL, removeButton } from "./dom.js";
 
 // Qwen3-VL's video processor (its video_preprocessor_config.json: fps 2, at least 4 frames, at most 25,165,824
 // pixels over all frames, at least 4,096) and the engine's frame and video limits. GET /v1/models may say
@@ -83,15 +83,6 @@ async function knownDuration(video) {
   return video.duration;
 }
 
-function readAsDataURL(blob) {
-  return new Promise((resolve, reject) => {
-    const reader = new FileReader();
-    reader.onload = () => resolve(reader.result);
-    reader.onerror = () => reject(reader.error);
-    reader.readAsDataURL(blob);
-  });
-}
-
 // {url, name, bytes, duration, width, height, poster, frames}; throws with a message that says what to do.
 export async function readVideo(file, { maxBytes, limits = VIDEO_DEFAULTS }) {
   const name = file.name || "video";
@@ -162,10 +153,7 @@ export function videoCard(video, lim, { onRemove, onChange }) {
   });
   const cap = el("figcaption");
   cap.append(el("span", "video-name", video.name), el("span", "video-size", `${video.width}×${video.height}`), cost, slider);
-  const remove = el("button", "remove", "×");
-  remove.type = "button";
-  remove.setAttribute("aria-label", `Remove ${video.name}`);
-  remove.addEventListener("click", onRemove);
+  const remove = removeButton(video.name, onRemove);
   box.append(poster, cap, remove);
   return box;
 }
