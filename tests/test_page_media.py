@@ -93,6 +93,9 @@ def test_a_video_goes_with_its_frames_and_stays_in_the_chat(chat):
     expect(chat.locator("#context-meter")).to_have_attribute("data-pending", "30")
     card.locator(".video-frames").fill("2")                 # fewer frames
     expect(card.locator(".video-cost")).to_have_text("2 frames · ≈ 15 tokens")
+    chat.wait_for_timeout(600)                              # the draft is written a moment after the change
+    reload(chat)                                            # the draft keeps the clip and its frames
+    expect(card.locator(".video-cost")).to_have_text("2 frames · ≈ 15 tokens")
 
     send(chat, "What happens in this clip?")
     expect(answer_done(chat).locator(".content")).to_have_text("A colourful square.")
@@ -238,6 +241,15 @@ def test_a_text_file_is_inlined_with_its_name_and_counted(chat):
 # ---- grounding ----------------------------------------------------------------------------------------------
 GROUNDED = ('Here they are:\n\n```json\n[\n  {"bbox_2d": [100, 200, 500, 800], "label": "cat <b>bold</b>"},\n'
             '  {"point_2d": [750, 250], "label": "nose"}\n]\n```')
+
+
+def test_marks_are_read_from_the_models_json_only(chat):
+    open_page(chat)
+    text = ('{"bbox_2d": [900, 800, 100, 1200], "label": 7} {"bbox_2d": [1, 2, 3]} {"point_2d": ["a", 2]} '
+            '{"point_2d": [5, 6] oops} <b>{"point_2d": [-10, 500]}</b>')
+    marks = chat.evaluate("async (t) => (await import('/static/grounding.js')).findMarks(t)", text)
+    assert marks == [{"kind": "box", "x1": 100, "y1": 800, "x2": 900, "y2": 1000, "label": "7"},   # ordered, clamped
+                     {"kind": "point", "x": 0, "y": 500, "label": ""}]
 
 
 def rect(locator):
