@@ -1,5 +1,5 @@
 """What the chat page asks the proxy itself: the engine's state (always 200), the proxy's limits, and which
-rendering libraries web/install_vendor.sh put into static/vendor/, so the page loads only those that exist."""
+libraries web/install_vendor.sh put into static/vendor/, so the page loads only those that exist."""
 from __future__ import annotations
 
 from aiohttp import web
@@ -12,6 +12,7 @@ VENDOR_FILES = {
     "dompurify": ("purify.es.mjs",),
     "highlight": ("highlight.min.mjs", "hljs-light.css", "hljs-dark.css"),
     "katex": ("katex/katex.mjs", "katex/katex.min.css"),
+    "pdfjs": ("pdfjs/pdf.min.mjs", "pdfjs/pdf.worker.min.mjs"),
 }
 
 

@@ -56,7 +56,8 @@ export function messageActions({ app, ui, save, generate, renderConversation, re
       const box = ui.messages.querySelector(`[data-id="${id}"]`);
       const text = await editInPlace(box, node);
       if (text === null || (text === node.text)) return;
-      const edited = addChild(chat, node.parent, { role: "user", text, images: node.images });
+      const { images, videos, files } = node;     // the edited question keeps what was attached to it
+      const edited = addChild(chat, node.parent, { role: "user", text, images, videos, files });
       renderConversation();
       save(chat);
       await generate(chat, edited);

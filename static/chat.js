@@ -3,7 +3,7 @@ import { loadPageConfig } from "./api.js";
 import { AnswerStream } from "./answer.js";
 import { messageActions } from "./actions.js";
 import { Attachments } from "./attachments.js";
-import { addChild, buildMessages, newChat, pathOf, removeNode, titleFrom } from "./conversation.js";
+import { addChild, newChat, pathOf, removeNode, titleFrom } from "./conversation.js";
 import { finishElement, messageElement } from "./messages.js";
 import { handleCodeCopy, loadLibraries } from "./render.js";
 import { Settings } from "./settings.js";
@@ -18,6 +18,9 @@ import { ChatSettings } from "./chatsettings.js";
 import { TabSync } from "./tabsync.js";
 import { titleChat } from "./autotitle.js";
 import { initScrollButton } from "./scrolldown.js";
+import { chatRequest } from "./request.js";
+import { askToFind, handleFind } from "./grounding.js";
+import { videoLimits } from "./video_attach.js";
 
 const $ = (id) => document.getElementById(id);
 const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop: $("stop"), form: $("composer"),
@@ -27,12 +30,12 @@ const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop
 // refreshing: the read of this chat's stored copy in flight (refreshChat).
 const app = { store: new ChatStore(), drafts: null, chats: [], chat: newChat(), controller: null, model: null,
               abortReason: "", refreshing: null,
-              limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true } };
+              limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true, video: videoLimits(null) } };
 
 const attachments = new Attachments({
   container: $("attachments"), fileInput: $("file-input"), button: $("attach"), note: $("image-note"),
-  onError: (m) => showError(m),
-  onChange: () => app.drafts.keep(),
+  picker: $("pdf-picker"), onError: (m) => showError(m),
+  onChange: () => { app.drafts.keep(); updateMeter(); },
 });
 app.drafts = new Drafts({ prompt: ui.prompt, attachments, resize: () => autoresize() });
 const settings = new Settings({ onChange: () => chatSettings.capture() });
@@ -45,7 +48,8 @@ const status = new StatusMonitor({
     app.model = card.id;
     app.limits.maxModelLen = card.max_model_len ?? null;
     if (Number.isInteger(card.max_images_per_prompt)) app.limits.maxImages = card.max_images_per_prompt;
-    attachments.maxImages = app.limits.maxImages;
+    app.limits.video = videoLimits(card);
+    Object.assign(attachments, { maxImages: app.limits.maxImages, video: app.limits.video });
     settings.showDefaults(card.sampling_defaults);
     clearTransientError();
     updateMeter();
@@ -57,8 +61,8 @@ const status = new StatusMonitor({
     const empty = document.getElementById("empty-state");
     if (changed && empty) empty.replaceWith(emptyState());
     document.body.classList.toggle("text-only", !multimodal);
-    if (multimodal !== attachments.enabled) {
-      attachments.setEnabled(multimodal, "Image upload is off: the model being served is text-only.");
+    if (multimodal !== attachments.media) {
+      attachments.setEnabled(multimodal, "Images, videos and PDFs are off: the model being served is text-only (text files still go).");
     }
   },
   onDown: () => { app.model = null; kvmap.clear(); updateMeter(); },
@@ -97,8 +101,8 @@ function emptyState() {
   title.textContent = "Ask anything.";
   const hint = document.createElement("p");
   hint.textContent = app.limits.multimodal
-    ? "Attach images with the button, by dragging them here, or by pasting. Enter sends; Shift+Enter adds a new line; Esc stops an answer."
-    : "This model reads text only. Enter sends; Shift+Enter adds a new line; Esc stops an answer.";
+    ? "Attach images, videos, PDFs or text files with the button, by dragging them here, or by pasting. Enter sends; Shift+Enter adds a new line; Esc stops an answer."
+    : "This model reads text only (text files can be attached). Enter sends; Shift+Enter adds a new line; Esc stops an answer.";
   box.append(title, hint);
   return box;
 }
@@ -111,7 +115,7 @@ function renderConversation() {
   scrollToEnd();
 }
 
-function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen); }
+function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen, attachments.tokens()); }
 
 // ---- saving -----------------------------------------------------------------------------------------------
 // A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
@@ -207,33 +211,12 @@ function setBusy(busy) {
   status.setBusy(busy);
 }
 
-function requestBody(path) {
-  const { messages, dropped, droppedLast } = buildMessages(path, {
-    system: settings.system, maxImages: app.limits.maxImages, maxBytes: app.limits.maxBytes,
-    keepEarlier: settings.keepEarlierImages });
-  if (droppedLast) {
-    throw new Error(`The images of this message are too large together for the server's limit of `
-      + `${(app.limits.maxBytes / (1 << 20)).toFixed(1)} MB per request: remove ${droppedLast === 1 ? "one" : droppedLast} of them.`);
-  }
-  const body = { messages, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
-                 ...settings.requestFields() };
-  if (app.model) body.model = app.model;
-  return { body, dropped };
-}
-
-function noteDropped(dropped) {
-  ui.sendNote.hidden = !dropped;
-  ui.sendNote.textContent = dropped
-    ? `${dropped} earlier image${dropped === 1 ? " is" : "s are"} not sent again: the model takes at most ${app.limits.maxImages} images per prompt and requests at most ${Math.round(app.limits.maxBytes / (1 << 20))} MB (Settings → Earlier images).`
-    : "";
-}
-
 async function send() {
   await started;   // Enter works from the first paint; the chat list and the libraries arrive with start()
   if (app.controller) return;
   const text = ui.prompt.value.trim();
-  const images = attachments.list();
-  if (!text && !images.length) return;
+  const media = attachments.content();
+  if (!text && !attachments.count()) return;
   const notNow = status.reason();
   if (notNow) { showError(notNow, { transient: true }); return; }
   hideError();
@@ -241,7 +224,7 @@ async function send() {
   const chat = app.chat;
   const path = pathOf(chat);
   const parentId = path.length ? path[path.length - 1].id : "root";
-  const user = addChild(chat, parentId, { role: "user", text, images });
+  const user = addChild(chat, parentId, { role: "user", text, ...media });
   ui.prompt.value = "";
   autoresize();
   attachments.clear();
@@ -254,7 +237,7 @@ async function send() {
     removeMessage(chat, user.id);
     renderConversation();
     if (!ui.prompt.value) { ui.prompt.value = text; autoresize(); }
-    if (!attachments.list().length) attachments.restore(images);
+    if (!attachments.count()) attachments.restore(media);
     app.drafts.keep();
     ui.prompt.focus();
   }
@@ -270,12 +253,14 @@ async function generate(chat, user, continuing = null) {
   if (continuing) continuing.text = continuing.text.trimEnd();
   let request;
   try {
-    request = requestBody([...pathOf(chat).slice(0, pathOf(chat).indexOf(continuing ?? user) + 1)]);
+    request = chatRequest(pathOf(chat).slice(0, pathOf(chat).indexOf(continuing ?? user) + 1),
+                          { settings, limits: app.limits, model: app.model });
   } catch (err) {
     showError(err.message);
     return false;
   }
-  noteDropped(request.dropped);
+  ui.sendNote.hidden = !request.note;
+  ui.sendNote.textContent = request.note;
   if (continuing) Object.assign(request.body, { add_generation_prompt: false, continue_final_message: true });
   const node = continuing ?? addChild(chat, user.id, { role: "assistant", text: "", status: "streaming" });
   const earlierTokens = continuing ? (node.meta.tokens || 0) : 0;
@@ -366,6 +351,13 @@ ui.messages.addEventListener("click", (e) => {
   if (b) onAction(b.dataset.action, b.closest(".msg").dataset.id, b);
 });
 handleCodeCopy(ui.messages);
+// "Find…" on an image: the grounding question, with that image attached unless it is already the latest.
+handleFind(ui.messages, (id, index) => {
+  const image = app.chat.nodes[id]?.images?.[index];
+  if (!image) return;
+  if (image !== pathOf(app.chat).flatMap((n) => n.images || []).at(-1) || attachments.images.length) attachments.attachImage(image);
+  askToFind(ui.prompt);
+});
 initScrollButton(ui.messages);
 
 // ---- composer -----------------------------------------------------------------------------------------------
@@ -386,7 +378,7 @@ ui.prompt.addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
 });
 ui.prompt.addEventListener("paste", (e) => {
-  const files = [...(e.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+  const files = [...(e.clipboardData?.files || [])];
   if (files.length) { e.preventDefault(); attachments.addFiles(files); }
 });
 $("new-chat").addEventListener("click", startNewChat);
@@ -397,7 +389,8 @@ async function start() {
   attachments.render();
   status.start();
   const [config] = await Promise.all([loadPageConfig(), app.store.open(), app.drafts.open()]);
-  if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = config.max_upload_bytes;
+  if (Number.isFinite(config.max_upload_bytes)) app.limits.maxBytes = attachments.maxBytes = config.max_upload_bytes;
+  attachments.pdf = (config.vendor || []).includes("pdfjs");
   await loadLibraries(config.vendor);
   app.chats = await app.store.all();
   app.sidebar = new Sidebar({

@@ -15,7 +15,9 @@ export function newChat() {
   return { id: uid(), title: "", created: now, updated: now, nodes: { root: { id: "root", children: [], sel: 0 } } };
 }
 
-// A node: {id, parent, role: "user" | "assistant", text, images: [{url, name, width, height}], children, sel,
+// A node: {id, parent, role: "user" | "assistant", text, images: [{url, name, width, height, page?}],
+//          videos: [{url, name, bytes, duration, width, height, poster, frames}], files: [{name, text, bytes}],
+//          children, sel,
 //          status: "done" | "stopped" | "error", time (ms since the epoch, when it was written),
 //          meta: {ttftMs, tokens, rate, finish, promptTokens, note, edited}}
 // A chat may also carry `pinned` (kept at the top of the list) and `settings` (its own generation settings,
@@ -74,44 +76,73 @@ export function titleFrom(text) {
 }
 
 // ---- what is sent ---------------------------------------------------------------------------------------
-const OMITTED = "(an earlier image, not sent again)";
+// The media a message carries, in the order its content parts go: images (PDF pages among them), then videos.
+const MEDIA = [
+  { key: "images", limit: "maxImages", part: (m) => ({ type: "image_url", image_url: { url: m.url } }),
+    omitted: (n) => (n === 1 ? "(an earlier image, not sent again)" : `(${n} earlier images, not sent again)`) },
+  { key: "videos", limit: "maxVideos", part: (m) => ({ type: "video_url", video_url: { url: m.url } }),
+    omitted: (n) => (n === 1 ? "(an earlier video, not sent again)" : `(${n} earlier videos, not sent again)`) },
+];
 
-// OpenAI messages for the path, keeping the newest images that fit both the engine's images-per-prompt limit
-// and the proxy's body size limit; older ones are replaced by a short text so the turn still reads right.
-// With keepEarlier false only the last message's images are sent. Returns {messages, dropped, droppedLast}:
-// droppedLast counts images of the last message itself that do not fit (the page refuses to send those).
-export function buildMessages(path, { system = "", maxImages = 8, maxBytes = Infinity, keepEarlier = true } = {}) {
-  const base = path.map((n) => ({ role: n.role, content: n.text }));
+// A text file as the model reads it: its name, then its text in a fence longer than any run of backticks inside.
+export function fileBlock(file) {
+  const longest = Math.max(2, ...[...file.text.matchAll(/`{3,}/g)].map((m) => m[0].length));
+  const fence = "`".repeat(longest + 1);
+  const lang = /\.([\w+-]+)$/.exec(file.name)?.[1]?.toLowerCase() || "";
+  return `${file.name}:\n${fence}${lang}\n${file.text.replace(/\n$/, "")}\n${fence}`;
+}
+
+// What one question says in words: the notes on media not sent again, its text files, then what was typed.
+function userText(node, omitted) {
+  const words = [...(node.files || []).map(fileBlock), node.text].filter(Boolean).join("\n\n");
+  return [...omitted, words].filter(Boolean).join("\n");
+}
+
+// OpenAI messages for the path, keeping the newest images and videos that fit the engine's per-prompt limits
+// (maxImages, maxVideos) and, all together, the proxy's body size limit; older ones are replaced by a short
+// text so the turn still reads right. With keepEarlier false only the last message's media are sent. Returns
+// {messages, dropped, droppedVideos, droppedLast}: droppedLast counts media of the last message itself that do
+// not fit (the page refuses to send those).
+export function buildMessages(path, { system = "", maxImages = 8, maxVideos = 1, maxBytes = Infinity,
+                                      keepEarlier = true } = {}) {
+  const limits = { maxImages, maxVideos };
+  const base = path.map((n) => ({ role: n.role, content: userText(n, []) }));
   let bytes = JSON.stringify(base).length + system.length + 4096;  // the rest of the body, with room to spare
-  let count = 0;
-  let dropped = 0;
+  const count = { images: 0, videos: 0 };
+  const dropped = { images: 0, videos: 0 };
   let droppedLast = 0;
-  const keep = new Map();   // node id -> images kept
+  const keep = new Map();   // `${node id} ${kind}` -> media kept
   for (let i = path.length - 1; i >= 0; i--) {
-    const node = path[i];
-    if (!node.images?.length) continue;
-    const kept = [];
-    // Newest first: within a message too, so that the last images of a message are the ones kept.
-    for (const image of [...node.images].reverse()) {
-      const allowed = (keepEarlier || i === path.length - 1) && count < maxImages
-        && bytes + image.url.length + 64 <= maxBytes;
-      if (allowed) { kept.unshift(image); count += 1; bytes += image.url.length + 64; } else if (i === path.length - 1) droppedLast += 1;
-      else dropped += 1;
+    for (const { key, limit } of MEDIA) {
+      const items = path[i][key] || [];
+      if (!items.length) continue;
+      const kept = [];
+      // Newest first: within a message too, so that the last media of a message are the ones kept.
+      for (const item of [...items].reverse()) {
+        const allowed = (keepEarlier || i === path.length - 1) && count[key] < limits[limit]
+          && bytes + item.url.length + 64 <= maxBytes;
+        if (allowed) { kept.unshift(item); count[key] += 1; bytes += item.url.length + 64; } else if (i === path.length - 1) droppedLast += 1;
+        else dropped[key] += 1;
+      }
+      keep.set(`${path[i].id} ${key}`, kept);
     }
-    keep.set(node.id, kept);
   }
   const messages = system ? [{ role: "system", content: system }] : [];
   for (const node of path) {
-    if (node.role !== "user" || !node.images?.length) { messages.push({ role: node.role, content: node.text }); continue; }
-    const kept = keep.get(node.id);
-    const parts = kept.map((im) => ({ type: "image_url", image_url: { url: im.url } }));
-    const omitted = node.images.length - kept.length;
-    const text = [omitted ? (omitted === 1 ? OMITTED : `(${omitted} earlier images, not sent again)`) : "", node.text]
-      .filter(Boolean).join("\n");
+    const media = MEDIA.filter(({ key }) => node[key]?.length);
+    if (node.role !== "user" || !media.length) { messages.push({ role: node.role, content: userText(node, []) }); continue; }
+    const parts = [];
+    const omitted = [];
+    for (const { key, part, omitted: say } of media) {
+      const kept = keep.get(`${node.id} ${key}`);
+      parts.push(...kept.map(part));
+      if (node[key].length > kept.length) omitted.push(say(node[key].length - kept.length));
+    }
+    const text = userText(node, omitted);
     if (text) parts.push({ type: "text", text });
     messages.push({ role: "user", content: parts });
   }
-  return { messages, dropped, droppedLast };
+  return { messages, dropped: dropped.images, droppedVideos: dropped.videos, droppedLast };
 }
 
 // ---- export / import -------------------------------------------------------------------------------------
@@ -122,6 +153,14 @@ export function exportDocument(chats) {
 function validNode(node, id) {
   return node && typeof node === "object" && node.id === id && Array.isArray(node.children)
     && (id === "root" || (["user", "assistant"].includes(node.role) && typeof node.text === "string"));
+}
+
+// A video of an imported chat, its poster an inline image (never an address to fetch) and its numbers numbers.
+function importedVideo(v) {
+  const num = (x) => (Number.isFinite(x) && x > 0 ? x : 1);
+  return { url: v.url, name: String(v.name || "video"), bytes: num(v.bytes), duration: num(v.duration),
+           width: num(v.width), height: num(v.height), frames: Math.round(num(v.frames)),
+           poster: /^data:image\//.test(v.poster || "") ? v.poster : "" };
 }
 
 // The chats in an exported document (one chat object, or the export of several); throws with a message that
@@ -137,6 +176,8 @@ export function parseImport(doc) {
     }
     for (const n of Object.values(nodes)) {
       n.images = Array.isArray(n.images) ? n.images.filter((im) => /^data:image\//.test(im?.url || "")) : [];
+      n.videos = Array.isArray(n.videos) ? n.videos.filter((v) => /^data:video\//.test(v?.url || "")).map(importedVideo) : [];
+      n.files = Array.isArray(n.files) ? n.files.filter((f) => typeof f?.name === "string" && typeof f.text === "string") : [];
       n.meta = n.meta && typeof n.meta === "object" ? n.meta : {};
       n.sel = Number.isInteger(n.sel) ? n.sel : 0;
     }

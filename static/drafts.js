@@ -1,6 +1,7 @@
-// The message being written, per chat: the composer's text and attached images, kept in IndexedDB (a database of its own,
-// so the chats' schema is untouched) so that a reload or a closed tab loses nothing. Written shortly after each
-// change; removed when the message is sent. Without IndexedDB, drafts last as long as the page.
+// The message being written, per chat: the composer's text and attachments (images, videos, files), kept in
+// IndexedDB (a database of its own, so the chats' schema is untouched) so that a reload or a closed tab loses
+// nothing. Written shortly after each change; removed when the message is sent. Without IndexedDB, drafts last
+// as long as the page.
 
 const DB_NAME = "localchat-drafts";
 const STORE = "drafts";
@@ -47,7 +48,7 @@ export class Drafts {
   // Keeps what the composer holds as the draft of its chat, written a moment later (not once per key).
   keep() {
     if (this.chatId === null) return;
-    this.pending = { chat: this.chatId, text: this.prompt.value, images: this.attachments.list() };
+    this.pending = { chat: this.chatId, text: this.prompt.value, ...this.attachments.content() };
     clearTimeout(this.timer);
     this.timer = setTimeout(() => this.flush(), WRITE_DELAY_MS);
   }
@@ -58,12 +59,12 @@ export class Drafts {
     const flushed = this.flush();             // takes the draft of the chat being left before anything awaits
     this.chatId = null;
     const load = ++this.loads;
-    if (replace) { this.prompt.value = ""; this.attachments.restore([]); this.resize(); }   // never the old chat's
+    if (replace) { this.prompt.value = ""; this.attachments.clear(); this.resize(); }   // never the old chat's
     await flushed;
     const draft = await this.get(chatId);
     if (load !== this.loads) return;          // another chat was opened meanwhile
     if (replace || !this.prompt.value) { this.prompt.value = draft?.text || ""; this.resize(); }
-    if (replace || !this.attachments.list().length) this.attachments.restore(draft?.images || []);
+    if (replace || !this.attachments.count()) this.attachments.restore(draft || {});
     this.chatId = chatId;
   }
 
@@ -72,7 +73,7 @@ export class Drafts {
     const draft = this.pending;
     this.pending = null;
     if (!draft) return;
-    const empty = !draft.text && !draft.images.length;
+    const empty = !draft.text && !draft.images.length && !draft.videos?.length && !draft.files?.length;
     if (!this.db) { if (empty) this.memory.delete(draft.chat); else this.memory.set(draft.chat, draft); return; }
     try {
       const store = this.db.transaction(STORE, "readwrite").objectStore(STORE);

@@ -6,6 +6,9 @@ import { StreamRenderer } from "./render.js";
 import { siblingInfo } from "./conversation.js";
 import { timeElement } from "./dates.js";
 import { el } from "./dom.js";
+import { groundingElement } from "./grounding.js";
+import { videoElement } from "./video_attach.js";
+import { fileElement } from "./textfile_attach.js";
 
 function button(action, label, text, title) {
   const b = el("button", `act act-${action}`, text);
@@ -35,19 +38,30 @@ function metaText(node) {
   return text.replace(/^ · /, "");
 }
 
+// A question: its images (each with "Find…", which asks the model to locate things in it), videos, text
+// files, and the user's own words, shown exactly as typed.
 export function userContent(content, node) {
   content.replaceChildren();
   if (node.images?.length) {
     const row = el("div", "msg-images");
-    for (const image of node.images) {
+    node.images.forEach((image, index) => {
+      const wrap = el("span", "msg-image");
       const img = el("img");
       img.src = image.url;
       img.alt = image.name || "image";
-      row.append(img);
-    }
+      const find = el("button", "find", "Find…");
+      find.type = "button";
+      Object.assign(find.dataset, { node: node.id, index: String(index) });
+      find.title = "Ask the model where things are in this image (it answers with boxes drawn here)";
+      find.setAttribute("aria-label", `Find things in ${img.alt}`);
+      wrap.append(img, find);
+      row.append(wrap);
+    });
     content.append(row);
   }
-  if (node.text) content.append(el("p", null, node.text));   // the user's own words, shown exactly as typed
+  for (const video of node.videos || []) content.append(videoElement(video));
+  for (const file of node.files || []) content.append(fileElement(file));
+  if (node.text) content.append(el("p", null, node.text));
 }
 
 // One message; `streaming` answers get their renderer kept on the element (box.renderer).
@@ -84,6 +98,9 @@ export function finishElement(chat, box, node) {
     meta.dataset.testid = "speed";
     box.querySelector(".content").after(meta);
   }
+  box.querySelector(".grounding")?.remove();
+  const marks = groundingElement(chat, node);     // boxes and points in the answer, drawn on the image
+  if (marks) box.querySelector(".content").after(marks);
   box.querySelector(".actions").replaceWith(actionsElement(chat, node));
 }
 

@@ -227,7 +227,7 @@ def test_demo_model_banner_and_text_only(page, proxy):
     banner = page.locator("#demo-banner")
     expect(banner).to_be_visible()
     expect(banner).to_contain_text("./run_app.sh --model /path/to/Qwen3-VL-8B-Instruct")
-    expect(page.locator("#attach")).to_be_disabled()
+    expect(page.locator("#attach")).to_be_enabled()          # text files still go to a text-only model
     expect(page.locator("#image-note")).to_contain_text("text-only")
     expect(page.locator("#kv-used")).to_have_text("216")
     expect(page.locator("#kv-cached")).to_have_text("40")

@@ -235,11 +235,18 @@ def test_conversation_keeps_its_width_at_390px_with_panels_open(browser, page_pr
     assert not errors, errors
 
 
-def test_text_only_model_says_so_in_the_empty_chat(chat):
+def test_text_only_model_says_so_in_the_empty_chat(chat, tmp_path):
     open_page(chat, multimodal=False)
-    expect(chat.locator("#attach")).to_be_disabled()
     expect(chat.locator("#empty-state")).to_contain_text("This model reads text only")
     expect(chat.locator("#empty-state")).not_to_contain_text("Attach images")
+    expect(chat.locator("#image-note")).to_contain_text("text-only")
+    # Text files still go; images are refused with the reason.
+    expect(chat.locator("#attach")).to_be_enabled()
+    chat.set_input_files("#file-input", [str(png_file(tmp_path, "a.png"))])
+    expect(chat.locator("#error")).to_contain_text("the model being served is text-only")
+    expect(chat.locator(".thumb")).to_have_count(0)
+    chat.set_input_files("#file-input", [{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"plain words"}])
+    expect(chat.locator(".file-chip")).to_have_count(1)
 
 
 

@@ -64,8 +64,12 @@ def test_page_config_lists_only_the_vendor_libraries_present(tmp_path):
     vendor = cfg.static_dir / "vendor"
     for name in ("marked.esm.js", "purify.es.mjs", "katex/katex.mjs"):   # katex's stylesheet is missing
         (vendor / name).write_text("")
+    (vendor / "pdfjs").mkdir()
+    (vendor / "pdfjs" / "pdf.min.mjs").write_text("")                    # pdf.js without its worker
     status, body = get(cfg, "/api/page-config")
     assert status == 200 and body == {"max_upload_bytes": 1234, "vendor": ["marked", "dompurify"]}
+    (vendor / "pdfjs" / "pdf.worker.min.mjs").write_text("")
+    assert get(cfg, "/api/page-config")[1]["vendor"] == ["marked", "dompurify", "pdfjs"]
 
 
 def test_engine_flag_writes_progress_before_torch_is_imported(tmp_path):
