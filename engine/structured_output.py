@@ -25,9 +25,22 @@ from engine.sampling_params import JSON_WHITESPACE, StructuredOutputsParams
 logger = init_logger(__name__)
 
 
-
 def grammar_spec(so: StructuredOutputsParams) -> str:
     """The llguidance grammar for `so`; a schema, regex or grammar that does not compile is a 400 here."""
+    spec = _constraint_spec(so)
+    return spec if so.reasoning_end is None else after_reasoning(spec, so.reasoning_end)
+
+
+def after_reasoning(spec: str, end: str) -> str:
+    """`spec` preceded by free reasoning text up to the first `end` tag and the whitespace after it: a lazy
+    llguidance rule stops at the tag, then the constraint's grammar (by reference) starts."""
+    body = json.loads(spec)["grammars"] if spec.lstrip().startswith("{") else [{"lark_grammar": spec}]
+    outer = (f"start: reasoning /[ \\t\\n]*/ @answer\n"
+             f"reasoning[stop={json.dumps(end)}]: /(.|\\n)*/\n")
+    return json.dumps({"grammars": [{"lark_grammar": outer}, {**body[0], "name": "answer"}, *body[1:]]})
+
+
+def _constraint_spec(so: StructuredOutputsParams) -> str:
     import llguidance
     param = f"structured_outputs.{so.kind}"
     try:

@@ -27,6 +27,7 @@ class ServerState:
     sampling_defaults: SamplingDefaults
     log_requests: bool = True
     auto_tool_choice: bool = False     # --enable-auto-tool-choice
+    reasoning_parser: str | None = None    # --reasoning-parser
     stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
