@@ -15,6 +15,7 @@ from engine.logger import init_logger
 from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
 from engine.server.metrics import ServerMetrics
+from engine.server.response_store import ResponseStore
 
 logger = init_logger(__name__)
 
@@ -32,6 +33,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
+    responses: ResponseStore = field(default_factory=ResponseStore)     # /v1/responses kept for chaining
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
