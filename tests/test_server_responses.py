@@ -230,3 +230,36 @@ def test_the_store_keeps_within_its_count_and_bytes():
     store.put({"id": "resp_huge"}, [{"role": "user", "content": "z" * 3000}])   # larger than the store
     with pytest.raises(Exception):
         store.get("resp_huge")
+
+
+def test_an_openai_agents_sdk_turn_calls_the_tool_and_answers(engine):
+    """One agent turn through the OpenAI Agents SDK on the Responses API: the first model call must call the tool
+    (tool_choice required, forced by the grammar), the SDK runs it and sends its output back, and the second call
+    (tool_choice reset to auto by the SDK, as after any tool use) answers in the agent's output type, whose
+    schema (text.format) makes the random model's answer end."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(model=SERVED, openai_client=openai.AsyncOpenAI(
+        base_url=engine.url + "/v1", api_key="none", max_retries=0, timeout=120))
+    class Answer(pydantic.BaseModel):
+        summary: str = pydantic.Field(max_length=20)
+
+    agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                         output_type=Answer,
+                         model_settings=agents.ModelSettings(tool_choice="required", temperature=1.0,
+                                                             max_tokens=300, parallel_tool_calls=False))
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert kinds[-1] == "message_output_item"
+    assert len(calls) == 1 and isinstance(calls[0], str)
+    assert result.new_items[1].output == f"sunny in {calls[0]}"
+    assert isinstance(result.final_output, Answer)

@@ -14,7 +14,6 @@ import time
 from aiohttp import web
 
 from engine.async_llm import StartRequest
-from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.errors import dumps
 from engine.server.protocol import Fields, renamed_params, sampling_params
@@ -45,10 +44,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     tools = parse_tools(chat_tools(f), state.auto_tool_choice)
     fmt, constraint = text_format(f)
+    # A forced tool call writes no text, so text.format (the shape of a text answer) has nothing to apply to:
+    # agents send both, and the tool call wins.
     forced = tool_call_constraint(tools)
-    if forced is not None and constraint is not None:
-        raise InvalidInputError(f'tool_choice "{tools.choice}" cannot be combined with text.format {fmt["type"]}',
-                                param="text.format")
     constraint, param = (forced, "tools") if forced is not None else (constraint, "text.format")
     template_kwargs = f.obj("chat_template_kwargs")
     reasoning = request_reasoning(state.reasoning_parser, template_kwargs)
