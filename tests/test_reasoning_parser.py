@@ -80,11 +80,14 @@ def test_thinking_turned_off_or_no_parser_means_no_split():
     assert request_reasoning("qwen3", None) is QWEN3
 
 
-@pytest.fixture(scope="module")
-def grammars(tmp_path_factory):
+@pytest.fixture(scope="module", params=["spelled", "added-token"])
+def grammars(request, tmp_path_factory):
+    """A vocabulary that spells `</think>` in pieces, and one that holds it as one added token (Qwen3's)."""
     import tiny_models
     from engine.structured_output import StructuredOutputManager
-    tok = tiny_models.build_tokenizer(tmp_path_factory.mktemp("tok"), tiny_models.CHATML_TEMPLATE)
+    tok = tiny_models.build_tokenizer(tmp_path_factory.mktemp("tok"), tiny_models.CHATML_TEMPLATE,
+                                      thinking=request.param == "added-token")
+    assert (len(tok.encode("</think>", add_special_tokens=False)) == 1) == (request.param == "added-token")
     return tok, StructuredOutputManager(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
 
 
