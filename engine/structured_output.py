@@ -33,14 +33,15 @@ def grammar_spec(so: StructuredOutputsParams, end_token: int | None = None) -> s
 
 
 def after_reasoning(spec: str, end: str, end_token: int | None = None) -> str:
-    """`spec` preceded by free reasoning text, the `end` tag and the whitespace after it. llguidance sees an
+    """`spec` preceded by free reasoning text, the `end` tag and a little whitespace (Qwen writes two newlines;
+    unbounded, a random or weak model could pad forever). llguidance sees an
     added token (Qwen3's `</think>`) as a special token, outside any text: the grammar names it by id, after a
     free-text lexeme. A tag the vocabulary spells in pieces ends a lazy rule instead (stop=)."""
     body = json.loads(spec)["grammars"] if spec.lstrip().startswith("{") else [{"lark_grammar": spec}]
     if end_token is not None:
-        outer = f"start: REASONING <[{end_token}]> /[ \\t\\n]*/ @answer\nREASONING: /(.|\\n)*/\n"
+        outer = f"start: REASONING <[{end_token}]> /[ \\t\\n]{{0,4}}/ @answer\nREASONING: /(.|\\n)*/\n"
     else:
-        outer = (f"start: reasoning /[ \\t\\n]*/ @answer\n"
+        outer = (f"start: reasoning /[ \\t\\n]{{0,4}}/ @answer\n"
                  f"reasoning[stop={json.dumps(end)}]: /(.|\\n)*/\n")
     return json.dumps({"grammars": [{"lark_grammar": outer}, {**body[0], "name": "answer"}, *body[1:]]})
 

@@ -128,8 +128,10 @@ def test_structured_output_applies_after_the_reasoning(client, server):
 def test_a_forced_tool_call_comes_after_the_reasoning(client, server):
     end = token_ids(server, "</think>")[0]
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}
     reply = client.chat.completions.create(model=SERVED, messages=USER, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False,
                                            temperature=1.0, seed=2, max_tokens=200,
                                            extra_body={"logit_bias": {str(end): 6.0}})
     message = reply.choices[0].message
