@@ -35,11 +35,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, f, options = await read_request(request)
     check_unsupported(f)
     store = f.boolean("store", True)
-    history = []
-    previous = f.string("previous_response_id", None)
-    if previous is not None:
-        history = state.responses.get(previous, param="previous_response_id").messages
-    conversation = history + input_messages(f.body.get("input"))
+    conversation = _conversation(state, f)
     instructions = f.string("instructions", None)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     tools = parse_tools(chat_tools(f), state.auto_tool_choice)
@@ -61,11 +57,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         prompt = await state.engine.process_chat(messages, start=start, tools=tools.tools,
                                                  chat_template_kwargs=template_kwargs)
     gen = Generation(start.request_id, prompt, params, options, int(time.time()))
-    echo = {**{k: f.body.get(k, v) if f.given(k) else v for k, v in _ECHOED.items()}, "store": store,
+    echo = {**{k: f.body[k] if f.given(k) else v for k, v in _ECHOED.items()}, "store": store,
             "temperature": params.temperature, "top_p": params.top_p, "text": {"format": fmt}}
-    fmt_ = ResponsesFormat(gen, state, tools, ReasoningStreams.of(reasoning, prompt), echo,
-                           conversation if store else None)
-    return await serve_generation(request, state, gen, fmt_)
+    shape = ResponsesFormat(gen, state, tools, ReasoningStreams.of(reasoning, prompt), echo,
+                            conversation if store else None)
+    return await serve_generation(request, state, gen, shape)
+
+
+def _conversation(state: ServerState, f: Fields) -> list[dict]:
+    """The chat messages of the stored conversation that previous_response_id continues, then of `input`."""
+    previous = f.string("previous_response_id", None)
+    history = [] if previous is None else state.responses.get(previous, param="previous_response_id").messages
+    return history + input_messages(f.body.get("input"))
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
@@ -152,9 +155,6 @@ class ResponsesFormat(ResponseFormat):
         shell = self._envelope("in_progress", [], None)
         return self._numbered([{"type": "response.created", "response": shell},
                                {"type": "response.in_progress", "response": shell}])
-
-    def chunk(self, out: RequestOutput, index: int) -> dict | None:
-        raise TypeError("a Response streams events (events()), not chunks")
 
     def events(self, out: RequestOutput, index: int) -> list[dict]:
         c = out.outputs[0]

@@ -78,9 +78,10 @@ class ResponseFormat(abc.ABC):
         self.state = state
         self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
 
-    @abc.abstractmethod
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
-        """The chunk to stream for this output of choice `index`; None: nothing worth sending now."""
+        """The chunk to stream for this output of choice `index`; None: nothing worth sending now. (An endpoint
+        that streams other events than chunks overrides events() instead.)"""
+        raise NotImplementedError(f"{type(self).__name__} streams neither chunks nor events")
 
     @abc.abstractmethod
     def response(self, finals: list[RequestOutput]) -> dict:
