@@ -96,7 +96,8 @@ class City(pydantic.BaseModel):
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_parse_returns_the_schema_typed_output(any_client, streamed):
-    ask = dict(model=SERVED, input="A city as JSON.", text_format=City, temperature=1.0, max_output_tokens=200)
+    ask = dict(model=SERVED, input="A city as JSON.", text_format=City, temperature=1.0, max_output_tokens=200,
+               extra_body={"seed": 1})
     if streamed:
         with any_client.responses.stream(**ask) as stream:
             reply = stream.get_final_response()
@@ -109,14 +110,15 @@ def test_parse_returns_the_schema_typed_output(any_client, streamed):
 
 def test_json_object_format_gives_json(client):
     reply = client.responses.create(model=SERVED, input="JSON please", text={"format": {"type": "json_object"}},
-                                    max_output_tokens=200, temperature=1.0)
+                                    max_output_tokens=300, temperature=1.0, extra_body={"seed": 0})
+    assert reply.status == "completed"
     assert isinstance(json.loads(reply.output_text), dict)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_required_tool_choice_returns_function_calls_with_valid_arguments(any_client, streamed):
     ask = dict(model=SERVED, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
-               temperature=1.0, max_output_tokens=300)
+               temperature=1.0, max_output_tokens=300, extra_body={"seed": 2})
     if streamed:
         with any_client.responses.stream(**ask) as stream:
             events = list(stream)
@@ -255,7 +257,8 @@ def test_an_openai_agents_sdk_turn_calls_the_tool_and_answers(engine):
     agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
                          output_type=Answer,
                          model_settings=agents.ModelSettings(tool_choice="required", temperature=1.0,
-                                                             max_tokens=300, parallel_tool_calls=False))
+                                                             max_tokens=300, parallel_tool_calls=False,
+                                                             extra_body={"seed": 3}))
     result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
