@@ -86,7 +86,6 @@ async def delete_response(request: web.Request) -> web.Response:
 
 class ResponsesFormat(ResponseFormat):
     """A Response object, or its stream of events; stores the finished response when asked."""
-    chunk_object = "response"
     named_events = True
 
     def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, reasoning: ReasoningStreams | None,
@@ -143,11 +142,12 @@ class ResponsesFormat(ResponseFormat):
 
     def _reasoning_tokens(self, token_ids: list[int]) -> int:
         """The output tokens up to the end of the reasoning, its tag included (all of them if it never ends)."""
-        end, text = self.reasoning.parser.end, ""
+        end, tail = self.reasoning.parser.end, ""
         for n, token in enumerate(token_ids, 1):
-            text += self.state.token_text(token)
-            if end in text[-len(end) - 16:]:
+            joined = tail + self.state.token_text(token)
+            if end in joined:
                 return n
+            tail = joined[-len(end):]
         return len(token_ids)
 
     # ---- the stream ------------------------------------------------------------------------------------------
