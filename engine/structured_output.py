@@ -29,10 +29,10 @@ def grammar_spec(so: StructuredOutputsParams, end_token: int | None = None) -> s
     """The llguidance grammar for `so`; a schema, regex or grammar that does not compile is a 400 here.
     end_token: the id of `so.reasoning_end` where the vocabulary holds it as one added token."""
     spec = _constraint_spec(so)
-    return spec if so.reasoning_end is None else after_reasoning(spec, so.reasoning_end, end_token)
+    return spec if so.reasoning_end is None else spec_after_reasoning(spec, so.reasoning_end, end_token)
 
 
-def after_reasoning(spec: str, end: str, end_token: int | None = None) -> str:
+def spec_after_reasoning(spec: str, end: str, end_token: int | None = None) -> str:
     """`spec` preceded by free reasoning text, the `end` tag and a little whitespace (Qwen writes two newlines;
     unbounded, a random or weak model could pad forever). llguidance sees an
     added token (Qwen3's `</think>`) as a special token, outside any text: the grammar names it by id, after a
