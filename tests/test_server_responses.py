@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 
 import jsonschema
 import openai
@@ -266,3 +267,23 @@ def test_an_openai_agents_sdk_turn_calls_the_tool_and_answers(engine):
     assert len(calls) == 1 and isinstance(calls[0], str)
     assert result.new_items[1].output == f"sunny in {calls[0]}"
     assert isinstance(result.final_output, Answer)
+
+
+def test_a_stream_cut_by_the_server_stopping_ends_with_an_error_event(qwen3_vl_dir, tmp_path):
+    """SIGTERM while a long Response streams: past the grace period the stream's last event is `error` (which the
+    openai SDK raises), not a cut connection and not [DONE]."""
+    srv = start_engine_server(qwen3_vl_dir, tmp_path, served_name=SERVED)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        stream = client.responses.create(model=SERVED, input="Count.", max_output_tokens=1900, stream=True,
+                                         extra_body={"ignore_eos": True})
+        seen = []
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for event in stream:
+                seen.append(event.type)
+                if seen.count("response.output_text.delta") == 2:
+                    srv.proc.send_signal(signal.SIGTERM)
+        assert seen[:2] == ["response.created", "response.in_progress"] and "response.completed" not in seen
+        assert srv.proc.wait(20) == 0
+    finally:
+        srv.stop()
