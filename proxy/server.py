@@ -8,9 +8,9 @@
 | GET /api/page-config   | the page's limits (upload bytes) and which static/vendor/ libraries exist |
 | GET /api/status        | /api/health's answer with status 200, for the page's polling             |
 | GET /stats/blocks      | forwarded: the engine's GPU block map (the page's KV grid)               |
-| GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions, POST /v1/responses,         |
-| GET/DELETE /v1/responses/{id} | forwarded to the engine, streamed, API key added; any other path is a |
-|                        | 404 here (never forwarded)                                              |
+| GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions, /v1/responses, /tokenize,       |
+| /detokenize, GET and DELETE /v1/responses/{id}: forwarded to the engine, streamed, API key added;     |
+|                        | any other path is a 404 here (never forwarded)                          |
 | GET /stats, /metrics, /version | forwarded to the engine on a pool of their own (never queued behind |
 |                        | generations)                                                            |
 
