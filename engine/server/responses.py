@@ -20,7 +20,7 @@ from engine.server.protocol import Fields, renamed_params, sampling_params
 from engine.server.reasoning import ReasoningStreams, after_reasoning, request_reasoning
 from engine.server.responses_items import OutputEvents, function_call_item, message_item, new_id, reasoning_item
 from engine.server.responses_protocol import chat_tools, check_unsupported, input_messages, text_format
-from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
+from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation
 from engine.server.state import STATE, ServerState
 from engine.server.tool_parser import StreamingToolParser, parse_tool_calls
 from engine.server.tools import ToolConfig, parse_tools, tool_call_constraint
@@ -132,13 +132,13 @@ class ResponsesFormat(ResponseFormat):
                 "incomplete_details": None, "usage": used, "background": False, **self.echo}
 
     def _usage(self, final: RequestOutput, items: list[dict]) -> dict:
-        u = usage([final])
+        prompt, output = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
         reasoning_tokens = 0
         if items and items[0]["type"] == "reasoning":
             reasoning_tokens = self._reasoning_tokens(final.outputs[0].token_ids)
-        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-                "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": u["total_tokens"]}
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.metrics.num_cached_tokens},
+                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "total_tokens": prompt + output}
 
     def _reasoning_tokens(self, token_ids: list[int]) -> int:
         """The output tokens up to the end of the reasoning, its tag included (all of them if it never ends)."""
