@@ -22,6 +22,9 @@ class StructuredOutputsParams:
     grammar: str | None = None             # Lark or GBNF/EBNF
     json_object: bool | None = None        # any JSON object
     disable_any_whitespace: bool = False   # JSON without optional whitespace
+    # A reasoning model's end-of-thinking tag (`</think>`): the constraint applies to the text after it, the
+    # reasoning before it is free (the server sets it with --reasoning-parser).
+    reasoning_end: str | None = None
     # Set when the server compiled it ahead (a worker thread, not the engine loop); each request forks it. A
     # cache of rank 0's engine core: it never travels with a step (__getstate__).
     compiled: object = field(default=None, repr=False, compare=False)

@@ -25,9 +25,28 @@ from engine.sampling_params import JSON_WHITESPACE, StructuredOutputsParams
 logger = init_logger(__name__)
 
 
+def grammar_spec(so: StructuredOutputsParams, end_token: int | None = None) -> str:
+    """The llguidance grammar for `so`; a schema, regex or grammar that does not compile is a 400 here.
+    end_token: the id of `so.reasoning_end` where the vocabulary holds it as one added token."""
+    spec = _constraint_spec(so)
+    return spec if so.reasoning_end is None else spec_after_reasoning(spec, so.reasoning_end, end_token)
 
-def grammar_spec(so: StructuredOutputsParams) -> str:
-    """The llguidance grammar for `so`; a schema, regex or grammar that does not compile is a 400 here."""
+
+def spec_after_reasoning(spec: str, end: str, end_token: int | None = None) -> str:
+    """`spec` preceded by free reasoning text, the `end` tag and a little whitespace (Qwen writes two newlines;
+    unbounded, a random or weak model could pad forever). llguidance sees an
+    added token (Qwen3's `</think>`) as a special token, outside any text: the grammar names it by id, after a
+    free-text lexeme. A tag the vocabulary spells in pieces ends a lazy rule instead (stop=)."""
+    body = json.loads(spec)["grammars"] if spec.lstrip().startswith("{") else [{"lark_grammar": spec}]
+    if end_token is not None:
+        outer = f"start: REASONING <[{end_token}]> /[ \\t\\n]{{0,4}}/ @answer\nREASONING: /(.|\\n)*/\n"
+    else:
+        outer = (f"start: reasoning /[ \\t\\n]{{0,4}}/ @answer\n"
+                 f"reasoning[stop={json.dumps(end)}]: /(.|\\n)*/\n")
+    return json.dumps({"grammars": [{"lark_grammar": outer}, {**body[0], "name": "answer"}, *body[1:]]})
+
+
+def _constraint_spec(so: StructuredOutputsParams) -> str:
     import llguidance
     param = f"structured_outputs.{so.kind}"
     try:
@@ -103,12 +122,21 @@ class StructuredOutputManager:
     def compile(self, so: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for `so`; raises InvalidInputError (400) when the constraint does not compile."""
         import llguidance
-        spec = grammar_spec(so)
+        spec = grammar_spec(so, self._added_token(so.reasoning_end))
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), spec, log_level=0)
         if matcher.is_error():
             param = f"structured_outputs.{so.kind}"
             raise InvalidInputError(f"{param} is not valid: {matcher.get_error()}", param=param)
         return Grammar(matcher, self.eos_token_ids)
+
+    def _added_token(self, text: str | None) -> int | None:
+        """The id of `text` when the vocabulary holds it as one token that llguidance takes as special."""
+        if text is None:
+            return None
+        token = self.tokenizer.convert_tokens_to_ids(text)
+        if not isinstance(token, int) or token == self.tokenizer.unk_token_id or token >= self.vocab_size:
+            return None
+        return token if self.ll_tokenizer().is_special_token(token) else None
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -133,7 +133,7 @@ def cors_signal(policy: OriginPolicy) -> Callable:
 def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
     headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
     if preflight:
-        headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        headers.update({"Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                         "Access-Control-Allow-Headers": "Content-Type, Authorization",
                         "Access-Control-Max-Age": "600"})
     return headers

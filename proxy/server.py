@@ -8,8 +8,9 @@
 | GET /api/page-config   | the page's limits (upload bytes) and which static/vendor/ libraries exist |
 | GET /api/status        | /api/health's answer with status 200, for the page's polling             |
 | GET /stats/blocks      | forwarded: the engine's GPU block map (the page's KV grid)               |
-| GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions | forwarded to the engine,   |
-|                        | streamed, API key added; any other path is a 404 here (never forwarded) |
+| GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions, /v1/responses, /tokenize,       |
+| /detokenize, GET and DELETE /v1/responses/{id}: forwarded to the engine, streamed, API key added;     |
+|                        | any other path is a 404 here (never forwarded)                          |
 | GET /stats, /metrics, /version | forwarded to the engine on a pool of their own (never queued behind |
 |                        | generations)                                                            |
 
@@ -97,13 +98,18 @@ async def forward_model(request: web.Request) -> web.StreamResponse:
     return await forward(request, "/v1/models/" + quote(request.match_info["model"], safe=""), request.app[SESSION])
 
 
+async def forward_response(request: web.Request) -> web.StreamResponse:
+    path = "/v1/responses/" + quote(request.match_info["response_id"], safe="")
+    return await forward(request, path, request.app[SESSION])
+
+
 async def forward_control(request: web.Request) -> web.StreamResponse:
     return await forward(request, request.match_info.route.resource.canonical, request.app[CONTROL_SESSION])
 
 
 # The engine routes the page and API clients use; nothing else is forwarded.
 API_ROUTES = (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"))
+              ("POST", "/v1/responses"), ("POST", "/tokenize"), ("POST", "/detokenize"))
 CONTROL_ROUTES = ("/stats", "/stats/blocks", "/metrics", "/version")   # /stats/blocks: the page's KV grid
 
 
@@ -125,6 +131,8 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     for method, path in API_ROUTES:
         app.router.add_route(method, path, forward_api)
     app.router.add_get("/v1/models/{model}", forward_model)
+    app.router.add_get("/v1/responses/{response_id}", forward_response)
+    app.router.add_delete("/v1/responses/{response_id}", forward_response)
     for path in CONTROL_ROUTES:
         app.router.add_get(path, forward_control)
     return app

@@ -1,5 +1,6 @@
-// One streamed answer read into its message node: the text as it arrives (onText after each delta), the usage and
-// finish reason the engine reports, and the timings the message shows (time to first token, tokens per second).
+// One streamed answer read into its message node: the text as it arrives (onText after each delta), a Thinking
+// model's reasoning before it (node.reasoning, and how long it thought: meta.thoughtMs), the usage and finish
+// reason the engine reports, and the timings the message shows (time to first token, tokens per second).
 import { postChat } from "./api.js";
 import { readSSE } from "./sse.js";
 
@@ -17,6 +18,7 @@ export class AnswerStream {
     this.tLast = null;
     this.usage = null;
     this.finish = null;
+    this.tThought = null;     // when the first reasoning arrived
   }
 
   // Reads the answer to `body` until [DONE]; throws on an error event or a stream that ends without [DONE].
@@ -29,6 +31,8 @@ export class AnswerStream {
       if (event.error) throw new Error(`The engine reported an error: ${event.error.message || "unknown error"}`);
       if (event.usage) this.onUsage(event.usage);
       const choice = event.choices?.[0];
+      const thought = choice?.delta?.reasoning_content;
+      if (thought) this.onReasoning(thought);
       const delta = choice?.delta?.content;
       if (delta) this.onDelta(delta);
       if (choice?.finish_reason) this.finish = choice.finish_reason;
@@ -42,8 +46,26 @@ export class AnswerStream {
     this.node.meta.tokens = usage.completion_tokens ?? this.node.meta.tokens;
   }
 
+  onReasoning(delta) {
+    const now = performance.now();
+    if (this.tThought === null) this.tThought = now;
+    if (this.tFirst === null) this.tFirst = now;
+    this.tLast = now;
+    this.chunks += 1;
+    this.node.reasoning = (this.node.reasoning || "") + delta;
+    this.onText(this.chunks);
+  }
+
+  // The thinking ends where the answer begins (or where the stream ends, for an answer cut inside it).
+  endThought(now) {
+    if (this.tThought !== null && !Number.isFinite(this.node.meta.thoughtMs)) {
+      this.node.meta.thoughtMs = Math.round(now - this.tThought);
+    }
+  }
+
   onDelta(delta) {
     const now = performance.now();
+    this.endThought(now);
     if (this.tFirst === null) this.tFirst = now;
     this.tLast = now;
     this.chunks += 1;
@@ -54,6 +76,7 @@ export class AnswerStream {
   // What the finished message shows: `earlierTokens` are those of the text a continued answer started from.
   meta(earlierTokens) {
     const { tFirst, tLast, usage } = this;
+    if (tLast !== null) this.endThought(tLast);
     const tokens = usage?.completion_tokens ?? this.chunks;
     const span = tFirst === null ? 0 : tLast - tFirst;
     return {

@@ -2,6 +2,7 @@
 import { loadPageConfig } from "./api.js";
 import { AnswerStream } from "./answer.js";
 import { messageActions } from "./actions.js";
+import { showReasoning } from "./reasoning.js";
 import { Attachments } from "./attachments.js";
 import { addChild, newChat, pathOf, removeNode, titleFrom } from "./conversation.js";
 import { finishElement, messageElement } from "./messages.js";
@@ -278,6 +279,7 @@ async function generate(chat, user, continuing = null) {
   const render = () => {
     frame = 0;
     const stick = nearBottom();
+    showReasoning(box, node, true);
     box.renderer.update(node.text);
     if (app.chat === chat) updateMeter();
     if (stick) scrollToEnd();
@@ -313,7 +315,7 @@ async function generate(chat, user, continuing = null) {
     if (app.controller === controller) app.controller = null;
     setBusy(false);
   }
-  if (!node.text) {   // (a continued answer always has its earlier text)
+  if (!node.text && !node.reasoning) {   // (a continued answer always has its earlier text)
     removeMessage(chat, node.id);
     box.remove();
     if (app.chat === chat) renderConversation();

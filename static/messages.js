@@ -3,6 +3,7 @@
 // (questions: resent as a new branch; answers: saved as a new version), continue (an answer cut off by the
 // max-tokens limit or Stop), delete, retry after an error. The actions call back into chat.js by name.
 import { StreamRenderer } from "./render.js";
+import { showReasoning } from "./reasoning.js";
 import { siblingInfo } from "./conversation.js";
 import { timeElement } from "./dates.js";
 import { el } from "./dom.js";
@@ -76,6 +77,7 @@ export function messageElement(chat, node, { streaming = false } = {}) {
   } else {
     box.renderer = new StreamRenderer(content);
     box.renderer.update(node.text);
+    showReasoning(box, node, streaming);
     box.dataset.status = streaming ? "streaming" : node.status;
     if (streaming) box.classList.add("streaming");
   }
@@ -88,6 +90,7 @@ export function messageElement(chat, node, { streaming = false } = {}) {
 // After an answer ends: its speed line, its status, its actions (retry after an error).
 export function finishElement(chat, box, node) {
   box.classList.remove("streaming");
+  showReasoning(box, node);
   box.dataset.status = node.status;
   box.dataset.tokens = String(node.meta?.tokens ?? "");
   box.dataset.ttftMs = String(node.meta?.ttftMs ?? "");

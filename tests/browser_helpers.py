@@ -4,9 +4,9 @@ JavaScript error or console error, and a fake chat stream inside the page for te
 The fake stream replaces window.fetch for /v1/chat/completions only (everything else goes to the real proxy):
 each request body is recorded in window.__chat.requests and answered with the next scripted reply, one SSE
 event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set
-(a whole reply {status, body} with `pauseAfter: 0`); `bursts: k` sends the chunks in k network reads instead
-(several events each, as a buffering network does); `drop: true` breaks the connection after the chunks (the
-browser's TypeError). A request that asks for stream_options.continuous_usage_stats gets the running usage in
+(a whole reply {status, body} with `pauseAfter: 0`); a chunk {reasoning: text} is a reasoning_content delta;
+`bursts: k` sends the chunks in k network reads instead (several events each, as a buffering network does);
+`drop: true` breaks the connection after the chunks (the browser's TypeError). A request that asks for stream_options.continuous_usage_stats gets the running usage in
 every chunk, as the engine sends it.
 """
 from __future__ import annotations
@@ -44,7 +44,9 @@ window.fetch = async (input, init = {}) => {
   const promptTokens = reply.usage?.prompt_tokens ?? 100;
   const running = (i) => request.stream_options?.continuous_usage_stats
     ? { usage: { prompt_tokens: promptTokens, completion_tokens: i + 1, total_tokens: promptTokens + i + 1 } } : {};
-  const chunkEvent = (chunk, i) => event({ choices: [{ index: 0, delta: { content: chunk }, finish_reason: null }], ...running(i) });
+  // A chunk is answer text, or {reasoning: text}: a Thinking model's reasoning_content delta.
+  const deltaOf = (chunk) => typeof chunk === "string" ? { content: chunk } : { reasoning_content: chunk.reasoning };
+  const chunkEvent = (chunk, i) => event({ choices: [{ index: 0, delta: deltaOf(chunk), finish_reason: null }], ...running(i) });
   const stream = new ReadableStream({
     async start(controller) {
       signal?.addEventListener("abort", () => { try { controller.error(new DOMException("aborted", "AbortError")); } catch {} });

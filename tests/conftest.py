@@ -67,6 +67,16 @@ def qwen3_vl_transformers5_dir(qwen3_vl_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_thinking_dir(tmp_path_factory) -> Path:
+    return tiny_models.build_qwen3_vl(tmp_path_factory.mktemp("models") / "tiny-qwen3-vl-thinking", thinking=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_thinking_dir(tmp_path_factory) -> Path:
+    return tiny_models.build_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3-thinking", thinking=True)
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> Path:
     return tiny_models.build_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3")
 

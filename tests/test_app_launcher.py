@@ -115,6 +115,17 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     assert "--enable-prefix-caching" not in off
 
 
+def test_a_reasoning_parser_given_to_the_launcher_reaches_the_engine(tmp_path):
+    """./run_app.sh --model DIR --reasoning-parser qwen3: the flag goes to the engine, whose parser takes it."""
+    from app.models import ResolvedModel
+    from engine.server.cli import parse_args
+    model = ResolvedModel(tmp_path, "--model", "Qwen3-VL-8B-Thinking", demo=False)
+    cmd = engine_command(Settings.from_env(), model, ["--reasoning-parser", "qwen3"])
+    assert cmd[cmd.index("--reasoning-parser") + 1] == "qwen3"
+    _, server_args = parse_args(cmd[cmd.index("--model"):])
+    assert server_args.reasoning_parser == "qwen3"
+
+
 def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
     """The proxy's connections to the engine cover --max-num-seqs plus --max-waiting-requests (and room for
     streams that are ending): a request past those is answered by the engine, not held in the proxy."""

@@ -45,9 +45,26 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The generation prompt of a Thinking template (Qwen3-VL-8B-Thinking's): the answer starts inside `<think>`.
+# enable_thinking false closes the block at once, as Qwen3's hybrid templates do.
+THINKING_GENERATION_PROMPT = (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+THINK_TOKENS = ["<think>", "</think>"]          # added (not special) tokens, as in Qwen3's vocabulary
 
-def build_tokenizer(out_dir: Path, chat_template: str):
-    """Train a ~300-token byte-level BPE on CORPUS, append the Qwen specials, save as a transformers tokenizer."""
+
+def thinking_template(template: str) -> str:
+    """`template` with its generation prompt replaced by a Thinking template's."""
+    head, sep, _ = template.rpartition("{%- if add_generation_prompt %}")
+    assert sep, "the template has no generation prompt to replace"
+    return head + THINKING_GENERATION_PROMPT
+
+
+def build_tokenizer(out_dir: Path, chat_template: str, thinking: bool = False):
+    """Train a ~300-token byte-level BPE on CORPUS, append the Qwen specials, save as a transformers tokenizer.
+    thinking: also Qwen3's `<think>` and `</think>` tokens and a Thinking template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -59,6 +76,9 @@ def build_tokenizer(out_dir: Path, chat_template: str):
     tok.train_from_iterator(CORPUS, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
+    if thinking:
+        fast.add_tokens(THINK_TOKENS)
+        chat_template = thinking_template(chat_template)
     fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
     return fast
@@ -80,14 +100,15 @@ def _write_generation_config(out_dir: Path, eos_ids: list[int], pad_id: int) -> 
         {"eos_token_id": eos_ids, "pad_token_id": pad_id, "do_sample": False}))
 
 
-def build_qwen3_vl(out_dir: Path, seed: int = 0, use_reference_template: bool = True) -> Path:
-    """A tiny Qwen3VLForConditionalGeneration: 4 text layers (deepstack into layers 0-2), 4 vision blocks."""
+def build_qwen3_vl(out_dir: Path, seed: int = 0, use_reference_template: bool = True, thinking: bool = False) -> Path:
+    """A tiny Qwen3VLForConditionalGeneration: 4 text layers (deepstack into layers 0-2), 4 vision blocks;
+    thinking: with `<think>` tokens and a Thinking template (Qwen3-VL-8B-Thinking's generation prompt)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     template = (REFERENCE_DIR / "chat_template.jinja").read_text() if use_reference_template else CHATML_TEMPLATE
-    tok = build_tokenizer(out_dir, template)
+    tok = build_tokenizer(out_dir, template, thinking)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     vocab = ((len(tok) + 63) // 64) * 64
     config = Qwen3VLConfig(
@@ -162,14 +183,14 @@ def _build_text_model(out_dir: Path, config, seed: int) -> Path:
     return out_dir
 
 
-def build_qwen3(out_dir: Path, seed: int = 1, **overrides) -> Path:
+def build_qwen3(out_dir: Path, seed: int = 1, thinking: bool = False, **overrides) -> Path:
     """A tiny Qwen3ForCausalLM (q/k-norm, GQA, tied embeddings as in the small Qwen3 models); `overrides` replace
-    config fields (sizes, tie_word_embeddings)."""
+    config fields (sizes, tie_word_embeddings); thinking: with `<think>` tokens and a Thinking template."""
     from transformers import Qwen3Config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out_dir, CHATML_TEMPLATE)
+    tok = build_tokenizer(out_dir, CHATML_TEMPLATE, thinking)
     im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     fields = dict(
         vocab_size=((len(tok) + 63) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -1,4 +1,4 @@
-"""The engine's HTTP server: an OpenAI-compatible API (chat, completions, models) plus /health, /stats,
+"""The engine's HTTP server: an OpenAI-compatible API (chat, completions, responses, models) plus /health, /stats,
 /metrics, /version, /tokenize and /detokenize, on aiohttp, in front of AsyncLLM.
 
 | file            | holds                                                                       |
@@ -15,6 +15,11 @@
 | serving.py      | one generation (n choices, best_of): admission, streaming or collecting      |
 | chat.py         | POST /v1/chat/completions                                                   |
 | completions.py  | POST /v1/completions (prompt lists, echo)                                   |
+| responses.py    | POST /v1/responses (on the chat path), GET and DELETE /v1/responses/{id}    |
+| responses_protocol.py | Responses input items, tools, text.format -> chat messages, tools, constraint |
+| responses_items.py | a Response's output items and the stream events that build them          |
+| response_store.py | stored responses for previous_response_id (in memory, bounded)            |
+| reasoning.py    | --reasoning-parser: reasoning_content split at </think>, whole and streamed |
 | tools.py        | tools / tool_choice: checks, and the grammar that forces tool calls         |
 | tool_parser.py  | the hermes tool-call parser, whole and streamed                             |
 | structured.py   | response_format / structured_outputs / guided_* -> StructuredOutputsParams  |

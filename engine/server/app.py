@@ -6,6 +6,8 @@
 | GET  /v1/models[/{model}]      | key  | the served model (OpenAI list / model object)               |
 | POST /v1/chat/completions      | key  | chat.completion, or SSE chunks with stream: true             |
 | POST /v1/completions           | key  | text_completion, or SSE chunks with stream: true             |
+| POST /v1/responses             | key  | a Response object, or its SSE events with stream: true       |
+| GET, DELETE /v1/responses/{id} | key  | a stored response; delete it                                 |
 | GET  /stats                    | no   | the engine's KV-block and scheduler counters, as JSON        |
 | GET  /stats/blocks             | no   | the GPU block map and /stats of one moment (kv_map.py)       |
 | GET  /metrics                  | no   | Prometheus text                                              |
@@ -29,6 +31,7 @@ from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.metrics import render_metrics
 from engine.server.middleware import access_log_middleware, error_middleware
 from engine.server.request_body import BODY_TIMEOUT
+from engine.server.responses import create_response, delete_response, retrieve_response
 from engine.server.state import STATE, ServerState
 from engine.server.tokenize import detokenize, tokenize
 
@@ -91,6 +94,9 @@ ROUTES = [
     web.get("/v1/models/{model:.+}", retrieve_model, allow_head=False),
     web.post("/v1/chat/completions", create_chat_completion),
     web.post("/v1/completions", create_completion),
+    web.post("/v1/responses", create_response),
+    web.get("/v1/responses/{response_id}", retrieve_response, allow_head=False),
+    web.delete("/v1/responses/{response_id}", delete_response),
     web.post("/tokenize", tokenize),
     web.post("/detokenize", detokenize),
     web.get("/stats", stats, allow_head=False),

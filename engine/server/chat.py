@@ -13,6 +13,7 @@ from engine.outputs import RequestOutput
 from engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from engine.server.protocol import (Fields, chat_template_options, check_token_ids_in_vocab, choice_counts,
                                     engine_logprobs, renamed_params, sampling_params)
+from engine.server.reasoning import ReasoningStreams, after_reasoning, request_reasoning
 from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
 from engine.server.state import ServerState
 from engine.server.structured import parse_structured_outputs
@@ -36,10 +37,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     max_field = "max_completion_tokens" if f.given("max_completion_tokens") else "max_tokens"
     user_max = f.integer(max_field, None)
     template = chat_template_options(f)
+    reasoning = request_reasoning(state.reasoning_parser, template["chat_template_kwargs"])
     with renamed_params({"max_tokens": max_field, "logprobs": "top_logprobs", "prompt": "messages"}):
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
         params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs(top_logprobs, n, best_of),
-                                 constraint)
+                                 after_reasoning(constraint, reasoning))
         check_token_ids_in_vocab(params, state.vocab_size)
         if constraint is not None:
             await state.engine.compile_structured_output(params, constraint_param)
@@ -48,7 +50,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         prompt = await state.engine.process_chat(f.body.get("messages"), start=start, tools=tools.tools,
                                                  **template)
     gen = Generation(start.request_id, prompt, params, options, int(time.time()), n=n, best_of=best_of)
-    return await serve_generation(request, state, gen, ChatFormat(gen, state, tools, top_logprobs))
+    return await serve_generation(request, state, gen, ChatFormat(gen, state, tools, top_logprobs,
+                                                                ReasoningStreams.of(reasoning, prompt)))
 
 
 def _top_logprobs(f: Fields) -> int | None:
@@ -63,9 +66,11 @@ def _top_logprobs(f: Fields) -> int | None:
 class ChatFormat(ResponseFormat):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, logprobs: int | None):
+    def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, logprobs: int | None,
+                 reasoning: ReasoningStreams | None = None):
         super().__init__(gen, state, logprobs)
         self.tools = tools
+        self.reasoning = reasoning
         self.tool_parsers: dict[int, StreamingToolParser] = {}
         self.role_sent: set[int] = set()
 
@@ -81,14 +86,19 @@ class ChatFormat(ResponseFormat):
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
         c = out.outputs[0]
         logprobs = self._logprobs(c.token_ids_delta, c.logprobs)
-        text_delta, calls, parser = c.text_delta, [], None
+        text, text_delta, calls, parser, reasoning_delta = c.text, c.text_delta, [], None, ""
+        if self.reasoning is not None:
+            reasoning_delta, text, text_delta = self.reasoning.feed(out, index)
         if self.tools.parse_calls:
             parser = self.tool_parsers.setdefault(index, StreamingToolParser())
-            text_delta, calls = parser.feed(c.text, final=out.finished)
+            text_delta, calls = parser.feed(text, final=out.finished)
         role_sent = index in self.role_sent
-        if role_sent and not text_delta and not calls and c.finish_reason is None and logprobs is None:
+        if role_sent and not text_delta and not reasoning_delta and not calls and c.finish_reason is None \
+                and logprobs is None:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
         delta: dict = {} if role_sent else {"role": "assistant"}
+        if reasoning_delta:
+            delta["reasoning_content"] = reasoning_delta
         if text_delta or not role_sent:
             delta["content"] = text_delta
         if calls:
@@ -109,10 +119,13 @@ class ChatFormat(ResponseFormat):
 
     def _choice(self, index: int, final: RequestOutput) -> dict:
         c = final.outputs[0]
-        message: dict = {"role": "assistant", "content": c.text}
+        reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
+        message: dict = {"role": "assistant", "content": text}
         if self.tools.parse_calls:
-            parsed = parse_tool_calls(c.text)
+            parsed = parse_tool_calls(text or "")
             message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {"index": index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                 "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
                 "stop_reason": c.stop_reason}

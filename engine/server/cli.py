@@ -36,6 +36,10 @@ class ServerArgs:
     tool_call_parser: str | None = flag(None, choices=["hermes"],
                                         help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, "
                                              "Qwen and Hermes)")
+    reasoning_parser: str | None = flag(None, choices=["qwen3"],
+                                        help="split a Thinking model's output at </think> into reasoning_content "
+                                             "and content: qwen3 (<think>...</think>, Qwen3 and Qwen3-VL "
+                                             "Thinking)")
     timeout_keep_alive: float = flag(5.0, help="seconds an idle connection, or one whose request headers have not "
                                                "all arrived, stays open (default %(default)s, uvicorn's and so "
                                                "vLLM's)")

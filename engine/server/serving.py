@@ -71,15 +71,17 @@ class ResponseFormat(abc.ABC):
     """An endpoint's JSON shapes for one request (stateful: e.g. whether the role was sent yet), in OpenAI's
     envelope. `index` is the choice's index: prompt * n + sample."""
     chunk_object: str                   # the `object` of a streamed chunk
+    named_events = False                # SSE `event: <type>` lines and no [DONE] (the Responses API's stream)
 
     def __init__(self, gen: Generation, state: ServerState, logprobs: int | None):
         self.gen = gen
         self.state = state
         self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
 
-    @abc.abstractmethod
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
-        """The chunk to stream for this output of choice `index`; None: nothing worth sending now."""
+        """The chunk to stream for this output of choice `index`; None: nothing worth sending now. (An endpoint
+        that streams other events than chunks overrides events() instead.)"""
+        raise NotImplementedError(f"{type(self).__name__} streams neither chunks nor events")
 
     @abc.abstractmethod
     def response(self, finals: list[RequestOutput]) -> dict:
@@ -99,6 +101,19 @@ class ResponseFormat(abc.ABC):
 
     def usage_chunk(self, finals: list[RequestOutput]) -> dict:
         return self.envelope(self.chunk_object, [], usage=usage(finals, len(self.gen.prompts)))
+
+    def opening(self) -> list[dict]:
+        """Events streamed before the first output."""
+        return []
+
+    def events(self, out: RequestOutput, index: int) -> list[dict]:
+        """Events streamed for one output of choice `index`."""
+        chunk = self.chunk(out, index)
+        return [] if chunk is None else [chunk]
+
+    def closing(self, finals: list[RequestOutput]) -> list[dict]:
+        """Events streamed once every choice has finished."""
+        return [self.usage_chunk(finals)] if self.gen.options.include_usage else []
 
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
@@ -237,13 +252,15 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
     refusal before that is a plain error response), so that a queued client sees its request accepted."""
     first_task = await _first_output_or_admission(state, gen, streams[0])
     try:
-        sse = await SSEWriter.start(request, state.stream_write_timeout)
+        sse = await SSEWriter.start(request, state.stream_write_timeout, named_events=fmt.named_events)
     except BaseException:
         await _cancel(first_task)
         raise
     queue: asyncio.Queue = asyncio.Queue()
     readers: list[asyncio.Task] = []
     try:
+        for event in fmt.opening():
+            await sse.send(event)
         first = await first_task
         streams += start_others()
         readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
@@ -253,14 +270,13 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
             index, out = await queue.get()
             if isinstance(out, BaseException):
                 raise out
-            chunk = fmt.chunk(out, index)
-            if chunk is not None:
-                await sse.send(chunk)
+            for event in fmt.events(out, index):
+                await sse.send(event)
             if out.finished:
                 finals[index] = out
                 _on_finished(state, gen, out)
-        if gen.options.include_usage:
-            await sse.send(fmt.usage_chunk(finals))
+        for event in fmt.closing(finals):
+            await sse.send(event)
     except (asyncio.CancelledError, ConnectionResetError):
         raise                           # the client went away: nobody to send an error event to
     except EngineError as err:

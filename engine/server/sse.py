@@ -1,4 +1,5 @@
-"""Server-Sent Events exactly as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last.
+"""Server-Sent Events exactly as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` last;
+the Responses API names each event (`event: response.output_text.delta\\ndata: {json}\\n\\n`) and sends no [DONE].
 
 An error after the stream has begun cannot change the HTTP status any more, so it is sent as one
 `data: {"error": {...}}` event followed by `[DONE]`, which the openai SDK raises as an APIError.
@@ -20,20 +21,23 @@ class StalledClientError(ConnectionResetError):
 
 
 class SSEWriter:
-    def __init__(self, response: web.StreamResponse, request: web.Request, write_timeout: float | None = None):
+    def __init__(self, response: web.StreamResponse, request: web.Request, write_timeout: float | None = None,
+                 named_events: bool = False):
         self.response = response
         self.request = request
         self.write_timeout = write_timeout
+        self.named_events = named_events
 
     @classmethod
-    async def start(cls, request: web.Request, write_timeout: float | None = None) -> "SSEWriter":
+    async def start(cls, request: web.Request, write_timeout: float | None = None,
+                    named_events: bool = False) -> "SSEWriter":
         response = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",        # a reverse proxy (nginx) must pass each event on at once
         })
         await response.prepare(request)
-        return cls(response, request, write_timeout)
+        return cls(response, request, write_timeout, named_events)
 
     async def _write(self, data: bytes) -> None:
         # A reader that stops reading fills the socket buffers, then write() waits forever while the request
@@ -47,12 +51,17 @@ class SSEWriter:
             raise StalledClientError(f"the client read nothing for {self.write_timeout:g}s") from None
 
     async def send(self, payload: dict) -> None:
-        await self._write(b"data: " + dumps(payload).encode() + b"\n\n")
+        name = f"event: {payload.get('type', 'error')}\n".encode() if self.named_events else b""
+        await self._write(name + b"data: " + dumps(payload).encode() + b"\n\n")
 
     async def send_error(self, message: str, err_type: str, param: str | None = None,
                          code: str | None = None) -> None:
-        await self.send(error_body(message, err_type, param, code))
+        body = error_body(message, err_type, param, code)
+        if self.named_events:      # the Responses API's error event, which the openai SDK raises as well
+            body = {"type": "error", "code": code, "message": message, "param": param, **body}
+        await self.send(body)
 
     async def finish(self) -> None:
-        await self._write(DONE)
+        if not self.named_events:
+            await self._write(DONE)
         await self.response.write_eof()

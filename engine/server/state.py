@@ -15,6 +15,7 @@ from engine.logger import init_logger
 from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
 from engine.server.metrics import ServerMetrics
+from engine.server.response_store import ResponseStore
 
 logger = init_logger(__name__)
 
@@ -27,10 +28,12 @@ class ServerState:
     sampling_defaults: SamplingDefaults
     log_requests: bool = True
     auto_tool_choice: bool = False     # --enable-auto-tool-choice
+    reasoning_parser: str | None = None    # --reasoning-parser
     stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
+    responses: ResponseStore = field(default_factory=ResponseStore)     # /v1/responses kept for chaining
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
