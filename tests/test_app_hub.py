@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from browser_helpers import browser  # noqa: F401 (the browser test's fixture)
 from hub_server import HubRepo, StandInHub
 from servers import PYTHON, REPO, free_port, http
 
@@ -248,3 +250,34 @@ def test_with_a_gpu_and_no_model_the_launcher_names_the_checkpoint_that_fits_and
         assert command.endswith(f"./run_app.sh --model {repo}")
     [no_gpu] = fetch_advice(None)
     assert "./run_app.sh --model Qwen/Qwen3-VL-8B-Instruct" in no_gpu
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_the_page_shows_the_download_progress(stand_in, tiny_repo, tmp_path, browser):
+    from browser_helpers import expect, new_page
+    stand_in.hub.bytes_per_s = len(tiny_repo.files["model.safetensors"]) / 8    # about 8 s of download
+    env = hub_env(tmp_path, stand_in.url)
+    with open(tmp_path / "launcher.out", "wb") as f:
+        proc = subprocess.Popen([PYTHON, "-m", "app", "start", "--model", REPO_ID], cwd=REPO, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    context, page, errors = new_page(browser)
+    try:
+        proxy_url = f"http://127.0.0.1:{env['PROXY_PORT']}"
+        from app.procs import http_status
+        wait_for(lambda: proc.poll() is not None or http_status(proxy_url + "/api/health", 1.0) is not None, 60,
+                 "the proxy")
+        assert proc.poll() is None, (tmp_path / "launcher.out").read_text()
+        page.goto(proxy_url + "/")
+        status = page.locator("#status")
+        expect(status).to_have_attribute("data-state", "starting", timeout=30_000)
+        expect(status.locator(".status-text")).to_have_text(
+            re.compile(r"^Downloading model… \d{1,3}%, \d+\.\d of 1\.6 MB$"), timeout=10_000)
+        expect(status).to_have_attribute("data-state", "ready", timeout=240_000)    # then the engine loads it
+        expect(page.locator("#model-name")).to_have_text("Qwen3-VL-tiny")
+    finally:
+        page.goto("about:blank")
+        context.close()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    assert not errors, f"errors on the page: {errors}"
