@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.memory_caps import fitted_flags, main, parse_log, table
+from bench.memory_caps import GpuSampler, fitted_flags, main, parse_log, table
 
 LOG = """INFO 12-04 10:00:01 [memory.py:120] GPU memory limit: 8.00 GiB of 139.81 GiB (torch's allocator capped at 7.31 GiB; 0.69 GiB held outside it)
 INFO 12-04 10:00:02 [loader.py:67] Loading model weights took 7.25 GB and 2.10 seconds (random dummy weights)
@@ -37,40 +37,25 @@ def test_summary_table_and_json(tmp_path):
     text = table([failed, ran])
     assert ("| 8 GiB | `--max-num-seqs 16` | no: the server exited with code 1 while starting: weights | 5040 / — |"
             in text)
-    assert "| 16 GiB | `—` | yes | 60000 / 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB |" in text
+    assert "| 16 GiB | `—` | yes | 60000 / 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB | — | — |" in text
+    ran |= {"nvidia_smi": {"peak_mib": 16500, "peak_phase": "burst of 16"}, "peak_within_cap": False}
+    assert "| 16.11 GiB (burst of 16) | NO, by 116 MiB |" in table([ran])
+    ran |= {"nvidia_smi": {"peak_mib": 16300, "peak_phase": "start-up"}, "peak_within_cap": True}
+    assert "| 15.92 GiB (start-up) | yes |" in table([ran])
 
 
-@pytest.mark.parametrize("gib, quantization, fits_by_default", [(12, "awq", False), (16, "fp8", False),
-                                                                 (24, "fp8", True)])
-def test_each_cap_gets_the_flags_the_launcher_fits_to_a_card_of_that_size(gib, quantization, fits_by_default):
-    """The synthetic 8B directory (its config) with --quantization: the layout of its dummy weights."""
-    from bench.synthetic_model import REFERENCE
+def test_the_sampler_reads_every_100_ms_and_keeps_each_phase_s_peak(monkeypatch):
+    import time
 
-    plan = fitted_flags(str(REFERENCE), gib, ["--quantization", quantization, "--load-format", "dummy"])
-    assert plan.fits and plan.estimate.context >= 8192
-    assert (plan.args() == []) == fits_by_default
-    if not fits_by_default:
-        assert '{"max_pixels": 1048576}' in plan.args()
-        given = fitted_flags(str(REFERENCE), gib, ["-q", quantization, "--mm-processor-kwargs", "{}"])
-        assert "--mm-processor-kwargs" not in given.args()     # a flag given to the bench wins
-
-
-def test_an_8_gib_cap_moves_the_embeddings_to_host_memory():
-    from bench.synthetic_model import REFERENCE
-
-    plan = fitted_flags(str(REFERENCE), 8, ["--quantization", "awq"])
-    assert "--cpu-embeddings" in plan.args()
-
-
-@pytest.mark.slow
-def test_a_cap_that_cannot_start_is_recorded_with_the_engines_reason(tmp_path):
-    out = tmp_path / "caps.json"
-    report = main(["--model", str(tmp_path / "missing"), "--caps", "12", "--log-dir", str(tmp_path),
-                   "--out", str(out), "--device", "cpu", "--start-timeout", "120"])
-    saved = json.loads(out.read_text())
-    res = saved["caps"][0]
-    assert res["cap_gib"] == 12 and res["started"] is False
-    assert "exited with code 1" in res["reason"] and "does not exist" in res["reason"]
-    assert "--gpu-memory-limit 12" in res["command"] and (tmp_path / "engine_cap12GiB.log").is_file()
-    assert saved["engine_flags"] == ["--device", "cpu"] and "FileNotFoundError" in res["fit_error"]
-    assert report["caps"] == saved["caps"]
+    import bench.memory_caps as caps
+    box = {}
+    used = {"start-up": [300, 200], "burst of 16": [900, 400]}     # MiB read in turn while in each phase
+    monkeypatch.setattr(caps, "_nvml_reader", lambda: lambda pid: used[box["sampler"].phase][
+        sum(1 for s in box["sampler"].samples if s[1] == box["sampler"].phase) % 2] if "sampler" in box else 100)
+    box["sampler"] = sampler = GpuSampler(1234)
+    time.sleep(0.35)
+    sampler.phase = "burst of 16"
+    time.sleep(0.35)
+    summary = sampler.stop()
+    assert summary["peak_mib"] == 900 and summary["peak_phase"] == "burst of 16"
+    assert summary["per_phase"]["start-up"] == 300 and 4 <= summary["samples"] <= 9
