@@ -59,3 +59,41 @@ def test_the_sampler_reads_every_100_ms_and_keeps_each_phase_s_peak(monkeypatch)
     summary = sampler.stop()
     assert summary["peak_mib"] == 900 and summary["peak_phase"] == "burst of 16"
     assert summary["per_phase"]["start-up"] == 300 and 4 <= summary["samples"] <= 9
+
+
+
+
+@pytest.mark.parametrize("gib, quantization, fits_by_default", [(12, "awq", False), (16, "fp8", False),
+                                                                 (24, "fp8", True)])
+def test_each_cap_gets_the_flags_the_launcher_fits_to_a_card_of_that_size(gib, quantization, fits_by_default):
+    """The synthetic 8B directory (its config) with --quantization: the layout of its dummy weights."""
+    from bench.synthetic_model import REFERENCE
+
+    plan = fitted_flags(str(REFERENCE), gib, ["--quantization", quantization, "--load-format", "dummy"])
+    assert plan.fits and plan.estimate.context >= 8192
+    assert (plan.args() == []) == fits_by_default
+    if not fits_by_default:
+        assert '{"max_pixels": 1048576}' in plan.args()
+        given = fitted_flags(str(REFERENCE), gib, ["-q", quantization, "--mm-processor-kwargs", "{}"])
+        assert "--mm-processor-kwargs" not in given.args()     # a flag given to the bench wins
+
+
+def test_an_8_gib_cap_moves_the_embeddings_to_host_memory():
+    from bench.synthetic_model import REFERENCE
+
+    plan = fitted_flags(str(REFERENCE), 8, ["--quantization", "awq"])
+    assert "--cpu-embeddings" in plan.args()
+
+
+@pytest.mark.slow
+def test_a_cap_that_cannot_start_is_recorded_with_the_engines_reason(tmp_path):
+    out = tmp_path / "caps.json"
+    report = main(["--model", str(tmp_path / "missing"), "--caps", "12", "--log-dir", str(tmp_path),
+                   "--out", str(out), "--device", "cpu", "--start-timeout", "120"])
+    saved = json.loads(out.read_text())
+    res = saved["caps"][0]
+    assert res["cap_gib"] == 12 and res["started"] is False
+    assert "exited with code 1" in res["reason"] and "does not exist" in res["reason"]
+    assert "--gpu-memory-limit 12" in res["command"] and (tmp_path / "engine_cap12GiB.log").is_file()
+    assert saved["engine_flags"] == ["--device", "cpu"] and "FileNotFoundError" in res["fit_error"]
+    assert report["caps"] == saved["caps"]
