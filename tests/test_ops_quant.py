@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine.ops.platform import DeviceCaps, device_caps, override_caps
+from gpu_cards import needs_card
 from engine.ops.quant import (dequantize_fp8_block, dequantize_wna16, fp8_block_linear, fp8_block_linear_ref,
                               fp8_block_linear_w8a8_ref, pack_int32, quantize_fp8_per_token_group_ref,
                               unpack_int32, wna16_linear, wna16_linear_ref)
@@ -241,6 +242,8 @@ ARCHS = [pytest.param(None, id="this-gpu"), pytest.param(89, id="as-sm89"), pyte
 
 
 def _as(arch):
+    if arch:
+        needs_card(arch)
     return override_caps(DeviceCaps.for_arch(arch)) if arch else override_caps(device_caps(torch.device("cuda")))
 
 
@@ -273,6 +276,7 @@ def test_fp8_fp16_and_odd_shapes(gen, M, arch):
 def test_fp8_triton_w8a8_kernel(gen, M):
     # The block-scaled GEMM of GPUs where cuBLAS has no block scales (sm89), with every tile the table gives.
     from engine.ops.triton.quant.table import KernelChoice
+    needs_card(89)
     for bm, bn, warps, stages in ((16, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 4)):
         for K, N in ((4096, 6144), (12288, 4096), (384, 200)):
             tiles = KernelChoice("w8a8", block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
@@ -287,6 +291,7 @@ def test_fp8_one_launch_kernel_at_the_8b_shapes(gen, M):
     product as the two-launch path, bias or not, at the 8B shapes and an odd one."""
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import Problem, choose_fp8
+    needs_card(90)
     with override_caps(DeviceCaps.for_arch(90)):
         for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (384, 200)):
             tiles = choose_fp8(Problem(M, N, K, BF16), DeviceCaps.for_arch(90))
@@ -302,6 +307,7 @@ def test_fp8_one_launch_kernel_at_the_8b_shapes(gen, M):
 def test_fp8_one_launch_kernel_splits_k_in_one_launch_or_two(gen, split):
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import KernelChoice
+    needs_card(90)
     for serial in (True, False):                  # False: the partials are summed by a second kernel
         for M in (1, 5, 16):
             for block_n in (64, 128, 256):
@@ -335,6 +341,7 @@ def test_fp8_weight_only_gemm_at_the_8b_shapes(gen, M, arch):
     block, and natively converts e4m3), fp16 and bf16, bias or not."""
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import Problem, choose_fp8
+    needs_card(arch)
     caps = DeviceCaps.for_arch(arch)
     with override_caps(caps):
         for K, N, block in SHAPES_FP8_GEMM if arch != 89 else ((1000, 200, (128, 128)), (4000, 4096, (128, 128))):
@@ -352,6 +359,7 @@ SHAPES_FP8_GEMM = [(K, N, (128, 128)) for K, N in SHAPES_8B] + [(1000, 200, (128
 @gpu_test
 def test_fp8_activation_quant_kernel(gen):
     from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant
+    needs_card(89)
     x = torch.randn(37, 1024, device="cuda", dtype=BF16) * 10
     q, s = per_token_group_quant(x, 128, rows=40)
     qr, sr = quantize_fp8_per_token_group_ref(x.float(), 128)
