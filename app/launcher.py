@@ -388,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(model_arg, tensor_parallel_size=tensor_parallel_size(rest))
     except ModelNotFound as err:
         say(f"error: {err}")
+        if model_arg is None and not os.environ.get("MODEL_PATH"):
+            for line in fetch_advice(gpu_memory()):
+                say(line)
         return 2
     plan = None
     if model.hub is not None:

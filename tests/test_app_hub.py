@@ -281,3 +281,15 @@ def test_the_page_shows_the_download_progress(stand_in, tiny_repo, tmp_path, bro
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
     assert not errors, f"errors on the page: {errors}"
+
+
+def test_the_demo_notice_names_that_checkpoint_and_its_command(capsys, smollm2_gguf):
+    from app.launcher import demo_notice
+    from app.models import ResolvedModel
+    demo_notice(ResolvedModel(smollm2_gguf, "built-in demo", "SmolLM2-135M-Instruct", demo=True),
+                gpu=lambda: ("NVIDIA GeForce RTX 4070", 12 << 30))
+    out = capsys.readouterr().out
+    assert "[app] For this GPU: Qwen/Qwen3-VL-8B-Instruct-AWQ (awq 4-bit g128, ~7.3 GB of weights): the most " \
+           "precise one that fits NVIDIA GeForce RTX 4070 (12 GiB" in out
+    assert "[app] To download it once into the Hugging Face cache and run it:  ./run_app.sh --model " \
+           "Qwen/Qwen3-VL-8B-Instruct-AWQ" in out
