@@ -111,21 +111,34 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
-        w, offs_k, k_mask = _weight_tile(w_rows, ws_ptr, pid_n * BLOCK_N, k0, offs_n, n_mask, K, stride_sn,
-                                         stride_sk, BN_BLK, BK_BLK, BLOCK_K, UNIFORM, NATIVE)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        # Software prefetch, as in the GEMV: the next weight tile's load is issued before this tile's arithmetic.
+        w = w_next
+        k_mask = offs_k < k_end
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
+        if UNIFORM:
+            s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
+        else:
+            s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = (_e4m3_to_f32(w, NATIVE) * s).to(dtype)
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if SWAP_AB:
-            acc = tl.dot(w.to(dtype), tl.trans(a), acc)
+            acc = tl.dot(wt, tl.trans(a), acc)
         else:
-            acc = tl.dot(a, tl.trans(w.to(dtype)), acc)
+            acc = tl.dot(a, tl.trans(wt), acc)
+        offs_k += BLOCK_K
     if SWAP_AB:
         res = tl.trans(acc)
     else:
