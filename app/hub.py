@@ -60,6 +60,7 @@ class DownloadPlan:
     missing_bytes: int          # still to download
     total_bytes: int            # the engine's files of the repo, in all
     files: int
+    commit: str | None = None   # the revision resolved by the dry run: the download fetches that very commit
 
 
 def endpoint() -> str:
@@ -88,7 +89,8 @@ def plan(ref: RepoRef) -> DownloadPlan:
     missing = sum(f.file_size or 0 for f in files if f.will_download)
     remove_stale_partials(ref)
     check_disk_space(ref, missing, cache_dir())
-    return DownloadPlan(ref, None, missing, sum(f.file_size or 0 for f in files), len(files))
+    return DownloadPlan(ref, None, missing, sum(f.file_size or 0 for f in files), len(files),
+                        files[0].commit_hash if files else None)
 
 
 def remove_stale_partials(ref: RepoRef, idle_s: float = STALE_PARTIAL_S) -> int:
@@ -126,13 +128,13 @@ def check_disk_space(ref: RepoRef, missing: int, where: Path) -> None:
 
 def download(p: DownloadPlan, progress: Callable[[int, int], None]) -> Path:
     """The snapshot folder, every engine file of the repo in it; `progress(done, total)` in bytes as it goes
-    (done counts what an interrupted earlier download had left, as huggingface_hub resumes it)."""
+    (done starts at the files an earlier, stopped run finished)."""
     if p.snapshot is not None:
         return p.snapshot
     from huggingface_hub import snapshot_download
     already = p.total_bytes - p.missing_bytes
     with hub_errors(p.ref):
-        path = snapshot_download(p.ref.repo_id, revision=p.ref.revision, allow_patterns=ENGINE_FILES,
+        path = snapshot_download(p.ref.repo_id, revision=p.commit or p.ref.revision, allow_patterns=ENGINE_FILES,
                                  tqdm_class=byte_counter(lambda n: progress(already + n, p.total_bytes)))
     progress(p.total_bytes, p.total_bytes)
     return Path(path)
