@@ -222,6 +222,21 @@ def explain(ref: RepoRef, err: BaseException) -> str | None:
     return None
 
 
+def fetch_advice(card: tuple[str, int] | None) -> list[str]:
+    """Which Hub checkpoint fits this GPU and the one command that fetches and runs it (nothing is downloaded
+    unasked)."""
+    from app.checkpoints import hub_suggestion
+    from app.models import TARGET_NAME, TARGET_REPO
+    if card is None:
+        return [f"To use {TARGET_NAME}:  ./run_app.sh --model /path/to/{TARGET_NAME}   (or set MODEL_PATH), or "
+                f"download it: ./run_app.sh --model {TARGET_REPO}"]
+    choice = hub_suggestion(card)
+    pick = choice.checkpoint
+    return [f"For this GPU: {pick.repo} ({pick.fmt.name}, ~{pick.weights / 1e9:.1f} GB of weights): "
+            f"{choice.reason}.",
+            f"To download it once into the Hugging Face cache and run it:  ./run_app.sh --model {pick.repo}"]
+
+
 class TerminalProgress:
     """"Downloading model… 43%, 2.1 of 5.0 GB" on one line that updates in a terminal, or a line per tenth
     elsewhere (a log file), and at the end."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from app import control, procs
 from app import hub
-from app.checkpoints import gpu_memory, gpu_memory_used, hub_suggestion
+from app.checkpoints import gpu_memory, gpu_memory_used
 from app.fit import fit_for_launch
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
@@ -136,22 +136,9 @@ def demo_notice(model: ResolvedModel, gpu=gpu_memory) -> None:
     say("-" * 78)
     say(f"NOTE: running the built-in demo model {model.served_name}: small and TEXT-ONLY, so answers are")
     say("simple and images are not understood. No model was given and none was found in the Hugging Face cache.")
-    for line in fetch_advice(gpu()):
+    for line in hub.fetch_advice(gpu()):
         say(line)
     say("-" * 78)
-
-
-def fetch_advice(card: tuple[str, int] | None) -> list[str]:
-    """Which Hub checkpoint fits this GPU and the one command that fetches and runs it (nothing is downloaded
-    unasked)."""
-    if card is None:
-        return [f"To use {TARGET_NAME}:  ./run_app.sh --model /path/to/{TARGET_NAME}   (or set MODEL_PATH), or "
-                f"download it: ./run_app.sh --model Qwen/{TARGET_NAME}"]
-    choice = hub_suggestion(card)
-    pick = choice.checkpoint
-    return [f"For this GPU: {pick.repo} ({pick.fmt.name}, ~{pick.weights / 1e9:.1f} GB of weights): "
-            f"{choice.reason}.",
-            f"To download it once into the Hugging Face cache and run it:  ./run_app.sh --model {pick.repo}"]
 
 
 class Supervisor:
@@ -389,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFound as err:
         say(f"error: {err}")
         if model_arg is None and not os.environ.get("MODEL_PATH"):
-            for line in fetch_advice(gpu_memory()):
+            for line in hub.fetch_advice(gpu_memory()):
                 say(line)
         return 2
     plan = None

@@ -241,7 +241,7 @@ def test_the_progress_reaches_the_terminal_and_the_status_file(tmp_path):
 
 
 def test_with_a_gpu_and_no_model_the_launcher_names_the_checkpoint_that_fits_and_downloads_nothing():
-    from app.launcher import fetch_advice
+    from app.hub import fetch_advice
     GiB = 1 << 30
     for gib, repo in ((8, "Qwen/Qwen3-VL-8B-Instruct-AWQ"), (12, "Qwen/Qwen3-VL-8B-Instruct-AWQ"),
                       (16, "Qwen/Qwen3-VL-8B-Instruct-FP8"), (24, "Qwen/Qwen3-VL-8B-Instruct")):
