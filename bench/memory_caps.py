@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.checkpoints import GiB, weight_bytes, weight_format  # noqa: E402
 from app.fit import fit  # noqa: E402
 from app.memory_estimate import ModelShape  # noqa: E402
+from bench.gpu_sampler import GpuSampler, gpu_used_mib  # noqa: E402
 from bench.serve import image_data_url, stream_request  # noqa: E402
 
 QUESTION = "Describe this image in detail."
@@ -108,74 +108,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-
-
-SAMPLE_S = 0.1
-
-
-class GpuSampler:
-    """Samples the device memory of process `pid` every SAMPLE_S seconds in a thread, each sample tagged with the
-    phase the bench is in (set `phase`)."""
-
-    def __init__(self, pid: int):
-        self.pid, self.phase = pid, "start-up"
-        self.samples: list[tuple[float, str, int]] = []       # (seconds since start, phase, MiB)
-        self._stop = threading.Event()
-        self._read = _nvml_reader() or gpu_used_mib
-        self._start = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            used = self._read(self.pid)
-            if used is not None:
-                self.samples.append((round(time.monotonic() - self._start, 2), self.phase, used))
-            self._stop.wait(SAMPLE_S)
-
-    def stop(self) -> dict:
-        """{peak_mib, peak_phase, peak_s, samples, per_phase: {phase: peak MiB}} (peak None: nothing read)."""
-        self._stop.set()
-        self._thread.join(5)
-        per_phase: dict[str, int] = {}
-        for _, phase, used in self.samples:
-            per_phase[phase] = max(per_phase.get(phase, 0), used)
-        peak = max(self.samples, key=lambda x: x[2], default=None)
-        return {"peak_mib": peak[2] if peak else None, "peak_phase": peak[1] if peak else None,
-                "peak_s": peak[0] if peak else None, "samples": len(self.samples), "per_phase": per_phase}
-
-
-def _nvml_reader():
-    """pynvml's per-process reading (no nvidia-smi process per sample), or None where it does not import."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:
-        return None
-
-    def read(pid: int) -> int | None:
-        total = None
-        for handle in handles:
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if p.pid == pid and p.usedGpuMemory is not None:
-                    total = (total or 0) + p.usedGpuMemory // 2**20
-        return total
-    return read
-
-
-def gpu_used_mib(pid: int) -> int | None:
-    """Device memory the server's process holds now, as nvidia-smi sees it (None without nvidia-smi)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1])
-    return None
 
 
 async def image_chat(base: str, model: str, seed: int, max_tokens: int, timeout: float) -> dict:

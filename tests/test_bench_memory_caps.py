@@ -47,7 +47,7 @@ def test_summary_table_and_json(tmp_path):
 def test_the_sampler_reads_every_100_ms_and_keeps_each_phase_s_peak(monkeypatch):
     import time
 
-    import bench.memory_caps as caps
+    import bench.gpu_sampler as caps
     box = {}
     used = {"start-up": [300, 200], "burst of 16": [900, 400]}     # MiB read in turn while in each phase
     monkeypatch.setattr(caps, "_nvml_reader", lambda: lambda pid: used[box["sampler"].phase][
