@@ -54,7 +54,7 @@ def table() -> str:
 def hub_table(speeds: dict[tuple[int, str], str] | None = None) -> str:
     """Per card: the checkpoint `./run_app.sh` names for it, its download, and the context and images the card
     gets with the flags the launcher fits; `speeds` (card GiB, repo) -> the measured speed, where there is one."""
-    config, shape = json.loads(REFERENCE_CONFIG.read_text()), reference_shape()
+    shape = reference_shape()
     rows = [HUB_BEGIN, "| card | checkpoint (`./run_app.sh --model ...`) | weights (download ~) | context | images | "
                        "expected speed |", "|---|---|---|---|---|---|"]
     for gib in CARDS_GIB:
