@@ -196,7 +196,7 @@ for s in $STAGES; do
       # The GPU tests and the decode/throughput/TTFT table once per emulated consumer card (bench/emulated_paths.sh:
       # CARDS, FORMATS, TEST_T, BENCH_T, METRICS choose; its table checks batch-8 <= 1.3 x batch-1 and fp8 <= bf16).
       stage "emulated consumer cards: ${CARDS:-native sm80 sm86 sm89} x ${FORMATS:-bf16 fp8 awq}"
-      timeout "${EMU_T:-900}" bash bench/emulated_paths.sh; echo "rc=$?" ;;
+      timeout "${EMU_T:-570}" bash bench/emulated_paths.sh; echo "rc=$?" ;;
     tp)
       # Needs TP_SIZE GPUs (nvidia-h200-x2 for 2): the TP GPU tests, then TP=TP_SIZE against TP=1 on this host.
       stage "tensor parallelism: GPU tests and TP=${TP_SIZE:-2} against TP=1"
