@@ -28,12 +28,13 @@ echo "=== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) co
 if [ "${TEST_T:-120}" != 0 ]; then
   echo "=== GPU tests per card ($(date +%T)): $CARDS"
   for card in $CARDS; do
-    ENGINE_EMULATE_ARCH=$(arch_of $card) timeout "${TEST_T:-120}" python3 -m pytest -m gpu $TESTS -q \
-      -n "${TEST_WORKERS:-4}" -p no:cacheprovider > "$OUT/tests_$card.txt" 2>&1 &
+    (ENGINE_EMULATE_ARCH=$(arch_of $card) timeout "${TEST_T:-120}" python3 -m pytest -m gpu $TESTS -q \
+      -n "${TEST_WORKERS:-4}" -p no:cacheprovider > "$OUT/tests_$card.txt" 2>&1; echo "rc=$?" >> "$OUT/tests_$card.txt") &
   done
   wait
   for card in $CARDS; do
-    echo "$card: $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$OUT/tests_$card.txt" | tail -1)"
+    counts=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|error)' "$OUT/tests_$card.txt" | tail -1)
+    echo "$card: ${counts:-no summary} ($(tail -1 "$OUT/tests_$card.txt"); 124: timed out at TEST_T)"
     grep -E '^(FAILED|ERROR) ' "$OUT/tests_$card.txt" | cut -c1-200 | head -8
   done
 fi
