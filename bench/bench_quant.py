@@ -131,6 +131,14 @@ def _fp8_triton(x):
     return KC("w8a8", block_m=128, block_n=128, num_warps=8, num_stages=4)
 
 
+def _fp8_weight_only_gemm(x, w, *rest):
+    """2-64 tokens through the weight-only GEMM with the table's tiles (whatever the device class chooses)."""
+    M, K = x.shape
+    cfg = table.fp8_gemm_tiles(table.Problem(M, w.shape[0], K, x.dtype)) if 1 < M <= table.FP8_DEQUANT_ABOVE \
+        else None
+    return linear.fp8_block_linear(x, w, *rest, tiles=cfg)
+
+
 KINDS = {  # name -> (weight maker, op, architecture emulated (None: this GPU), byte kind, FLOP rate of the floor)
     "bf16": (make_bf16, lambda x, w: F.linear(x, w), None, "bf16", BF16_RATE),
     "w4g128": (make_w4, _w4(), None, "w4g128", BF16_RATE),                 # automatic path
@@ -139,6 +147,8 @@ KINDS = {  # name -> (weight maker, op, architecture emulated (None: this GPU), 
     "fp8": (make_fp8, _fp8(), None, "fp8", FP8_RATE),                      # automatic (Hopper: one launch to 16)
     "fp8-wo": (make_fp8, _fp8(), 86, "fp8", BF16_RATE),                    # sm86's weight-only path
     "fp8-triton": (make_fp8, _fp8(_fp8_triton), None, "fp8", FP8_RATE),    # the sm89 W8A8 kernel, forced
+    "fp8-sm89": (make_fp8, _fp8(), 89, "fp8", FP8_RATE),                   # sm89's automatic path
+    "fp8-wo-sm89": (make_fp8, _fp8_weight_only_gemm, 89, "fp8", BF16_RATE),  # the weight-only GEMM on sm89
 }
 
 
@@ -164,7 +174,7 @@ DECODER_ONLY = {  # one-token variants timed on the whole decoder only
     "fp8-mixed": (make_fp8, _fp8(_fp8_mixed), None, "fp8", FP8_RATE),
 }
 DECODER_KINDS = ["bf16", "w4g128", "w4-dq", "w4-swept", "fp8", "fp8-mixed", "fp8-wo", "fp8-gemv-best",
-                 "fp8-fused-best"]
+                 "fp8-fused-best", "fp8-sm89", "fp8-wo-sm89"]
 
 
 def set_arch(arch):

@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps tp ab); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps emulated tp ab); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -192,6 +192,11 @@ for s in $STAGES; do
         echo "rc=$?"; mkdir -p "$OUT/memcaps_$q" && cp /tmp/memcaps_$q/*.log "$OUT/memcaps_$q/" 2>/dev/null
         grep -v -E '^(INFO|WARNING)' "$OUT/memcaps_$q.txt" | grep -v '^{' | tail -14
       done ;;
+    emulated)
+      # The GPU tests and the decode/throughput/TTFT table once per emulated consumer card (bench/emulated_paths.sh:
+      # CARDS, FORMATS, TEST_T, BENCH_T, METRICS choose; its table checks batch-8 <= 1.3 x batch-1 and fp8 <= bf16).
+      stage "emulated consumer cards: ${CARDS:-native sm80 sm86 sm89} x ${FORMATS:-bf16 fp8 awq}"
+      timeout "${EMU_T:-570}" bash bench/emulated_paths.sh; echo "rc=$?" ;;
     tp)
       # Needs TP_SIZE GPUs (nvidia-h200-x2 for 2): the TP GPU tests, then TP=TP_SIZE against TP=1 on this host.
       stage "tensor parallelism: GPU tests and TP=${TP_SIZE:-2} against TP=1"

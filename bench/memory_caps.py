@@ -1,6 +1,9 @@
 """The image chat under GPU memory caps: for each cap (GiB), start the engine server with --gpu-memory-limit CAP,
 and report whether it started (else the engine's reason), its KV pool and maximum context, then the time to first
-token and the decode speed of a chat carrying one 1024x1024 PNG and a question, over the HTTP API.
+token and the decode speed of a chat carrying one 1024x1024 PNG and a question, over the HTTP API; then a long
+image chat (turns that re-send the history) and a burst of 16 image chats at once. All along, from the server's
+start (CUDA graph capture included) to its stop, the memory nvidia-smi counts for the server's process is sampled
+every 100 ms (pynvml where it imports): the report gives the peak against the cap, per phase.
 
     python bench/memory_caps.py [--model DIR] [--caps 8 12 16 24] [--out caps.json] [engine flags, e.g.
         --quantization awq --max-model-len 8192]
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.checkpoints import GiB, weight_bytes, weight_format  # noqa: E402
 from app.fit import fit  # noqa: E402
 from app.memory_estimate import ModelShape  # noqa: E402
+from bench.gpu_sampler import GpuSampler, gpu_used_mib  # noqa: E402
 from bench.serve import image_data_url, stream_request  # noqa: E402
 
 QUESTION = "Describe this image in detail."
@@ -104,20 +108,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-
-
-def gpu_used_mib(pid: int) -> int | None:
-    """Device memory the server's process holds now, as nvidia-smi sees it (None without nvidia-smi)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1])
-    return None
 
 
 async def image_chat(base: str, model: str, seed: int, max_tokens: int, timeout: float) -> dict:
@@ -187,6 +177,7 @@ def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
                                 start_new_session=True)
+    sampler = GpuSampler(proc.pid)
     try:
         start = time.monotonic()
         why = wait_ready(proc, base, args.start_timeout)
@@ -195,11 +186,15 @@ def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
             res["reason"] = why
             return res
         res["started"] = True
-        measure(res, base, proc, args)
+        measure(res, base, proc, args, sampler)
     except Exception as err:           # a bench-side failure is recorded; the other caps still run
         res["bench_error"] = f"{type(err).__name__}: {err}"[:500]
     finally:
+        sampler.phase = "stopping"
         stop(proc)
+        res["nvidia_smi"] = sampler.stop()
+        peak = res["nvidia_smi"]["peak_mib"]
+        res["peak_within_cap"] = None if peak is None else peak <= cap * 1024
         text = log_path.read_text(errors="replace")
         res["log_lines"] = parse_log(text)
         if not res["started"]:
@@ -209,12 +204,13 @@ def run_cap(cap: float, args, engine_flags: list[str], log_dir: Path) -> dict:
     return res
 
 
-def measure(res: dict, base: str, proc: subprocess.Popen, args) -> None:
+def measure(res: dict, base: str, proc: subprocess.Popen, args, sampler: GpuSampler) -> None:
     card = http_json(f"{base}/v1/models")["data"][0]
     stats = http_json(f"{base}/stats")
     res.update(served_model=card["id"], max_model_len=card.get("max_model_len"),
                kv_blocks=stats["num_total_gpu_blocks"], block_size=stats["block_size"],
                kv_tokens=stats["num_total_gpu_blocks"] * stats["block_size"])
+    sampler.phase = "image chat"
     runs = []
     for i in range(args.repeats + 1):        # the first one is a warm-up (vision graph capture, allocator)
         try:
@@ -228,18 +224,62 @@ def measure(res: dict, base: str, proc: subprocess.Popen, args) -> None:
     res["ttft_ms_p50"] = median([r["ttft_ms"] for r in runs])
     res["decode_tok_s_p50"] = median([r["decode_tok_s"] for r in runs])
     res["gpu_used_mib"] = gpu_used_mib(proc.pid)
+    sampler.phase = "long image chat"
+    try:
+        res["long_chat"] = asyncio.run(long_image_chat(base, card["id"], args.turns, args.max_tokens,
+                                                       args.request_timeout))
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as err:
+        res["long_chat_error"] = f"{type(err).__name__}: {err}"[:500]
+    sampler.phase = f"burst of {args.burst}"
+    try:
+        burst = asyncio.run(image_burst(base, card["id"], args.burst, args.max_tokens, args.request_timeout))
+        res["burst"] = {"requests": args.burst, "ok": sum(1 for r in burst if not isinstance(r, BaseException)),
+                        "errors": sorted({f"{type(r).__name__}: {r}"[:200] for r in burst
+                                          if isinstance(r, BaseException)})}
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as err:
+        res["burst_error"] = f"{type(err).__name__}: {err}"[:500]
+    sampler.phase = "idle"
     res["alive_after"] = proc.poll() is None
+
+
+async def long_image_chat(base: str, model: str, turns: int, max_tokens: int, timeout: float) -> dict:
+    """One conversation of `turns` turns that re-sends its history (the image in the first turn) each time, as
+    the page does; the prompt's length at the last turn."""
+    history = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_url("photo", 1000, (IMAGE_SIDE, IMAGE_SIDE))}},
+        {"type": "text", "text": QUESTION}]}]
+    prompt_tokens = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        for turn in range(turns):
+            body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                    "messages": history}
+            async with session.post(f"{base}/v1/chat/completions", json=body) as r:
+                answer = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"turn {turn}: {r.status} {answer}")
+            prompt_tokens = answer["usage"]["prompt_tokens"]
+            history += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": f"Turn {turn + 2}: say more about the colours."}]
+    return {"turns": turns, "last_prompt_tokens": prompt_tokens}
+
+
+async def image_burst(base: str, model: str, n: int, max_tokens: int, timeout: float) -> list:
+    """`n` image chats at once, each a fresh image (every one goes through the vision encoder)."""
+    return await asyncio.gather(*(image_chat(base, model, 2000 + i, max_tokens, timeout) for i in range(n)),
+                                return_exceptions=True)
 
 
 def table(results: list[dict]) -> str:
     rows = ["| cap | fitted flags | started | KV pool (tokens): computed / engine | max context | TTFT p50 ms | "
-            "decode tok/s p50 | GPU used (nvidia-smi) |", "|---|---|---|---|---|---|---|---|"]
+            "decode tok/s p50 | GPU used (nvidia-smi) | peak, every 100 ms (phase) | within the cap |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         flags = shlex.join(r.get("fitted_args") or []) or "—"
         computed = r.get("fitted_kv_tokens_computed")
         computed = "—" if computed is None else str(computed)
         if not r["started"]:
-            rows.append(f"| {r['cap_gib']:g} GiB | `{flags}` | no: {r.get('reason', '?')} | {computed} / — | | | | |")
+            rows.append(f"| {r['cap_gib']:g} GiB | `{flags}` | no: {r.get('reason', '?')} | {computed} / — | | | | | "
+                        f"{peak_text(r)} |")
             continue
         fmt = lambda v, spec: "—" if v is None else format(v, spec)   # noqa: E731
         used = "—" if r.get("gpu_used_mib") is None else f"{r['gpu_used_mib'] / 1024:.2f} GiB"
@@ -248,8 +288,17 @@ def table(results: list[dict]) -> str:
             note += " (cap ignored: not on CUDA)"
         rows.append(f"| {r['cap_gib']:g} GiB | `{flags}` | yes{note} | {computed} / {r['kv_tokens']} | "
                     f"{r['max_model_len']} | {fmt(r.get('ttft_ms_p50'), '.1f')} | "
-                    f"{fmt(r.get('decode_tok_s_p50'), '.1f')} | {used} |")
+                    f"{fmt(r.get('decode_tok_s_p50'), '.1f')} | {used} | {peak_text(r)} |")
     return "\n".join(rows)
+
+
+def peak_text(r: dict) -> str:
+    """'8.02 GiB (burst of 16) | yes' from the sampler's summary ('— | —' without readings)."""
+    smi = r.get("nvidia_smi") or {}
+    if smi.get("peak_mib") is None:
+        return "— | —"
+    within = "yes" if r.get("peak_within_cap") else f"NO, by {smi['peak_mib'] - r['cap_gib'] * 1024:.0f} MiB"
+    return f"{smi['peak_mib'] / 1024:.2f} GiB ({smi['peak_phase']}) | {within}"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -259,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--caps", type=float, nargs="+", default=[8, 12, 16, 24], help="GiB")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per chat (ignore_eos)")
     ap.add_argument("--repeats", type=int, default=3, help="measured chats per cap, after one warm-up")
+    ap.add_argument("--turns", type=int, default=6, help="turns of the long image chat (0: none)")
+    ap.add_argument("--burst", type=int, default=16, help="image chats sent at once after it (0: none)")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to become ready")
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds per chat request")
     ap.add_argument("--out", default=None, help="JSON results (default: memory_caps.json in the log folder)")

@@ -2,6 +2,9 @@
 growth over 10 chat rounds. Random token-id prompts, fixed output lengths (ignore_eos).
 
     python bench/offline.py --model DIR [--load-format dummy] [--kv-cache-dtype fp8] [--out results.json] [--quick]
+        [--only ttft8192,decode1,decode8,tput64] [--max-num-seqs 64]
+
+--only runs the named measurements alone (METRICS below; bench/emulated_paths.sh takes four of them per card).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.ops.kernel_config import kernel_config
 
 
 def sync() -> None:
@@ -139,6 +143,21 @@ def memory_growth(llm: LLM, rounds: int = 10) -> dict:
     return {"rounds": rounds, "allocated_bytes": readings, "growth_bytes": readings[-1] - readings[0]}
 
 
+# Each measurement by name (--only): TTFT at a prompt length, decode at a batch, throughput at a request count.
+METRICS = ("ttft512", "ttft8192", "decode1", "decode8", "decode64", "decode256", "tput64", "tput256", "memory",
+           "image")
+
+
+def parse_only(text: str | None) -> set[str]:
+    if not text:
+        return set(METRICS)
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = names - set(METRICS)
+    if unknown:
+        raise SystemExit(f"--only: unknown {sorted(unknown)}; choose from {', '.join(METRICS)}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -148,32 +167,43 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=10240)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    ap.add_argument("--only", default=None, help=f"comma-separated measurements, of: {', '.join(METRICS)}")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="fewer decode graphs to capture (at least the "
+                    "largest batch measured)")
     args = ap.parse_args()
+    only = parse_only(args.only)
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=256,
+    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=0.85, kv_cache_dtype=args.kv_cache_dtype,
               **({"num_gpu_blocks_override": 512} if args.quick else {}))
     vocab = llm.get_tokenizer().vocab_size
     res = {"startup_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "num_gpu_blocks": llm.engine.kv_cache_config.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype}
+           else "cpu", "num_gpu_blocks": llm.engine.kv_cache_config.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype,
+           "emulate_arch": kernel_config().emulate_arch}
     small = args.quick
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    res["ttft_512_ms"] = ttft(llm, 64 if small else 512, vocab) * 1e3
-    res["ttft_8192_ms"] = ttft(llm, 256 if small else 8192, vocab, repeats=3) * 1e3
-    res["decode"] = [decode_rate(llm, b, 64 if small else 512, 16 if small else 128, vocab)
-                     for b in ((1, 4) if small else (1, 8, 64, 256))]
-    res["throughput"] = [throughput(llm, n, 64 if small else 512, 16 if small else 256, vocab)
-                         for n in ((4, 8) if small else (64, 256))]
-    res["memory"] = memory_growth(llm, 3 if small else 10)
-    res["image"] = image_ttft(llm, 64 if small else 1024)
+    if "ttft512" in only:
+        res["ttft_512_ms"] = ttft(llm, 64 if small else 512, vocab) * 1e3
+    if "ttft8192" in only:
+        res["ttft_8192_ms"] = ttft(llm, 256 if small else 8192, vocab, repeats=3) * 1e3
+    batches = (1, 4) if small else tuple(b for b in (1, 8, 64, 256) if f"decode{b}" in only)
+    res["decode"] = [decode_rate(llm, b, 64 if small else 512, 16 if small else 128, vocab) for b in batches]
+    counts = (4, 8) if small else tuple(n for n in (64, 256) if f"tput{n}" in only)
+    res["throughput"] = [throughput(llm, n, 64 if small else 512, 16 if small else 256, vocab) for n in counts]
+    res["memory"] = memory_growth(llm, 3 if small else 10) if "memory" in only else None
+    res["image"] = image_ttft(llm, 64 if small else 1024) if "image" in only else None
     print(json.dumps(res, indent=1))
-    print(f"\n| metric | value |\n|---|---|\n| TTFT 512 | {res['ttft_512_ms']:.1f} ms |"
-          f"\n| TTFT 8192 | {res['ttft_8192_ms']:.1f} ms |")
+    print("\n| metric | value |\n|---|---|")
+    for n in (512, 8192):
+        if f"ttft_{n}_ms" in res:
+            print(f"| TTFT {n} | {res[f'ttft_{n}_ms']:.1f} ms |")
     for d in res["decode"]:
         print(f"| decode batch {d['batch']} | {d['ms_per_step']:.2f} ms/step, {d['decode_tok_s']:.0f} tok/s |")
     for t in res["throughput"]:
         print(f"| {t['requests']} x {t['prompt']}/{t['new']} | {t['output_tok_s']:.0f} output tok/s ({t['seconds']:.2f} s) |")
-    print(f"| memory growth over {res['memory']['rounds']} rounds | {res['memory']['growth_bytes']} bytes |")
+    if res["memory"]:
+        print(f"| memory growth over {res['memory']['rounds']} rounds | {res['memory']['growth_bytes']} bytes |")
     if res["image"]:
         im = res["image"]
         print(f"| image {im['size']}x{im['size']} ({im['prompt_tokens']} tokens) | preprocessing "

@@ -2,6 +2,9 @@
 model… N%"): a small JSON file, {"pid", "phase", "progress" (0..1), "time"}, rewritten whole (a rename, so a
 reader never sees half of it) and at most every REPORT_INTERVAL_S unless the phase changes. No file is written
 unless `--load-status-file` names one. Standard library only: it runs before torch is imported.
+
+Before the engine starts, the launcher writes the same file while it downloads the model from the Hub (app/hub.py):
+phase "downloading" with "downloaded_bytes" and "total_bytes" (`downloading`); the engine's first report replaces it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def start(path: str | None) -> None:
     report("starting", 0.0)
 
 
-def report(phase: str, progress: float) -> None:
+def report(phase: str, progress: float, **detail: int) -> None:
     global _last
     if _path is None:
         return
@@ -34,7 +37,7 @@ def report(phase: str, progress: float) -> None:
         return
     _last = (phase, now)
     body = {"pid": os.getpid(), "phase": phase, "progress": round(max(0.0, min(1.0, progress)), 4),
-            "time": time.time()}
+            "time": time.time(), **detail}
     tmp = _path.with_name(_path.name + ".tmp")
     try:
         tmp.write_text(json.dumps(body))
@@ -45,3 +48,7 @@ def report(phase: str, progress: float) -> None:
 
 def weights(done: int, total: int) -> None:
     report("loading weights", WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * min(1.0, done / max(1, total)))
+
+
+def downloading(done: int, total: int) -> None:
+    report("downloading", done / max(1, total), downloaded_bytes=done, total_bytes=total)

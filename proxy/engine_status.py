@@ -33,15 +33,19 @@ def read_engine_status(cfg: ProxyConfig) -> dict | None:
 
 
 def engine_loading(cfg: ProxyConfig) -> dict | None:
-    """{"phase", "progress", "time"} of the engine process that writes the load status file, while it is alive;
+    """{"phase", "progress", "time"} (and, while the model downloads, "downloaded_bytes" and "total_bytes") of the
+    process that writes the load status file (the engine, or the launcher downloading its model), while it is alive;
     None when there is no such file, it is unreadable, or its process is gone (a stale file)."""
     if cfg.engine_status_file is None:
         return None
     try:
         status = json.loads(cfg.engine_status_file.read_text())
         os.kill(int(status["pid"]), 0)
-        return {"phase": str(status["phase"]), "progress": float(status["progress"]),
-                "time": float(status.get("time", 0.0))}
+        loading = {"phase": str(status["phase"]), "progress": float(status["progress"]),
+                   "time": float(status.get("time", 0.0))}
+        if "total_bytes" in status:          # the launcher downloading the model (engine/load_progress.py)
+            loading |= {"downloaded_bytes": int(status["downloaded_bytes"]), "total_bytes": int(status["total_bytes"])}
+        return loading
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -52,10 +56,17 @@ def _page_fields(for_page: bool, state: str, **more) -> dict | None:
 
 def loading_response(loading: dict, for_page: bool = True) -> web.Response:
     pct = int(100 * loading["progress"])
-    return error_response(503, f"The inference engine is loading the model ({loading['phase']}, {pct}%).",
-                          "service_unavailable", code="engine_starting",
+    download = {k: loading[k] for k in ("downloaded_bytes", "total_bytes") if k in loading}
+    if download:
+        done, total = download["downloaded_bytes"], download["total_bytes"]
+        scale, unit = (1e9, "GB") if total >= 1e9 else (1e6, "MB")
+        message = (f"The model is downloading ({pct}%, {done / scale:.1f} of {total / scale:.1f} {unit}); the "
+                   f"engine starts after it.")
+    else:
+        message = f"The inference engine is loading the model ({loading['phase']}, {pct}%)."
+    return error_response(503, message, "service_unavailable", code="engine_starting",
                           extra=_page_fields(for_page, "starting", phase=loading["phase"],
-                                             progress=loading["progress"]))
+                                             progress=loading["progress"], **download))
 
 
 def unresponsive_response(for_page: bool) -> web.Response:

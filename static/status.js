@@ -14,6 +14,12 @@ const LABELS = {
   unknown: "Connecting…",
 };
 
+// "2.1 of 5.0 GB" (MB below a GB), as the terminal says it (app/hub.py).
+const sizes = (done, total) => {
+  const [scale, unit] = total >= 1e9 ? [1e9, "GB"] : [1e6, "MB"];
+  return `${(done / scale).toFixed(1)} of ${(total / scale).toFixed(1)} ${unit}`;
+};
+
 // States in which a message cannot be answered (the page does not send, and stops waiting for an answer).
 export const DOWN_STATES = new Set(["starting", "restarting", "failed", "unreachable", "unresponsive", "offline"]);
 
@@ -50,7 +56,8 @@ export class StatusMonitor {
     this.pollStats();     // at once: the pool visibly fills when an answer starts and empties when it ends
   }
 
-  setState(state, detail, progress) {
+  // download: {downloaded_bytes, total_bytes} while the launcher fetches the model from the Hub.
+  setState(state, detail, progress, download) {
     const was = this.state;
     this.state = state;
     const box = $("status");
@@ -58,7 +65,9 @@ export class StatusMonitor {
     const pctText = typeof progress === "number" ? ` ${Math.floor(100 * Math.max(0, Math.min(1, progress)))}%` : "";
     this.detail = detail || "";
     const showsProgress = state === "starting" || state === "restarting";
-    box.querySelector(".status-text").textContent = (LABELS[state] || state) + (showsProgress ? pctText : "");
+    const label = state === "starting" && download ? "Downloading model…" : (LABELS[state] || state);
+    const amount = state === "starting" && download ? `, ${sizes(download.downloaded_bytes, download.total_bytes)}` : "";
+    box.querySelector(".status-text").textContent = label + (showsProgress ? pctText + amount : "");
     box.dataset.progress = pctText.trim();
     box.title = detail || "";
     if (state !== "ready" && (was === "ready" || was === "unknown")) this.down();
@@ -77,7 +86,8 @@ export class StatusMonitor {
       const resp = await fetch("/api/status", { cache: "no-store" });
       const body = await resp.json();
       const state = body.engine || "unreachable";
-      this.setState(state, body.error?.message || body.phase, body.progress);
+      const download = typeof body.total_bytes === "number" ? body : null;
+      this.setState(state, body.error?.message || body.phase, body.progress, download);
       if (state === "ready" && !this.model) await this.loadModel();
     } catch {
       this.setState("offline", "The chat server (proxy) does not answer.");

@@ -12,7 +12,7 @@ import pytest
 from app.checkpoints import BF16, GB, GiB, WeightFormat, weight_bytes
 from app.fit import IMAGE_CAP_PIXELS, MIN_CONTEXT, ROOMY_CONTEXT, TARGET_CONTEXT, fit, fit_for_launch, user_settings
 from app.memory_estimate import (LIMIT_SLACK_BYTES, NON_TORCH_BYTES, EngineSettings, estimate, graph_pools)
-from app.fit_table import readme_table, reference_shape, table
+from app.fit_table import HUB_BEGIN, HUB_END, hub_table, readme_table, reference_shape, table
 from app.launcher import fit_engine_flags
 from app.models import ResolvedModel
 
@@ -376,6 +376,15 @@ def test_the_engines_parser_takes_the_fitted_flags():
 
 
 # ---- the README ----------------------------------------------------------------------------------------------
+def test_the_readme_s_checkpoint_per_card_table_is_the_functions_output():
+    # Each card gets the checkpoint the launcher names for it (with a GPU and no model), and the context and
+    # images the fitted flags leave.
+    assert readme_table((REPO / "README.md").read_text(), HUB_BEGIN, HUB_END) == hub_table()
+    text = hub_table({(16, "Qwen/Qwen3-VL-8B-Instruct-FP8"): "41 tok/s decode (H100 as sm89)"})
+    assert "| 16 GiB | `Qwen/Qwen3-VL-8B-Instruct-FP8` (fp8) | 10.6 GB | 23,552 tokens | up to 1024x1024 px each | " \
+        "41 tok/s decode (H100 as sm89) |" in text
+
+
 def test_the_readme_table_is_the_functions_output():
     """Regenerate with `python -m app.fit --table` and paste it over the README's table."""
     assert readme_table((REPO / "README.md").read_text()) == table()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.memory_caps import fitted_flags, main, parse_log, table
+from bench.memory_caps import GpuSampler, fitted_flags, main, parse_log, table
 
 LOG = """INFO 12-04 10:00:01 [memory.py:120] GPU memory limit: 8.00 GiB of 139.81 GiB (torch's allocator capped at 7.31 GiB; 0.69 GiB held outside it)
 INFO 12-04 10:00:02 [loader.py:67] Loading model weights took 7.25 GB and 2.10 seconds (random dummy weights)
@@ -37,7 +37,30 @@ def test_summary_table_and_json(tmp_path):
     text = table([failed, ran])
     assert ("| 8 GiB | `--max-num-seqs 16` | no: the server exited with code 1 while starting: weights | 5040 / — |"
             in text)
-    assert "| 16 GiB | `—` | yes | 60000 / 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB |" in text
+    assert "| 16 GiB | `—` | yes | 60000 / 61440 | 61440 | 96.5 | 310.2 | 15.62 GiB | — | — |" in text
+    ran |= {"nvidia_smi": {"peak_mib": 16500, "peak_phase": "burst of 16"}, "peak_within_cap": False}
+    assert "| 16.11 GiB (burst of 16) | NO, by 116 MiB |" in table([ran])
+    ran |= {"nvidia_smi": {"peak_mib": 16300, "peak_phase": "start-up"}, "peak_within_cap": True}
+    assert "| 15.92 GiB (start-up) | yes |" in table([ran])
+
+
+def test_the_sampler_reads_every_100_ms_and_keeps_each_phase_s_peak(monkeypatch):
+    import time
+
+    import bench.gpu_sampler as caps
+    box = {}
+    used = {"start-up": [300, 200], "burst of 16": [900, 400]}     # MiB read in turn while in each phase
+    monkeypatch.setattr(caps, "_nvml_reader", lambda: lambda pid: used[box["sampler"].phase][
+        sum(1 for s in box["sampler"].samples if s[1] == box["sampler"].phase) % 2] if "sampler" in box else 100)
+    box["sampler"] = sampler = GpuSampler(1234)
+    time.sleep(0.35)
+    sampler.phase = "burst of 16"
+    time.sleep(0.35)
+    summary = sampler.stop()
+    assert summary["peak_mib"] == 900 and summary["peak_phase"] == "burst of 16"
+    assert summary["per_phase"]["start-up"] == 300 and 4 <= summary["samples"] <= 9
+
+
 
 
 @pytest.mark.parametrize("gib, quantization, fits_by_default", [(12, "awq", False), (16, "fp8", False),

@@ -5,6 +5,7 @@ replaced), and for real in tests/test_gpu_memory_limit.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,10 @@ class FakeAllocator:
     """torch.cuda's memory counters for one device: `other` bytes held outside torch, torch's own blocks in
     `reserved`, and a cap set by set_per_process_memory_fraction that allocations beyond raise at."""
 
-    def __init__(self, total: int, other: int, reserved: int = 0):
+    def __init__(self, total: int, other: int, reserved: int = 0, per_graph: int = 0):
         self.total, self.other, self.reserved, self.peak = total, other, reserved, reserved
         self.fraction = 1.0
+        self.per_graph = per_graph      # what an instantiated CUDA graph holds outside torch, until it is freed
 
     def alloc(self, n: int) -> None:
         if self.reserved + n > self.fraction * self.total:
@@ -129,6 +131,19 @@ class FakeAllocator:
                     "set_per_process_memory_fraction": set_fraction, "current_device": lambda: 0}
         for name, fn in counters.items():
             monkeypatch.setattr(torch.cuda, name, fn)
+        fake = self
+
+        class Graph:
+            def __del__(self):
+                fake.other -= getattr(self, "held", 0)
+
+        @contextlib.contextmanager
+        def capture(graph, pool=None):
+            yield
+            graph.held = fake.per_graph
+            fake.other += fake.per_graph
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", capture)
 
 
 CUDA = torch.device("cuda", 0)
@@ -282,6 +297,46 @@ def test_under_a_limit_the_profile_measures_the_largest_prefill_graph_with_small
     fake.alloc(GiB)
     worker.gpu_memory_limit = 4 * GiB
     assert _profile(worker, 2048, bytes_per_block=16 * 1024).prefill_graphs
+
+
+def test_under_a_limit_what_each_cuda_graph_holds_outside_torch_is_set_aside(qwen3_vl_dir, monkeypatch):
+    """nvidia-smi counts the instantiated graphs, which torch's allocator does not hold: the profile captures one
+    decode graph, measures what it took outside torch and sets that aside for every graph to come."""
+    import engine.sizing
+    import engine.worker.cuda_graphs as cuda_graphs
+    from engine.worker.kv_sizing import _profile
+
+    llm = make_llm(qwen3_vl_dir, device="cpu", max_num_seqs=8)
+    worker = llm.engine.model_executor.driver_worker
+    monkeypatch.setattr(cuda_graphs, "cuda_graphs_wanted", lambda args, device: True)
+    profiles = {}
+    for per_graph in (0, 3 << 20):
+        fake = FakeAllocator(total=140 * GiB, other=GiB // 2, per_graph=per_graph)
+        fake.install(monkeypatch)
+        fake.alloc(GiB)
+        worker.gpu_memory_limit = 4 * GiB
+        profiles[per_graph] = _profile(worker, 2048, 16 * 1024)
+        assert fake.other == GiB // 2                        # the measured graph is gone again
+    graphs = len(engine.sizing.batch_size_ladder(8)) + len(engine.sizing.PREFILL_BUCKETS)
+    assert profiles[3 << 20].reserve_bytes - profiles[0].reserve_bytes == graphs * (3 << 20)
+    assert profiles[0].kv_budget_bytes - profiles[3 << 20].kv_budget_bytes == graphs * (3 << 20)
+
+
+def test_once_ready_the_allocator_is_capped_at_what_the_limit_leaves_beside_what_is_held_outside(monkeypatch,
+                                                                                                 engine_log):
+    from engine.worker.memory import hold_to_limit
+    fake = FakeAllocator(total=140 * GiB, other=GiB // 2)
+    fake.install(monkeypatch)
+    fake.alloc(6 * GiB)
+    fake.other += 256 << 20            # kernels loaded and graphs instantiated since the profile
+    assert hold_to_limit(8 * GiB, CUDA) == 6 * GiB + (768 << 20)
+    assert fake.fraction == pytest.approx((8 * GiB - (768 << 20)) / (140 * GiB))
+    assert "held of --gpu-memory-limit 8.00 GiB" in engine_log.records[-1].getMessage()
+    fake.other += 2 * GiB              # more than the limit leaves: said, and the allocator may not grow
+    assert hold_to_limit(8 * GiB, CUDA) > 8 * GiB
+    assert "over --gpu-memory-limit 8.00 GiB by 768 MiB" in engine_log.records[-1].getMessage()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fake.alloc(2 << 20)
 
 
 def test_the_prefill_graphs_take_their_scratch_only_from_a_pool_twice_its_size():

@@ -28,7 +28,7 @@ EVERYWHERE = {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_va
               "_qk_rope_kernel", "_store_kvcache_kernel", "_vision_rope_kernel", "_layer_norm_kernel",
               "_rms_norm_kernel", "_silu_and_mul_kernel", "_patchify_kernel", "_embedding_kernel",
               "_wna16_gemv_kernel", "_wna16_dequant_kernel", "_wna16_gemm_kernel",
-              "_fp8_gemv_kernel", "_fp8_dequant_kernel", "_splitk_reduce_kernel"}
+              "_fp8_gemv_kernel", "_fp8_gemm_kernel", "_fp8_dequant_kernel", "_splitk_reduce_kernel"}
 FP8_TENSOR_CORES = {"_w8a8_block_kernel", "_fp8_act_quant_kernel"}   # sm89+: e4m3 activations
 HOPPER = {"_w8a8_one_launch_kernel"}                                  # sm90: the fp8 wgmma up to 16 tokens
 

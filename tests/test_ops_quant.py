@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine.ops.platform import DeviceCaps, device_caps, override_caps
+from gpu_cards import needs_card
 from engine.ops.quant import (dequantize_fp8_block, dequantize_wna16, fp8_block_linear, fp8_block_linear_ref,
                               fp8_block_linear_w8a8_ref, pack_int32, quantize_fp8_per_token_group_ref,
                               unpack_int32, wna16_linear, wna16_linear_ref)
@@ -241,6 +242,8 @@ ARCHS = [pytest.param(None, id="this-gpu"), pytest.param(89, id="as-sm89"), pyte
 
 
 def _as(arch):
+    if arch:
+        needs_card(arch)
     return override_caps(DeviceCaps.for_arch(arch)) if arch else override_caps(device_caps(torch.device("cuda")))
 
 
@@ -273,6 +276,7 @@ def test_fp8_fp16_and_odd_shapes(gen, M, arch):
 def test_fp8_triton_w8a8_kernel(gen, M):
     # The block-scaled GEMM of GPUs where cuBLAS has no block scales (sm89), with every tile the table gives.
     from engine.ops.triton.quant.table import KernelChoice
+    needs_card(89)
     for bm, bn, warps, stages in ((16, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 4)):
         for K, N in ((4096, 6144), (12288, 4096), (384, 200)):
             tiles = KernelChoice("w8a8", block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
@@ -287,6 +291,7 @@ def test_fp8_one_launch_kernel_at_the_8b_shapes(gen, M):
     product as the two-launch path, bias or not, at the 8B shapes and an odd one."""
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import Problem, choose_fp8
+    needs_card(90)
     with override_caps(DeviceCaps.for_arch(90)):
         for K, N in ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (384, 200)):
             tiles = choose_fp8(Problem(M, N, K, BF16), DeviceCaps.for_arch(90))
@@ -302,6 +307,7 @@ def test_fp8_one_launch_kernel_at_the_8b_shapes(gen, M):
 def test_fp8_one_launch_kernel_splits_k_in_one_launch_or_two(gen, split):
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import KernelChoice
+    needs_card(90)
     for serial in (True, False):                  # False: the partials are summed by a second kernel
         for M in (1, 5, 16):
             for block_n in (64, 128, 256):
@@ -326,9 +332,34 @@ def test_fp8_weight_only_without_fp8_tensor_cores(gen, kernel):
                 assert wo < TOL[BF16], (M, K, N, block)
 
 
+@pytest.mark.parametrize("M", [2, 5, 8, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("arch", [80, 86, 89])
+@gpu_test
+def test_fp8_weight_only_gemm_at_the_8b_shapes(gen, M, arch):
+    """2-64 tokens without FP8 tensor cores: each weight tile converted once for the row tile, tl.dot, split-K in
+    one launch; the table's tiles for each architecture (sm89 runs it for a K that is not a multiple of the
+    block, and natively converts e4m3), fp16 and bf16, bias or not."""
+    from engine.ops.triton.quant import splitk
+    from engine.ops.triton.quant.table import Problem, choose_fp8
+    needs_card(arch)
+    caps = DeviceCaps.for_arch(arch)
+    with override_caps(caps):
+        for K, N, block in SHAPES_FP8_GEMM if arch != 89 else ((1000, 200, (128, 128)), (4000, 4096, (128, 128))):
+            tiles = choose_fp8(Problem(M, N, K, BF16, block_size=block), caps)
+            assert tiles.kernel == "fp8_gemm" and tiles.swap_ab == (M <= 32), (K, N, tiles)
+            for dtype, bias in ((BF16, True), (F16, False)):
+                wo, _ = _fp8_case(gen, M, K, N, dtype, block, bias=bias)
+                assert wo < TOL[dtype], (M, K, N, block, dtype)
+    assert int(splitk._LOCKS[torch.device("cuda", 0)].abs().sum()) == 0     # every tile's counter reset
+
+
+SHAPES_FP8_GEMM = [(K, N, (128, 128)) for K, N in SHAPES_8B] + [(1000, 200, (128, 128)), (512, 96, (64, 128))]
+
+
 @gpu_test
 def test_fp8_activation_quant_kernel(gen):
     from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant
+    needs_card(89)
     x = torch.randn(37, 1024, device="cuda", dtype=BF16) * 10
     q, s = per_token_group_quant(x, 128, rows=40)
     qr, sr = quantize_fp8_per_token_group_ref(x.float(), 128)
@@ -436,6 +467,24 @@ def test_fp8_weight_only_paths_in_the_interpreter(gen, kernel):
             tiles = KernelChoice(kernel, block_n=16, block_k=32, split_k=split, serial=serial)
             wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, tiles=tiles, device="cpu")
             assert wo < TOL[F16], (split, bias, serial, K, N, block)
+    locks = splitk._LOCKS.get(torch.device("cpu"))
+    assert locks is None or int(locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("swap_ab", [True, False])
+@interpreter_test
+def test_fp8_weight_only_gemm_in_the_interpreter(gen, swap_ab):
+    # A few tokens: weight tiles converted once per row tile (integer e4m3 decode), tl.dot either way round,
+    # partial row and column tiles, K ranges summed by the tile's last program or a second kernel, one scale per
+    # tile or per weight (blocks smaller than the tile), a K that ends mid-block.
+    from engine.ops.triton.quant import splitk
+    from engine.ops.triton.quant.table import KernelChoice
+    for M, split, bias, serial in ((5, 1, True, True), (20, 2, False, True), (3, 4, True, False)):
+        for K, N, block in ((256, 40, (32, 64)), (256, 40, (16, 16)), (200, 24, (8, 16))):
+            tiles = KernelChoice("fp8_gemm", block_m=16, block_n=16, block_k=32, split_k=split, serial=serial,
+                                 swap_ab=swap_ab)
+            wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, tiles=tiles, device="cpu")
+            assert wo < TOL[F16], (M, split, bias, serial, K, N, block)
     locks = splitk._LOCKS.get(torch.device("cpu"))
     assert locks is None or int(locks.abs().sum()) == 0
 

@@ -144,9 +144,29 @@ def test_4bit_small_groups_and_other_formats_fall_back_to_dequantize():
 
 @pytest.mark.parametrize("caps", [SM80, SM86], ids=lambda c: c.name)
 def test_fp8_without_fp8_tensor_cores_runs_weight_only(caps):
+    # One token: the GEMV; 2-64: the GEMM that reads each weight tile once for all tokens; more: dequantize +
+    # cuBLAS (compute-bound there).
     for K, N in SHAPES_8B:
         for M in TOKENS:
-            assert fp8(M, K, N, caps).kernel == ("fp8_gemv" if M == 1 else "fp8_dequant")
+            want = "fp8_gemv" if M == 1 else "fp8_gemm" if M <= 64 else "fp8_dequant"
+            assert fp8(M, K, N, caps).kernel == want, (caps.name, K, N, M)
+
+
+def test_fp8_weight_only_gemm_tiles_fit_ampere_and_fill_the_sms():
+    # Swap-AB up to 32 tokens (the tokens on the dot's narrow side), then 64x64x64; one scale per tile (64 columns
+    # and 128 or 64 along K inside a 128x128 block); split-K where the column tiles alone leave SMs idle.
+    for K, N in SHAPES_8B:
+        for M in range(2, 65):
+            tiles = fp8(M, K, N, SM86)
+            assert tiles.swap_ab == (M <= 32) and tiles.block_m >= min(M, 64) and tiles.block_n == 64, (M, tiles)
+            assert 128 % tiles.block_k == 0 and tiles.num_stages <= 3 and tiles.num_warps == 4
+            # shared memory per stage: the e4m3 tile and x's rows in bf16, three stages well inside sm86's 99 KB
+            stage = tiles.block_n * tiles.block_k + tiles.block_m * tiles.block_k * 2
+            assert stage * tiles.num_stages <= SM86.shared_memory_per_block // 2, (M, tiles)
+            assert -(-N // 64) * tiles.split_k >= 2 * splitk.SMS or tiles.split_k == 8, (K, N, tiles)
+    assert fp8(8, 4096, 4096, SM80) == fp8(8, 4096, 4096, SM86)
+    # A K that is not a multiple of the scale block runs the same weight-only GEMM on every GPU.
+    assert fp8(8, 4000, 4096, SM90).kernel == fp8(8, 4000, 4096, SM89).kernel == "fp8_gemm"
 
 
 def test_fp8_on_hopper_one_launch_up_to_16_tokens_then_cublas():
@@ -161,7 +181,8 @@ def test_fp8_on_hopper_one_launch_up_to_16_tokens_then_cublas():
     # Where cuBLAS takes no block scales (K-block counts not a multiple of 4, other blocks): Triton's GEMM.
     assert fp8(64, 1152, 4096, SM90).kernel == fp8(300, 4096, 4096, SM90, block=(64, 128)).kernel == "w8a8"
     # A K that is not a multiple of the scale block runs weight-only.
-    assert fp8(1, 1000, 4096, SM90).kernel == "fp8_gemv" and fp8(64, 1000, 4096, SM90).kernel == "fp8_dequant"
+    assert fp8(1, 1000, 4096, SM90).kernel == "fp8_gemv" and fp8(64, 1000, 4096, SM90).kernel == "fp8_gemm"
+    assert fp8(65, 1000, 4096, SM90).kernel == "fp8_dequant"
 
 
 @pytest.mark.parametrize("caps", [SM89, SM100, SM120], ids=lambda c: c.name)
@@ -185,6 +206,8 @@ def test_fp8_cublas_refusals_fall_back_to_triton(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_emulating_an_architecture_keeps_the_card_s_sms():
+    if kernel_config().emulate_arch is not None:
+        pytest.skip("this process already emulates a card (ENGINE_EMULATE_ARCH)")
     cuda = torch.device("cuda", 0)
     real = device_caps(cuda)
     props = torch.cuda.get_device_properties(0)
@@ -194,3 +217,64 @@ def test_emulating_an_architecture_keeps_the_card_s_sms():
         assert emulated.capability == (8, 6) and not emulated.fp8_tensor_cores and not emulated.pdl
         assert emulated.sm_count == real.sm_count and emulated.shared_memory_per_block == 101376
     assert device_caps(cuda) == real
+
+
+# ---------------------------------------------------------------- emulated cards (ENGINE_EMULATE_ARCH)
+
+# What each card chooses at the 8B shapes (qkv: K 4096 -> N 6144): FP8 and 4-bit kernels by token count, the
+# fp8 KV cache's e4m3 decode, PDL, wgmma (Hopper's tiles), cuDNN attention, the prefill attention tiles and the
+# shared memory one program gets (CUDA's per-block opt-in: 163 KB on A100, 99 KB on RTX 30/40, 227 KB on H100).
+EMULATED = {
+    80: dict(fp8=("fp8_gemv", "fp8_gemm", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
+             prefill_tiles=(128, 64, 8, 3), shared=163 * 1024),
+    86: dict(fp8=("fp8_gemv", "fp8_gemm", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
+             prefill_tiles=(128, 64, 8, 3), shared=99 * 1024),
+    89: dict(fp8=("w8a8", "w8a8", "w8a8", "w8a8"), native_e4m3=True, pdl=False, wgmma=False,
+             prefill_tiles=(128, 64, 8, 3), shared=99 * 1024),
+    90: dict(fp8=("w8a8_one_launch", "w8a8_one_launch", "cublas_w8a8", "cublas_w8a8"), native_e4m3=True, pdl=True,
+             wgmma=True, prefill_tiles=(128, 128, 8, 3), shared=227 * 1024),
+}
+EMULATED_TOKENS = (1, 8, 64, 256)
+
+
+@pytest.mark.parametrize("arch", sorted(EMULATED), ids=lambda a: f"sm{a}")
+def test_each_emulated_card_takes_that_card_s_paths_and_tiles(arch):
+    from engine.ops.triton import attention
+    want = EMULATED[arch]
+    cuda = torch.device("cuda", 0)
+    with override_caps(DeviceCaps.for_arch(arch)):
+        caps = device_caps(cuda)
+        assert [fp8(M, 4096, 6144, caps).kernel for M in EMULATED_TOKENS] == list(want["fp8"])
+        assert [wna16(M, 4096, 6144, caps).kernel for M in EMULATED_TOKENS] == \
+            ["wna16_gemv", "wna16_gemm", "wna16_gemm", "wna16_gemm" if arch == 90 else "wna16_dequant"]
+        assert wna16(8, 4096, 6144, caps).swap_ab and (wna16(8, 4096, 6144, caps).block_n == 64) == want["wgmma"]
+        assert attention.fp8_native(cuda) == want["native_e4m3"]
+        assert (pdl.options(cuda, 1) == {"GDC": True, "launch_pdl": True}) == want["pdl"]
+        assert caps.wgmma == want["wgmma"] and caps.shared_memory_per_block == want["shared"]
+        assert attention.tile_config(128, BF16, cuda, num_query_tokens=8192) == want["prefill_tiles"]
+        if not want["wgmma"]:
+            assert not attention.cudnn_attention_usable(BF16, 128, cuda)
+
+
+def test_emulating_a_card_makes_triton_compile_for_it_and_refuse_what_does_not_fit(tmp_path):
+    import triton
+
+    from engine.ops.emulation import SharedMemoryLimit
+    knobs = triton.knobs.runtime
+    before = knobs.override_arch
+    try:
+        with override_kernel_config(emulate_arch=86):
+            dispatch._triton_ready.cache_clear()
+            assert dispatch.triton_available()
+            assert knobs.override_arch == "sm86"
+            [limit] = [h for h in knobs.kernel_load_start_hook.calls if isinstance(h, SharedMemoryLimit)]
+    finally:
+        knobs.override_arch = before
+        for h in [h for h in knobs.kernel_load_start_hook.calls if isinstance(h, SharedMemoryLimit)]:
+            knobs.kernel_load_start_hook.remove(h)
+        dispatch._triton_ready.cache_clear()
+    meta = tmp_path / "_k.json"
+    meta.write_text('{"shared": 120000}')           # an H100 tile: more than an RTX 30 card gives one program
+    with pytest.raises(triton.runtime.errors.OutOfResources, match="emulated sm86"):
+        limit(None, None, "_k", {"_k.json": str(meta)}, "hash")
+    SharedMemoryLimit(80, 166912)(None, None, "_k", {"_k.json": str(meta)}, "hash")   # fits an A100

@@ -22,6 +22,7 @@ from engine.model.linear import ColumnParallelLinear  # noqa: E402
 from engine.model.quantization.config import QuantizationConfig, WNA16Scheme  # noqa: E402
 from engine.model.quantization.weights import WNA16Weights  # noqa: E402
 from engine.ops.platform import DeviceCaps, device_caps  # noqa: E402
+from gpu_cards import needs_card
 from engine.ops.quant import pack_int32, wna16_linear_ref  # noqa: E402
 from engine.ops.triton.quant import linear, splitk, table  # noqa: E402
 from engine.ops.triton.quant.table import KernelChoice, Problem, choose_wna16  # noqa: E402
@@ -192,6 +193,7 @@ def test_8b_shapes_every_bucket(K, N, dtype):
 def test_every_device_class_s_tiles_run_here(arch):
     # The tiles the table gives sm80-90, compiled for and run on this GPU (tests/test_ops_portable.py checks that
     # they compile for the architectures themselves).
+    needs_card(arch)
     for K, N in ((4096, 6144), (12288, 4096)):
         for M in (1, 8, 33, 64, 256):
             tiles = choose_wna16(Problem(M, N, K, BF16), DeviceCaps.for_arch(arch))

@@ -138,9 +138,38 @@ def _limit_reserves(worker: Worker, max_len: int, scratch: CacheEngine) -> tuple
         LIMIT_SLACK_BYTES
     if not cuda_graphs_wanted(worker.args, worker.device):
         return fixed, fixed
+    from engine.sizing import batch_size_ladder
     fixed += _vision_graph_pool_bytes(worker, max_len)
-    return (fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=True),
-            fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=False))
+    per_graph = _graph_outside_torch_bytes(worker, max_len, scratch)
+    decode_graphs = len(batch_size_ladder(worker.args.max_num_seqs))
+    return (fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=True)
+            + per_graph * (decode_graphs + len(PREFILL_BUCKETS)),
+            fixed + _decoder_graph_pool_bytes(worker, max_len, scratch, prefill=False) + per_graph * decode_graphs)
+
+
+@torch.inference_mode()
+def _graph_outside_torch_bytes(worker: Worker, max_len: int, scratch: CacheEngine) -> int:
+    """What one CUDA graph holds outside torch's allocator, which the graphs' pool leaves out and nvidia-smi
+    counts: the instantiated graph (its nodes and their kernel parameters). Measured on a decode graph of the
+    largest batch captured here on the scratch cache (the device's free memory lost, less what the allocator
+    reserved); every graph runs the decoder's kernels, so it has about as many nodes. First, one eager decode
+    step of every batch size: the kernels the decode graphs launch are loaded now (their code is device memory
+    outside torch), so that the profile's outside-torch reading holds them too."""
+    from engine.sizing import batch_size_ladder
+    dev = worker.device
+    ladder = batch_size_ladder(worker.args.max_num_seqs)
+    for rows in ladder:
+        _padded_decode_forward(worker, rows, max_len, scratch)
+    torch.cuda.synchronize(dev)
+    free, reserved = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _padded_decode_forward(worker, ladder[-1], max_len, scratch)
+    torch.cuda.synchronize(dev)
+    per_graph = max(free - torch.cuda.mem_get_info(dev)[0] - (torch.cuda.memory_reserved(dev) - reserved), 0)
+    del graph
+    torch.cuda.empty_cache()
+    return per_graph
 
 
 @torch.inference_mode()

@@ -145,6 +145,28 @@ def apply_gpu_memory_limit(limit_gib: float | None, device: torch.device) -> int
     return limit
 
 
+def hold_to_limit(limit: int, device: torch.device) -> int:
+    """Once the engine is ready (pool allocated, graphs captured): what it holds now, outside torch (the CUDA
+    context, kernels' code, instantiated graphs, libraries' workspaces) and in torch's allocator, against the
+    limit, logged; torch's cap follows what is now held outside it, so that nothing that allocates later (a
+    first image, a burst) takes the process past the limit: it fails as it would on a card of that size.
+    Returns the bytes held (nvidia-smi's count for this process, as far as this process can see it)."""
+    torch.cuda.synchronize(device)
+    total = torch.cuda.mem_get_info(device)[1]
+    outside, reserved = non_torch_bytes(device), torch.cuda.memory_reserved(device)
+    held = outside + reserved
+    torch.cuda.set_per_process_memory_fraction(allocator_fraction(limit, outside, total), cuda_index(device))
+    if held > limit:
+        logger.warning("GPU memory after start-up: %.2f GiB held, over --gpu-memory-limit %.2f GiB by %.0f MiB "
+                       "(outside torch %.2f GiB, torch's allocator %.2f GiB); torch's allocator is capped at what "
+                       "is left", held / GiB, limit / GiB, (held - limit) / 2**20, outside / GiB, reserved / GiB)
+    else:
+        logger.info("GPU memory after start-up: %.2f GiB held of --gpu-memory-limit %.2f GiB (outside torch %.2f "
+                    "GiB, torch's allocator %.2f GiB, of which free for steps %.2f GiB)", held / GiB, limit / GiB,
+                    outside / GiB, reserved / GiB, (limit - held) / GiB)
+    return held
+
+
 def _oom_summary(err: Exception) -> str:
     """torch's out-of-memory message cut to what it tried ("CUDA out of memory. Tried to allocate 2.00 GiB")."""
     m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err))

@@ -28,7 +28,7 @@ from engine.sizing import prefill_scratch_blocks, scratch_blocks_needed
 from engine.structured_output import Grammar
 from engine.worker.inflight import InflightStep
 from engine.worker.kv_sizing import plan_kv_cache
-from engine.worker.memory import GiB, apply_gpu_memory_limit, weights_out_of_memory
+from engine.worker.memory import GiB, apply_gpu_memory_limit, hold_to_limit, weights_out_of_memory
 from engine.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -85,6 +85,8 @@ class Worker:
             enable_cuda_graphs(self)
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (--enforce-eager, or no Triton): eager steps")
+        if self.gpu_memory_limit is not None and self.device.type == "cuda":
+            hold_to_limit(self.gpu_memory_limit, self.device)
         return KVCacheConfig(self.num_gpu_blocks, self.num_cpu_blocks, self.bytes_per_block, self.kv_cache_dtype,
                              self.max_model_len, self.gpu_memory_limit)
 

@@ -5,8 +5,12 @@ converted in registers.
   the end; where a tile's rows share one scale row the block scales multiply the activations, so a weight costs
   one conversion and one FMA. The next tile's load is issued before this tile's arithmetic; split-K is summed by
   the tile's last program; a programmatic dependent launch where the device has PDL (pdl.py).
-- More tokens: `_fp8_dequant_kernel` writes the weight in x.dtype, then cuBLAS multiplies (measured faster than
-  a dot kernel).
+- 2-64 tokens: `_fp8_gemm_kernel` reads each weight tile once for all the tokens of its row tile, converts it to
+  x.dtype in registers and multiplies it on the tensor cores (tl.dot: mma on sm80+), split-K to fill the SMs;
+  swap-AB up to 32 tokens (the weight tile on the dot's M side, the tokens on its narrow N side). Dequantizing
+  the whole weight first would write and read it again in x.dtype at every step: three times the bytes.
+- More tokens: `_fp8_dequant_kernel` writes the weight in x.dtype, then cuBLAS multiplies (compute-bound there:
+  the dequantization's traffic is small beside the GEMM).
 NATIVE (DeviceCaps.fp8_tensor_cores): Triton converts e4m3; else the raw bytes are decoded with integer ops.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.triton import pdl
-from engine.ops.triton.quant.splitk import fit_split, split_targets, splitk_epilogue
+from engine.ops.triton.quant.splitk import fit_split, grouped_tile, split_targets, splitk_epilogue
 from engine.ops.triton.quant.table import KernelChoice
 
 
@@ -92,6 +96,57 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
                     bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
+@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm,
+                     stride_wn, stride_sn, stride_sk, stride_om, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SWAP_AB: tl.constexpr, UNIFORM: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
+                     SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # A few tokens, weight-only: program (tile, s) converts its [BLOCK_N, BLOCK_K] weight tiles over K range s to
+    # x.dtype once and multiplies them with all BLOCK_M rows of x (K_SPLIT is a multiple of BLOCK_K).
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        # Software prefetch, as in the GEMV: the next weight tile's load is issued before this tile's arithmetic.
+        w = w_next
+        k_mask = offs_k < k_end
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
+        if UNIFORM:
+            s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
+        else:
+            s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = (_e4m3_to_f32(w, NATIVE) * s).to(dtype)
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(wt, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(wt), acc)
+        offs_k += BLOCK_K
+    if SWAP_AB:
+        res = tl.trans(acc)
+    else:
+        res = acc
+    splitk_epilogue(res, offs_m, offs_n, M, N, stride_om, bias_ptr, out_ptr, part_ptr, lock_ptr, tl.program_id(0),
+                    pid_k, SPLIT, SERIAL, HAS_BIAS)
+
+
 @triton.jit
 def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr,
                         BK_BLK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,6 +181,25 @@ def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Ten
         weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         ROW_UNIFORM=bn % tiles.block_n == 0, NATIVE=native, SPLIT=split, SERIAL=to.serial, HAS_BIAS=bias is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.options(x2.device, 1))
+    to.finish(bias, out)
+    return out
+
+
+def fp8_gemm(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int],
+             bias: torch.Tensor | None, out: torch.Tensor, tiles: KernelChoice, native: bool) -> torch.Tensor:
+    """out [M, N] = x2 [M, K] @ W^T (+ bias), weight-only, each weight tile read once per row tile of x2."""
+    (M, K), (N, _), (bn, bk) = x2.shape, weight.shape, block_size
+    steps = triton.cdiv(K, tiles.block_k)
+    split = fit_split(steps, tiles.split_k)
+    num_tiles = triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
+    to = split_targets(out, split, num_tiles, tiles.serial)
+    _fp8_gemm_kernel[(num_tiles, split)](
+        x2, _raw_bytes(weight, native), weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
+        M, N, K, steps // split * tiles.block_k, x2.stride(0), weight.stride(0), weight_scale_inv.stride(0),
+        weight_scale_inv.stride(1), out.stride(0), BN_BLK=bn, BK_BLK=bk, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, SWAP_AB=tiles.swap_ab,
+        UNIFORM=bn % tiles.block_n == 0 and bk % tiles.block_k == 0, NATIVE=native, SPLIT=split, SERIAL=to.serial,
+        HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     to.finish(bias, out)
     return out
 

@@ -66,6 +66,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         fp8_w8a8.w8a8_gemm(x2, weight, weight_scale_inv, block_size, bias, out, tiles)
     elif tiles.kernel == "fp8_gemv":
         fp8_weight_only.fp8_gemv(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps.fp8_tensor_cores)
+    elif tiles.kernel == "fp8_gemm":
+        fp8_weight_only.fp8_gemm(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps.fp8_tensor_cores)
     else:
         raise ValueError(f"{tiles.kernel} is not an FP8 block kernel")
     return out.reshape(*lead, N)

@@ -13,6 +13,8 @@ without wgmma (RTX 40, and Blackwell until measured), "sm80" neither (A100, RTX 
     wna16   sm90   65-1023   wna16_gemm        only where TUNED_W4G128 holds the shape and token bucket
     wna16   any    all       wna16_dequant     dequantize to x.dtype, then cuBLAS
     fp8     sm80   1         fp8_gemv          weight-only (also any K not a multiple of the scale block)
+    fp8     sm80   2-64      fp8_gemm          weight-only: each weight tile converted once for all the tokens, tl.dot;
+                                               swap-AB 64 columns to 32 tokens, then 64x64; split-K to fill the SMs
     fp8     sm80   all       fp8_dequant       weight-only: dequantize, then cuBLAS
     fp8     sm90   1-16      w8a8_one_launch   x quantized in the K loop, swap-AB (an fp8 wgmma), split-K
     fp8     sm90   all       cublas_w8a8       torch._scaled_mm's block scales (128x128 blocks, K % 512 == 0)
@@ -173,6 +175,7 @@ WNA16_TABLE = (
 # ---------------------------------------------------------------- FP8 e4m3 weights in 128x128 blocks (fp8)
 
 ONE_LAUNCH_MAX_M = 16     # the one-launch kernel's one row tile
+FP8_DEQUANT_ABOVE = 64    # weight-only: tokens above which dequantize-then-cuBLAS runs (compute-bound there)
 CUBLAS_REFUSED: set[torch.dtype] = set()   # activation dtypes this torch/cuBLAS refused block scales for
 
 
@@ -181,6 +184,16 @@ def fp8_gemv_tiles(p: Problem) -> KernelChoice:
     # fastest or second-fastest tiles of an H100 sweep at each 8B shape (bench/bench_quant.py --sweep).
     split = max(2, split_for(triton.cdiv(p.N, 32), triton.cdiv(p.K, 128), cap=8))
     return KernelChoice("fp8_gemv", block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=1)
+
+
+def fp8_gemm_tiles(p: Problem) -> KernelChoice:
+    # Chosen like the 4-bit GEMM's non-Hopper tiles (fit sm86's 99 KB of shared memory, no spills), 64 columns
+    # so that a 128-row scale block holds whole tiles (one scale per tile) and split-K fills the SMs.
+    split = split_for(triton.cdiv(p.N, 64), triton.cdiv(p.K, 128), cap=8)
+    if p.M <= 32:
+        return KernelChoice("fp8_gemm", block_m=16 if p.M <= 16 else 32, block_n=64, block_k=128, split_k=split,
+                            num_warps=4, num_stages=3, swap_ab=True)
+    return KernelChoice("fp8_gemm", block_m=64, block_n=64, block_k=64, split_k=split, num_warps=4, num_stages=3)
 
 
 def fp8_dequant_tiles(p: Problem) -> KernelChoice:
@@ -221,6 +234,7 @@ def w8a8_one_token_tiles(p: Problem) -> KernelChoice | None:
 
 FP8_TABLE = (
     Row("sm80", 1, fp8_gemv_tiles),
+    Row("sm80", FP8_DEQUANT_ABOVE, fp8_gemm_tiles),
     Row("sm80", INF, fp8_dequant_tiles),
     Row("sm90", ONE_LAUNCH_MAX_M, one_launch_tiles),
     Row("sm90", INF, cublas_tiles),
