@@ -150,7 +150,7 @@ class AsyncLLM:
                            start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
         `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
-        (tools, chat_template, continue_final_message)."""
+        (tools, chat_template, continue_final_message, mm_processor_kwargs)."""
         ip = self.engine.input_processor
         return await self._on_worker(
             lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)
