@@ -45,3 +45,53 @@ def frames_url(frames: list[bytes]) -> str:
 
 def video_part(url: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
+
+
+def repeated_packet_clip(num_frames: int, fps: int = 1000, side: int = 16) -> bytes:
+    """An H.264 MP4 of `num_frames` frames made without encoding them all: one keyframe, then one
+    'nothing changed' frame's packet muxed again and again (100k frames in under a second and ~1 MB)."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps, options={"preset": "ultrafast", "bframes": "0"})
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((side, side, 3), np.uint8), format="rgb24")
+        packets = []
+        for i in range(2):
+            frame.pts = i
+            packets += stream.encode(frame)
+        packets += stream.encode()
+        key, unchanged, time_base = bytes(packets[0]), bytes(packets[1]), packets[0].time_base
+        for i in range(num_frames):
+            packet = av.Packet(key if i == 0 else unchanged)
+            packet.pts = packet.dts = i
+            packet.time_base, packet.stream, packet.is_keyframe = time_base, stream, i == 0
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def huge_frame_clip(width: int = 8000, height: int = 6000) -> bytes:
+    """One blank Motion-JPEG frame of width x height in an AVI."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="avi") as out:
+        stream = out.add_stream("mjpeg", rate=1)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuvj420p"
+        for packet in stream.encode(av.VideoFrame(width, height, "yuvj420p")):
+            out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def audio_only_clip(seconds: float = 1.0) -> bytes:
+    """An MP4 (M4A) holding one AAC stream of silence and no video."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("aac", rate=16000)
+        samples = int(16000 * seconds)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, samples), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
