@@ -24,7 +24,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import EngineError, ImageError, InvalidInputError, PromptTooLongError
+from engine.errors import ImageError, InvalidInputError, PromptTooLongError
 from engine.inputs.budget import PixelBudget, RequestPixels, TextBudget, check_text_size, text_bytes
 from engine.inputs.chat_messages import ImageRef, VideoRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate, cut_after_final_message, request_template
