@@ -53,7 +53,7 @@ class AsyncLLM:
         e = self.engine
         self.model_info = ModelInfo(e.model_name, e.max_model_len, e.model_config.vocab_size,
                                     e.model_config.is_multimodal, e.input_processor.limits.limit_images_per_prompt,
-                                    args.demo_model)
+                                    args.demo_model, e.input_processor.limits.limit_videos_per_prompt)
         self.model_name = self.model_info.name
         self.max_num_seqs = args.max_num_seqs
         self.max_pending = max_pending      # every request in flight, whatever its priority
