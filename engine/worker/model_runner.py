@@ -234,13 +234,15 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
-        """Encode `images` (images and video frame groups) in batches of at most MAX_GRAPH_PATCHES patches (or
-        one larger image alone): the size the vision graphs and the memory profile cover, so that a video's
-        many frame groups in one step do not make one unbounded batch."""
+        """Encode `images` (images and video frame groups) in batches of at most the patches of the largest image
+        (the memory profile's, kv_sizing) and of a vision graph, or one larger item alone: a video's many frame
+        groups in one step do not make one unbounded batch."""
+        p = self.image_processor
+        limit = min(MAX_GRAPH_PATCHES, p.max_pixels // p.patch_size ** 2) if p is not None else MAX_GRAPH_PATCHES
         out, batch, patches = {}, [], 0
         for image in images:
             n = image.grid_thw[0] * image.grid_thw[1] * image.grid_thw[2]
-            if batch and patches + n > MAX_GRAPH_PATCHES:
+            if batch and patches + n > limit:
                 out.update(self._encode_batch(batch))
                 batch, patches = [], 0
             batch.append(image)
