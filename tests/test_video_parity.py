@@ -157,3 +157,23 @@ def test_the_video_processor_follows_transformers_sampling_and_resize():
     for n, h, w in ((20, 720, 1280), (120, 720, 1280), (5, 64, 96), (4, 20, 3000), (768, 1080, 1920)):
         assert vp.resized_size(n, h, w) == smart_resize(n, h, w, 2, 32, 4096, 25165824)
     assert ImageProcessor().cache_key != vp.cache_key
+
+
+def test_frame_groups_encoded_a_few_at_a_time_give_the_same_answer(vl_llm, monkeypatch):
+    from engine.worker import model_runner
+    from engine.worker.encoder_cache import EncoderCache
+
+    runner = vl_llm.engine.model_executor.driver_worker.model_runner
+    messages = [{"role": "user", "content": [video_part(video_url(make_clip(30, fps=10))),
+                                             {"type": "text", "text": "Again?"}]}]
+    prompt = vl_llm.engine.input_processor.process_chat(messages)
+    outputs = []
+    for limit in (model_runner.MAX_GRAPH_PATCHES, prompt.images[0].grid_thw[2] * 2):   # all at once; 1 per batch
+        monkeypatch.setattr(model_runner, "MAX_GRAPH_PATCHES", limit)
+        runner.encoder_cache = EncoderCache(runner.encoder_cache.capacity)
+        [out] = vl_llm.generate(prompt, PARAMS)
+        outputs.append((out.outputs[0].token_ids, out.outputs[0].logprobs))
+    (tokens, lps), (tokens_split, lps_split) = outputs
+    assert len(prompt.images) >= 3 and tokens == tokens_split
+    for a, b in zip(lps, lps_split):        # a batch's GEMMs may round differently from a smaller one's
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
