@@ -177,3 +177,15 @@ def test_frame_groups_encoded_a_few_at_a_time_give_the_same_answer(vl_llm, monke
     assert len(prompt.images) >= 3 and tokens == tokens_split
     for a, b in zip(lps, lps_split):        # a batch's GEMMs may round differently from a smaller one's
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
+@pytest.mark.parametrize("codec,container", [("libvpx-vp9", "webm"), ("mpeg4", "matroska")])
+def test_a_clip_whose_header_has_no_frame_count_is_sampled_like_an_mp4(vl_llm, codec, container):
+    """WebM and MKV headers give no frame count: the packets are counted instead, so the frames sampled are the
+    MP4's, and with the same pixels (within what the codec changes) the same number of groups and tokens."""
+    ip = vl_llm.engine.input_processor
+    prompts = [ip.process_chat([{"role": "user", "content": [video_part(video_url(make_clip(
+        25, fps=10, codec=c, container=f), f"video/{f}")), {"type": "text", "text": "x"}]}])
+        for c, f in (("libx264", "mp4"), (codec, container))]
+    assert [len(p.prompt_token_ids) for p in prompts][0] == len(prompts[1].prompt_token_ids)
+    assert [it.grid_thw for it in prompts[0].images] == [it.grid_thw for it in prompts[1].images]

@@ -102,6 +102,12 @@ class OpenVideo:
             raise PayloadTooLargeError(f"the video's frames are {width}x{height} = {width * height} pixels, over the "
                                        f"limit of {lim.max_frame_pixels} (--max-image-pixels); downscale it",
                                        param=param, code="too_many_pixels")
+        if not stream.frames:        # WebM/MKV headers give no count: count the packets (no decoding), rewind
+            frames = sum(1 for packet in c.demux(stream) if packet.size)
+            c.seek(0)
+            if not 0 < frames <= lim.max_frames:
+                raise PayloadTooLargeError(f"the video has {frames} frames; the limit is {lim.max_frames} "
+                                           f"(--max-video-frames)", param=param, code="video_too_long")
         return VideoInfo(num_frames=frames, fps=fps, width=width, height=height)
 
     def decode(self, indices: np.ndarray, resize: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
