@@ -189,3 +189,24 @@ def test_a_clip_whose_header_has_no_frame_count_is_sampled_like_an_mp4(vl_llm, c
         for c, f in (("libx264", "mp4"), (codec, container))]
     assert [len(p.prompt_token_ids) for p in prompts][0] == len(prompts[1].prompt_token_ids)
     assert [it.grid_thw for it in prompts[0].images] == [it.grid_thw for it in prompts[1].images]
+
+
+@pytest.mark.parametrize("gop", [5, 250])
+def test_sparse_frames_are_transformers_frames_whether_the_decoder_seeks_or_not(gop, tmp_path):
+    """Every 33rd frame of a 100-frame clip: with a keyframe every 5 frames the decoder seeks from keyframe to
+    keyframe, with one keyframe it decodes on; either way the frames are those transformers' reader returns."""
+    from transformers.video_utils import read_video_pyav
+
+    from engine.inputs.video_io import OpenVideo, VideoLimits
+
+    clip = make_clip(100, fps=10, gop=gop)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    indices = np.array([0, 33, 66, 99])
+    reference, _ = read_video_pyav(str(path), lambda metadata, **kw: indices)
+    decoded = []
+    with OpenVideo(clip, VideoLimits(), "v") as video:
+        frames = video.decode(indices, lambda f: decoded.append(1) or f)
+        work = video.frames_decoded
+    assert len(decoded) == 4 and (work < 50 if gop == 5 else work == 100), work
+    assert all(torch.equal(f, torch.from_numpy(r)) for f, r in zip(frames, reference))

@@ -20,9 +20,11 @@ def synthetic_frame(i: int, width: int, height: int) -> np.ndarray:
 
 def make_clip(num_frames: int, fps: int = 10, width: int = 96, height: int = 64, codec: str = "libx264",
               container: str = "mp4", gop: int | None = None) -> bytes:
+    """`gop`: a keyframe every `gop` frames and nowhere else (no scene-cut keyframes)."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fps)
+        options = {"x264-params": "scenecut=0"} if gop is not None and codec == "libx264" else {}
+        stream = out.add_stream(codec, rate=fps, options=options)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if gop is not None:
             stream.codec_context.gop_size = gop

@@ -7,11 +7,13 @@ request holds its resized frames plus one frame at the clip's size. Decoding sto
 frame count the header promised; a stream that ends early, or whose frames are not the size it declared, is a
 400 naming the field.
 
-A frame index is the frame's place in presentation order, counted from the first frame decoded: what
-transformers' PyAV reader counts.
+A frame index is the frame's place in presentation order, counted from the first frame: what transformers' PyAV
+reader counts as it decodes. Here it is the rank of the frame's pts among the stream's packets (read without
+decoding), which lets the decoder seek from keyframe to keyframe over frames nobody asked for.
 """
 from __future__ import annotations
 
+import bisect
 import io
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ import torch
 
 from engine.errors import ImageError, PayloadTooLargeError
 
+SEEK_MIN_GAP = 16      # frames: below this, decoding on is cheaper than a seek (a decoder flush and refill)
 # Container formats a request's video may be in: what phones, browsers and screen recorders write.
 ALLOWED_FORMATS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi", "mpegts", "gif", "flv", "ogg"})
 
@@ -34,6 +37,18 @@ class VideoLimits:
     max_frames: int = 36_000                # in the clip, from its header (20 minutes at 30 fps)
     max_frame_pixels: int = 40_000_000      # width x height of one frame
     decode_timeout_s: float = 30.0          # wall time of one clip's decode
+
+
+@dataclass(frozen=True)
+class _Packets:
+    pts: list[int]                  # of every frame, in presentation order
+    index: dict[int, int]           # pts -> presentation index
+    keyframes: list[int]            # presentation indices of the keyframes
+
+    def keyframe_before(self, index: int) -> int:
+        """The last keyframe at or before frame `index` (0 before the first)."""
+        at = bisect.bisect_right(self.keyframes, index) - 1
+        return self.keyframes[at] if at >= 0 else 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class OpenVideo:
 
     def __init__(self, data: bytes, limits: VideoLimits, param: str | None):
         self.param, self.limits = param, limits
+        self.frames_decoded = 0
         if not data:
             raise ImageError("the video is empty (0 bytes)", param=param)
         if len(data) > limits.max_bytes:
@@ -112,40 +128,71 @@ class OpenVideo:
 
     def decode(self, indices: np.ndarray, resize: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """The frames at `indices` (sorted; repeats allowed), each uint8 [H, W, 3] passed through `resize` as
-        soon as it is decoded, in the order of `indices`."""
-        param, info = self.param, self.info
+        soon as it is decoded, in the order of `indices`. Where the next wanted frame's keyframe lies more than
+        SEEK_MIN_GAP frames ahead, the decoder seeks to that keyframe instead of decoding the frames between."""
         stream = self.container.streams.video[0]
         stream.thread_type = "AUTO"          # FFmpeg's frame and slice threads: one clip decodes on several cores
-        wanted = np.asarray(indices, dtype=np.int64)
-        last = int(wanted[-1])
+        wanted = sorted({int(i) for i in indices})
+        plan = self._scan()
         deadline = time.monotonic() + self.limits.decode_timeout_s
-        out: list[torch.Tensor] = []
-        k, index = 0, -1
+        got: dict[int, torch.Tensor] = {}
+        k, index, floor = 0, -1, 0
         try:
-            for index, frame in enumerate(self.container.decode(stream)):
-                if time.monotonic() > deadline:
-                    raise PayloadTooLargeError(
-                        f"decoding the video took over {self.limits.decode_timeout_s:.0f} s (at frame {index} of "
-                        f"{last + 1} needed); send a shorter or smaller clip", param=param, code="video_too_long")
-                if index > last:
-                    break
-                if wanted[k] != index:
-                    continue
-                if (frame.width, frame.height) != (info.width, info.height):
-                    raise ImageError(f"frame {index} is {frame.width}x{frame.height}, but the video's header says "
-                                     f"{info.width}x{info.height}", param=param)
-                resized = resize(torch.from_numpy(frame.to_ndarray(format="rgb24")))
-                while k < len(wanted) and wanted[k] == index:
-                    out.append(resized)
-                    k += 1
-                if k == len(wanted):
+            while k < len(wanted):
+                sought = False
+                for count, frame in enumerate(self.container.decode(stream), start=index + 1):
+                    index = plan.index[frame.pts] if plan is not None else count
+                    self._check_frame(frame, index, wanted[-1], deadline)
+                    if index >= floor and index == wanted[k]:
+                        got[index] = resize(torch.from_numpy(frame.to_ndarray(format="rgb24")))
+                        k += 1
+                    if k == len(wanted) or index > wanted[-1]:
+                        break
+                    key = plan.keyframe_before(wanted[k]) if plan is not None else 0
+                    if key > index + SEEK_MIN_GAP:
+                        self.container.seek(plan.pts[key], stream=stream, backward=True, any_frame=False)
+                        stream.codec_context.flush_buffers()
+                        floor, sought = key, True     # frames shown before the keyframe may lack references
+                        break
+                if not sought:
                     break
         except av.FFmpegError as e:
-            raise ImageError(f"the video is corrupt at frame {index + 1}: {e}", param=param) from e
+            raise ImageError(f"the video is corrupt at frame {index + 1}: {e}", param=self.param) from e
+        except KeyError:
+            raise ImageError("the video's frames do not match its packets", param=self.param) from None
         if k < len(wanted):
-            raise ImageError(f"the video ended after {index + 1} frames, but its header says {info.num_frames}: it is "
-                             f"truncated or corrupt", param=param)
-        return out
+            raise ImageError(f"the video ended after {index + 1} frames, but its header says {self.info.num_frames}: "
+                             f"it is truncated or corrupt", param=self.param)
+        return [got[int(i)] for i in indices]
+
+    def _check_frame(self, frame: av.VideoFrame, index: int, last: int, deadline: float) -> None:
+        info, param = self.info, self.param
+        self.frames_decoded += 1
+        if time.monotonic() > deadline:
+            raise PayloadTooLargeError(f"decoding the video took over {self.limits.decode_timeout_s:.0f} s (at frame "
+                                       f"{index} of {last + 1} needed); send a shorter or smaller clip", param=param,
+                                       code="video_too_long")
+        if (frame.width, frame.height) != (info.width, info.height):
+            raise ImageError(f"frame {index} is {frame.width}x{frame.height}, but the video's header says "
+                             f"{info.width}x{info.height}", param=param)
+
+    def _scan(self) -> "_Packets | None":
+        """The stream's packets read once (no decoding), then rewound: each frame's presentation index is the rank
+        of its pts. None where the packets cannot say (a packet without pts, two with one pts, a count unlike the
+        header's): frames are then counted as they are decoded, from the start, without seeking."""
+        stream = self.container.streams.video[0]
+        pts, keys = [], []
+        for packet in self.container.demux(stream):
+            if packet.size:
+                pts.append(packet.pts)
+                if packet.is_keyframe:
+                    keys.append(packet.pts)
+        self.container.seek(0)
+        if None in pts or len(set(pts)) != len(pts) or len(pts) != self.info.num_frames:
+            return None
+        order = sorted(pts)
+        index = {p: i for i, p in enumerate(order)}
+        return _Packets(pts=order, index=index, keyframes=sorted(index[p] for p in keys))
 
     def close(self) -> None:
         self.container.close()
