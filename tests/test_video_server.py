@@ -87,7 +87,7 @@ def test_a_bad_video_is_a_4xx_naming_the_field_at_once(engine, name):
     url, status_wanted, words = BAD[name]
     body = chat(url)
     elapsed = []
-    for _ in range(2):        # the better of two: the bound is on the server's work, not on a busy test host
+    for _ in range(3):        # the best of three: the bound is on the server's work, not on a busy test host
         start = time.monotonic()
         status, reply = http("POST", engine.url + "/v1/chat/completions", body)
         elapsed.append(time.monotonic() - start)
