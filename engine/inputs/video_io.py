@@ -149,7 +149,7 @@ class OpenVideo:
                     if k == len(wanted) or index > wanted[-1]:
                         break
                     key = plan.keyframe_before(wanted[k]) if plan is not None else 0
-                    if key > index + SEEK_MIN_GAP:
+                    if key > index + SEEK_MIN_GAP and key > floor:     # each keyframe sought once at most
                         self.container.seek(plan.pts[key], stream=stream, backward=True, any_frame=False)
                         stream.codec_context.flush_buffers()
                         floor, sought = key, True     # frames shown before the keyframe may lack references
