@@ -210,3 +210,16 @@ def test_sparse_frames_are_transformers_frames_whether_the_decoder_seeks_or_not(
         work = video.frames_decoded
     assert len(decoded) == 4 and (work < 50 if gop == 5 else work == 100), work
     assert all(torch.equal(f, torch.from_numpy(r)) for f, r in zip(frames, reference))
+
+
+def test_request_pixel_bounds_resize_images_below_the_servers(vl_llm):
+    from engine.errors import InvalidInputError
+
+    ip = vl_llm.engine.input_processor
+    messages = [{"role": "user", "content": [image_part(noise_image(256, 256, 5)), {"type": "text", "text": "x"}]}]
+    full = ip.process_chat(messages)
+    small = ip.process_chat(messages, mm_processor_kwargs={"max_pixels": 64 * 64})
+    assert full.images[0].grid_thw == (1, 16, 16) and small.images[0].grid_thw == (1, 4, 4)
+    assert full.images[0].content_hash != small.images[0].content_hash
+    with pytest.raises(InvalidInputError, match="over this server's"):
+        ip.process_chat(messages, mm_processor_kwargs={"max_pixels": ip.image_processor.max_pixels + 1})
