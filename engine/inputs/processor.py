@@ -396,7 +396,7 @@ class InputProcessor:
 
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
-                                 f"accept images", param=param)
+                                 f"accept images or videos", param=param)
 
 
 _VIDEO_PLACEHOLDER = re.compile(re.escape("<|vision_start|><|video_pad|><|vision_end|>") + "|"
