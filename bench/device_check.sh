@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps emulated tp ab); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps emulated tp ab video); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -207,6 +207,14 @@ for s in $STAGES; do
         --out "$OUT/tp_compare.json" > "$OUT/tp_compare.txt" 2>&1; echo "rc=$?"
       grep -E 'Tensor parallel size|Memory profile|Captured|Error|error' "$OUT/tp_compare.txt" | head
       grep -E '^\| ' "$OUT/tp_compare.txt" | tail -6 ;;
+    video)
+      # TTFT of a 10 s and a 60 s 1280x720 H.264 clip over HTTP, then its parts in-process against their floors.
+      # Needs PyAV: carry its cp312 manylinux wheel in .whl/ (pip download av ...; installed above).
+      stage "video TTFT (HTTP, then host decode / vision encoder / prefill against floors)"
+      python3 bench/synthetic_model.py /tmp/q8 > /dev/null
+      timeout "${VIDEO_T:-540}" python3 bench/video_ttft.py --model /tmp/q8 --out "$OUT/video_ttft.json" \
+        --server-log "$OUT/video_server.log" ${VIDEO_ARGS:-} > "$OUT/video_ttft.txt" 2>&1
+      echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/video_ttft.txt" | tail -12 ;;
     serve)
       stage "serving benchmark over HTTP"
       python3 bench/synthetic_model.py /tmp/q8 > /dev/null

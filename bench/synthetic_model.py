@@ -1,8 +1,8 @@
 """A Qwen3-VL-8B-Instruct model directory without real weights, for benchmarks with --load-format dummy.
 
 Real weights cannot be downloaded here, and speed does not depend on their values. The directory holds the
-reference config, preprocessor config, generation config and chat template, plus a synthetic tokenizer with
-Qwen's vocabulary size whose special tokens sit at Qwen's ids (<|im_start|> 151644, <|image_pad|> 151655, ...),
+reference config, image and video preprocessor configs, generation config and chat template, plus a synthetic
+tokenizer with Qwen's vocabulary size whose special tokens sit at Qwen's ids (<|im_start|> 151644, <|image_pad|> 151655, ...),
 so chat requests with images render and expand exactly as for the real model.
 
     python bench/synthetic_model.py /tmp/qwen3-vl-8b-synthetic
@@ -47,7 +47,8 @@ def build(out_dir: str | Path, quantization: str | None = None) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "preprocessor_config.json", "generation_config.json", "chat_template.jinja"):
+    for name in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json", "generation_config.json",
+                 "chat_template.jinja"):
         shutil.copy(REFERENCE / name, out / name)
     # Byte-level alphabet first (every text encodes), then filler entries up to Qwen's first special id.
     alphabet = pre_tokenizers.ByteLevel.alphabet()

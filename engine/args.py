@@ -82,13 +82,21 @@ class EngineArgs:
              "must agree) or, with --load-format dummy, the layout of the random weights")
     scheduling_policy: str = flag("fcfs", choices=SCHEDULING_POLICIES,
                                   help="priority: a request's `priority` field, lower runs sooner")
-    limit_mm_per_prompt: dict = flag(default_factory=lambda: {"image": 8}, help='JSON, e.g. \'{"image": 4}\'')
-    mm_processor_kwargs: dict = flag(default_factory=dict, help='JSON, e.g. \'{"max_pixels": 1003520}\'')
+    limit_mm_per_prompt: dict = flag(default_factory=lambda: {"image": 8, "video": 2},
+                                     help='JSON, images and videos counted apart, e.g. \'{"image": 4, "video": 1}\'')
+    mm_processor_kwargs: dict = flag(
+        default_factory=dict, help='JSON: image and video processor defaults, transformers\' names, e.g. '
+                                   '\'{"max_pixels": 1003520, "fps": 1, "max_frames": 64}\' (a request\'s own '
+                                   'mm_processor_kwargs may lower them)')
     encoder_cache_size: int = flag(16384, help="LLM tokens of vision-encoder output kept for reuse")
     max_image_bytes: int = flag(20 * 1024 * 1024, help="larger images are refused before decoding")
     max_image_pixels: int = flag(40_000_000, help="larger images are refused before decoding")
-    allow_remote_media: bool = flag(False, help="allow http(s) image URLs (off by default)")
-    allowed_local_media_path: str | None = flag(None, help="allow file:// image URLs under this dir")
+    max_video_mb: float = flag(64.0, help="larger videos are refused before decoding")
+    max_video_seconds: float = flag(1200.0, help="longer videos (by their header) are refused before decoding")
+    max_video_frames: int = flag(36_000, help="videos of more frames (by their header) are refused before decoding")
+    video_decode_timeout_s: float = flag(30.0, help="a video whose decode takes longer is refused (413)")
+    allow_remote_media: bool = flag(False, help="allow http(s) image and video URLs (off by default)")
+    allowed_local_media_path: str | None = flag(None, help="allow file:// image and video URLs under this dir")
     allow_special_tokens_in_messages: bool = flag(
         False, help="tokenize special-token strings typed in chat messages (<|im_start|>...) as control tokens; "
                     "by default they are text, and only the chat template writes control tokens")
@@ -140,6 +148,9 @@ class EngineArgs:
                 raise ValueError(str(e)) from None
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        unknown = set(self.limit_mm_per_prompt) - {"image", "video"}
+        if unknown or not all(isinstance(v, int) and v >= 0 for v in self.limit_mm_per_prompt.values()):
+            raise ValueError(f"limit_mm_per_prompt takes counts for image and video, not {self.limit_mm_per_prompt}")
         # A request alone on the server must fit in the in-flight budgets, or it would get 429 for ever.
         if not 0 < self.max_pixels_per_request <= self.max_pixels_in_flight:
             raise ValueError(f"max_pixels_per_request must be in (0, max_pixels_in_flight = "

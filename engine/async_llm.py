@@ -53,7 +53,7 @@ class AsyncLLM:
         e = self.engine
         self.model_info = ModelInfo(e.model_name, e.max_model_len, e.model_config.vocab_size,
                                     e.model_config.is_multimodal, e.input_processor.limits.limit_images_per_prompt,
-                                    args.demo_model)
+                                    args.demo_model, e.input_processor.limits.limit_videos_per_prompt)
         self.model_name = self.model_info.name
         self.max_num_seqs = args.max_num_seqs
         self.max_pending = max_pending      # every request in flight, whatever its priority
@@ -150,7 +150,7 @@ class AsyncLLM:
                            start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
         `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
-        (tools, chat_template, continue_final_message)."""
+        (tools, chat_template, continue_final_message, mm_processor_kwargs)."""
         ip = self.engine.input_processor
         return await self._on_worker(
             lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)

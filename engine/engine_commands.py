@@ -54,6 +54,7 @@ class ModelInfo:
     multimodal: bool
     max_images_per_prompt: int
     demo_model: bool                 # --demo-model: the page shows a banner
+    max_videos_per_prompt: int = 0
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,16 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one OpenAI-style conversation (a list of {"role", "content"}) or a list of conversations;
-        tools: OpenAI function tools, shown to the model by its chat template."""
+        tools: OpenAI function tools, shown to the model by its chat template; mm_processor_kwargs: how its
+        images and videos are processed (fps, num_frames, max_frames, size, min_pixels, max_pixels)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("messages must be a non-empty list", param="messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         processed = [self.engine.input_processor.process_chat(c, add_generation_prompt, chat_template_kwargs,
-                                                              tools=tools) for c in conversations]
+                                                              tools=tools, mm_processor_kwargs=mm_processor_kwargs)
+                     for c in conversations]
         return self._run(processed, sampling_params, None)
 
     def _run(self, processed, sampling_params, priority) -> list[RequestOutput]:

@@ -226,6 +226,17 @@ def test_patchify_is_the_reference_bit_for_bit(device, dtype, height, width, gen
     assert torch.equal(out, patchify_ref(raw, table, 16, 2, 2, dtype))
 
 
+@pytest.mark.parametrize("device,dtype", device_cases([F32], [F32, BF16]))
+def test_patchify_of_a_video_frame_group_is_the_reference_bit_for_bit(device, dtype, gen):
+    from engine.ops.pixels import patchify_ref
+    from engine.ops.triton.pixels import patchify
+    raw = torch.randint(0, 256, (2, 64, 96, 3), generator=gen, dtype=torch.uint8).to(device)
+    table = randn(gen, 3, 256, device=device)
+    out = patchify(raw, table, 16, 2, 2, dtype)
+    assert out.shape == (64 * 96 // 256, 3 * 2 * 16 * 16) and out.dtype == dtype
+    assert torch.equal(out, patchify_ref(raw, table, 16, 2, 2, dtype))
+
+
 # ---------------------------------------------------------------------------------------------- activation
 @pytest.mark.parametrize("device,dtype", device_cases([F32, BF16], [F32, BF16, F16]))
 @pytest.mark.parametrize("shape", [(1, 2 * 64), (7, 2 * 1000), (2, 3, 2 * 12288)])

@@ -1,15 +1,18 @@
-"""OpenAI-style chat messages, checked and split into what the chat template sees and the images they carry.
+"""OpenAI-style chat messages, checked and split into what the chat template sees and the images and videos
+they carry.
 
-The template only needs to know that an image sits at a given place (it writes one
-<|vision_start|><|image_pad|><|vision_end|> there), so image parts reach it as a bare {"type": "image"}; the
-image itself (a URL to decode, or a PIL image given offline) is returned beside, in prompt order.
+The template only needs to know that an image or a video sits at a given place (it writes one
+<|vision_start|><|image_pad|><|vision_end|> there, or the same with <|video_pad|>), so image parts reach it as a
+bare {"type": "image"} and video parts as {"type": "video"}; the media themselves (a URL to decode, or a PIL
+image given offline) are returned beside, each kind in prompt order. Video parts take vLLM's shape:
+{"type": "video_url", "video_url": {"url": ...}}.
 Errors name the offending field the way OpenAI does: messages[1].content[0].image_url.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
@@ -29,9 +32,18 @@ class ImageRef:
 
 
 @dataclass
+class VideoRef:
+    """A video found in the messages: a URL (data:video/..., http(s), file), or data:video/jpeg;base64 with
+    the frames of a video, each base64, joined by commas (vLLM's shape for frames sampled by the client)."""
+    param: str                          # messages[1].content[0].video_url
+    url: str
+
+
+@dataclass
 class ParsedChat:
     messages: list[dict[str, Any]]      # what the template renders: content as a string or normalized parts
     images: list[ImageRef]              # in the order their placeholders appear
+    videos: list[VideoRef] = field(default_factory=list)
 
 
 def parse_chat_messages(messages: Any, content_format: str = "openai") -> ParsedChat:
@@ -41,6 +53,7 @@ def parse_chat_messages(messages: Any, content_format: str = "openai") -> Parsed
         raise InvalidInputError("messages must be a non-empty list of {role, content} objects", param="messages")
     out: list[dict[str, Any]] = []
     images: list[ImageRef] = []
+    videos: list[VideoRef] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -55,10 +68,12 @@ def parse_chat_messages(messages: Any, content_format: str = "openai") -> Parsed
                 raise InvalidInputError(f"{where}.content is required (only an assistant message with tool_calls "
                                         f"may omit it)", param=f"{where}.content")
         elif isinstance(content, list):
-            parts = [_parse_part(part, role, f"{where}.content[{j}]", images) for j, part in enumerate(content)]
+            parts = [_parse_part(part, role, f"{where}.content[{j}]", images, videos)
+                     for j, part in enumerate(content)]
             if content_format == "string":
                 if any(p["type"] != "text" for p in parts):
-                    raise InvalidInputError(f"{where}.content: this model's chat template cannot place images",
+                    raise InvalidInputError(f"{where}.content: this model's chat template cannot place images or "
+                                            f"videos",
                                             param=f"{where}.content")
                 content = "\n".join(p["text"] for p in parts)
             else:
@@ -72,7 +87,7 @@ def parse_chat_messages(messages: Any, content_format: str = "openai") -> Parsed
         if message.get("tool_calls") is not None:
             parsed["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
         out.append(parsed)
-    return ParsedChat(out, images)
+    return ParsedChat(out, images, videos)
 
 
 def _parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -98,7 +113,7 @@ def _parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dict[str, Any]:
+def _parse_part(part: Any, role: str, where: str, images: list[ImageRef], videos: list[VideoRef]) -> dict[str, Any]:
     if not isinstance(part, Mapping):
         raise InvalidInputError(f"{where} must be an object with a type", param=where)
     kind = part.get("type")
@@ -107,12 +122,20 @@ def _parse_part(part: Any, role: str, where: str, images: list[ImageRef]) -> dic
         if not isinstance(text, str):
             raise InvalidInputError(f"{where}.text must be a string", param=f"{where}.text")
         return {"type": "text", "text": text}
-    if kind not in ("image_url", "image"):
-        raise InvalidInputError(f"{where}.type {kind!r} is not supported; use 'text' or 'image_url'",
+    if kind not in ("image_url", "image", "video_url"):
+        raise InvalidInputError(f"{where}.type {kind!r} is not supported; use 'text', 'image_url' or 'video_url'",
                                 param=f"{where}.type")
     if role not in IMAGE_ROLES:
-        raise InvalidInputError(f"{where}: images are only accepted in {' and '.join(IMAGE_ROLES)} messages, "
-                                f"not {role}", param=where)
+        raise InvalidInputError(f"{where}: images and videos are only accepted in {' and '.join(IMAGE_ROLES)} "
+                                f"messages, not {role}", param=where)
+    if kind == "video_url":
+        value = part.get("video_url")
+        url = value.get("url") if isinstance(value, Mapping) else None
+        if not isinstance(url, str) or not url:
+            raise InvalidInputError(f"{where}.video_url must be {{\"url\": \"data:video/mp4;base64,...\"}}",
+                                    param=f"{where}.video_url")
+        videos.append(VideoRef(param=f"{where}.video_url", url=url))
+        return {"type": "video"}
     if kind == "image_url":
         value = part.get("image_url")
         url = value.get("url") if isinstance(value, Mapping) else None    # OpenAI's shape only: {"url": ...}

@@ -9,6 +9,7 @@ JSON types, so objects such as decoded images never reach it (templates only tes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -20,7 +21,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import InvalidInputError, ModelLoadError
+from engine.errors import EngineError, InvalidInputError, ModelLoadError
 
 # "openai": the template loops over message.content parts; "string": it expects content to be one string.
 ContentFormat = Literal["openai", "string"]
@@ -182,3 +183,31 @@ def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
                 and it.arg.value == "content":
             return True
     return False
+
+
+@functools.lru_cache(maxsize=16)
+def request_template(source: str) -> ChatTemplate:
+    """A request's own chat template, compiled once per distinct source. It gets no tokenizer kwargs: the
+    request's template writes its special tokens itself."""
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidInputError("chat_template must be a non-empty Jinja template", param="chat_template")
+    try:
+        return ChatTemplate(source)
+    except EngineError as e:
+        raise InvalidInputError(f"chat_template: {e.message}", param="chat_template") from None
+
+
+def cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat up to the end of the last message's text, as transformers' continue_final_message."""
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise InvalidInputError("continue_final_message needs the last message to be an assistant message with "
+                                "text", param="continue_final_message")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise InvalidInputError("continue_final_message: the chat template does not write the last message's text "
+                                "verbatim", param="continue_final_message")
+    return text[:at + len(content.strip())]

@@ -1,4 +1,4 @@
-"""Processed uploads, kept by the hash of their bytes.
+"""Processed uploads (images and videos), kept by the hash of their bytes and of how they were processed.
 
 An OpenAI-style chat is stateless: each turn re-sends every earlier image. The prefix cache already spares the
 model from re-reading those images; this spares the host from decoding, resizing and hashing them again. Entries
@@ -12,24 +12,27 @@ from collections.abc import Callable
 
 from blake3 import blake3
 
-from engine.inputs.types import ProcessedImage
+from engine.inputs.types import ProcessedImage, ProcessedVideo
 
 
 class ImageCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self._entries: OrderedDict[bytes, ProcessedImage | ProcessedVideo] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()     # images load on several executor threads at once
         self.hits = self.misses = 0
 
-    def get_or_process(self, data: bytes, process: Callable[[], ProcessedImage]) -> ProcessedImage:
-        """The processed image for these bytes: from the cache, or process(), kept if it fits. Errors propagate
-        and nothing is kept. Callers must not modify what they get back: it is shared."""
+    def get_or_process(self, data: bytes, process: Callable[[], ProcessedImage | ProcessedVideo],
+                       settings: str = "") -> ProcessedImage | ProcessedVideo:
+        """The processed upload for these bytes and `settings` (what else decides the result: a request's own
+        processor settings): from the cache, or process(), kept if it fits. Errors propagate and nothing is
+        kept. Callers must not modify what they get back: it is shared."""
         # Cryptographic: a collision would hand one upload another's pixels, and with them another's cached KV.
         # One thread (here and for the content hash): blake3's own pool would be a second pool beside the
         # executor, and on a busy host it waits for cores.
-        key = blake3(data).digest()
+        hasher = blake3(settings.encode() + b"\0") if settings else blake3()
+        key = hasher.update(data).digest()
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
@@ -38,7 +41,7 @@ class ImageCache:
                 return hit
             self.misses += 1
         image = process()        # outside the lock: other requests go on meanwhile
-        size = image.raw.nbytes
+        size = image.nbytes
         if size <= self.max_bytes:
             with self._lock:
                 if key not in self._entries:
@@ -46,7 +49,7 @@ class ImageCache:
                     self._size += size
                 while self._size > self.max_bytes:
                     _, old = self._entries.popitem(last=False)
-                    self._size -= old.raw.nbytes
+                    self._size -= old.nbytes
         return image
 
     def __len__(self) -> int:

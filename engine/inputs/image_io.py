@@ -1,4 +1,5 @@
-"""Image bytes in, RGB pixels out (a PIL image or a uint8 array), without trusting the sender.
+"""Image bytes in, RGB pixels out (a PIL image or a uint8 array), without trusting the sender; and the one
+resolver of media URLs (data:, http(s), file://) for images and videos alike (`fetch_media_bytes`).
 
 Every limit is checked before the work it protects: the byte size before base64-decoding or reading, the pixel
 count from the header before the full decode (a 50 KB PNG can claim 100k x 100k pixels). Only base64 data URLs
@@ -33,21 +34,28 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG includes
 _MAX_CHUNKS_WALKED = 4096                 # PNG encoders write IDAT chunks of 8 KB and more
 
 
-def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None) -> bytes:
-    """The bytes of a `data:image/<format>;base64,<data>` URL."""
+def split_data_url(url: str, media: str = "image", param: str | None = None) -> tuple[str, str]:
+    """(media type, base64 payload) of a `data:<media>/<format>;base64,<data>` URL: `media` is the kind the
+    field takes (image, video)."""
     comma = url.find(",", 0, 256)     # the header is short; the payload may be megabytes: slice it once
     if not url.startswith("data:") or comma < 0:
-        raise InvalidInputError("expected an image data URL: data:image/<format>;base64,<data>", param=param)
+        raise InvalidInputError(f"expected a {media} data URL: data:{media}/<format>;base64,<data>", param=param)
     header, payload = url[:comma], url[comma + 1:]
     media_type, *params = header[len("data:"):].split(";")
-    if not media_type.lower().startswith("image/"):
-        raise InvalidInputError(f"data URL has media type {media_type or '(none)'!r}; expected image/png, "
-                                f"image/jpeg, image/webp...", param=param)
-    if "base64" not in (p.strip().lower() for p in params):
-        raise InvalidInputError("image data URLs must be base64-encoded: data:image/<format>;base64,<data>",
+    if not media_type.lower().startswith(f"{media}/"):
+        examples = "image/png, image/jpeg, image/webp" if media == "image" else "video/mp4, video/webm"
+        raise InvalidInputError(f"data URL has media type {media_type or '(none)'!r}; expected {examples}...",
                                 param=param)
+    if "base64" not in (p.strip().lower() for p in params):
+        raise InvalidInputError(f"{media} data URLs must be base64-encoded: data:{media}/<format>;base64,<data>",
+                                param=param)
+    return media_type.lower(), payload
+
+
+def b64decode(payload: str, max_bytes: int, param: str | None = None, media: str = "image") -> bytes:
+    """Base64 -> bytes, refused (413) before decoding when it would be over max_bytes."""
     if len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding: base64 is 4 chars per 3 bytes
-        raise PayloadTooLargeError(f"image is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes} "
+        raise PayloadTooLargeError(f"{media} is about {len(payload) // 4 * 3} bytes, over the limit of {max_bytes} "
                                    f"bytes", param=param)
     try:
         return pybase64.b64decode(payload, validate=True)
@@ -59,32 +67,41 @@ def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: s
                 return pybase64.b64decode(stripped, validate=True)
             except (binascii.Error, ValueError) as e2:
                 e = e2
-        raise ImageError(f"image data URL is not valid base64: {e}", param=param) from e
+        raise ImageError(f"{media} data URL is not valid base64: {e}", param=param) from e
 
 
-def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
+def decode_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, param: str | None = None,
+                    media: str = "image") -> bytes:
+    """The bytes of a `data:<media>/<format>;base64,<data>` URL."""
+    return b64decode(split_data_url(url, media, param)[1], max_bytes, param, media)
+
+
+def fetch_media_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_remote: bool = False,
                       allowed_local_media_path: str | Path | None = None, timeout: float = DEFAULT_FETCH_TIMEOUT_S,
-                      param: str | None = None) -> bytes:
-    """The bytes behind an image URL: data: always; http(s) only with allow_remote; file:// only inside
-    allowed_local_media_path."""
+                      param: str | None = None, media: str = "image") -> bytes:
+    """The bytes behind an image or video URL (`media`): data: always; http(s) only with allow_remote; file://
+    only inside allowed_local_media_path."""
     # Before urlsplit, which scans (and caches) the whole multi-MB string.
     if url[:5].lower() == "data:":
-        return decode_data_url(url, max_bytes, param)
+        return decode_data_url(url, max_bytes, param, media)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         if not allow_remote:
-            raise InvalidInputError("image URLs over http(s) are disabled on this server; send the image as a "
-                                    "data:image/...;base64 URL, or start the server with --allow-remote-media",
+            raise InvalidInputError(f"{media} URLs over http(s) are disabled on this server; send the {media} as a "
+                                    f"data:{media}/...;base64 URL, or start the server with --allow-remote-media",
                                     param=param)
-        return _fetch_http(url, max_bytes, timeout, param)
+        return _fetch_http(url, max_bytes, timeout, param, media)
     if scheme == "file":
         if allowed_local_media_path is None:
-            raise InvalidInputError("file:// image URLs are disabled on this server; send the image as a "
-                                    "data:image/...;base64 URL, or start the server with "
-                                    "--allowed-local-media-path DIR", param=param)
-        return _read_local(url, Path(allowed_local_media_path), max_bytes, param)
-    raise InvalidInputError(f"unsupported image URL scheme {scheme or '(none)'!r}; send a data:image/...;base64 URL",
-                            param=param)
+            raise InvalidInputError(f"file:// {media} URLs are disabled on this server; send the {media} as a "
+                                    f"data:{media}/...;base64 URL, or start the server with "
+                                    f"--allowed-local-media-path DIR", param=param)
+        return _read_local(url, Path(allowed_local_media_path), max_bytes, param, media)
+    raise InvalidInputError(f"unsupported {media} URL scheme {scheme or '(none)'!r}; send a data:{media}/...;base64 "
+                            f"URL", param=param)
+
+
+fetch_image_bytes = fetch_media_bytes
 
 
 def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -186,25 +203,25 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_HttpOnlyRedirects())
 
 
-def _fetch_http(url: str, max_bytes: int, timeout: float, param: str | None) -> bytes:
+def _fetch_http(url: str, max_bytes: int, timeout: float, param: str | None, media: str) -> bytes:
     try:
         with _OPENER.open(urllib.request.Request(url, headers={"User-Agent": "localchat-engine"}),
                           timeout=timeout) as resp:
             length = resp.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise PayloadTooLargeError(f"image at {url} is {length} bytes, over the limit of {max_bytes} bytes",
-                                           param=param)
+                raise PayloadTooLargeError(f"{media} at {url} is {length} bytes, over the limit of {max_bytes} "
+                                           f"bytes", param=param)
             data = resp.read(max_bytes + 1)  # never more than the cap, whatever the header said
     except PayloadTooLargeError:
         raise
     except Exception as e:  # noqa: BLE001 - URLError, HTTPError, timeouts, connection resets
-        raise ImageError(f"could not fetch image {url}: {e}", param=param) from e
+        raise ImageError(f"could not fetch {media} {url}: {e}", param=param) from e
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"image at {url} is over the limit of {max_bytes} bytes", param=param)
+        raise PayloadTooLargeError(f"{media} at {url} is over the limit of {max_bytes} bytes", param=param)
     return data
 
 
-def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None) -> bytes:
+def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None, media: str) -> bytes:
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidInputError(f"file:// URL must name a local path, got host {parts.netloc!r}", param=param)
@@ -214,8 +231,9 @@ def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None) 
     if not path.is_relative_to(root):
         raise InvalidInputError(f"{path} is outside the allowed local media directory {root}", param=param)
     if not path.is_file():
-        raise ImageError(f"no such image file: {path}", param=param)
+        raise ImageError(f"no such {media} file: {path}", param=param)
     size = path.stat().st_size
     if size > max_bytes:
-        raise PayloadTooLargeError(f"image {path} is {size} bytes, over the limit of {max_bytes} bytes", param=param)
+        raise PayloadTooLargeError(f"{media} {path} is {size} bytes, over the limit of {max_bytes} bytes",
+                                   param=param)
     return path.read_bytes()

@@ -125,8 +125,10 @@ class ImageProcessor:
 
     def to_pixel_values(self, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 [H, W, 3] -> rescaled, normalized patch rows in `dtype`; runs on the tensor's device (CPU, or
-        one kernel on the GPU)."""
-        table = _value_table(self.rescale_factor, self.image_mean, self.image_std, raw.device)
+        one kernel on the GPU). A video's frame group, uint8 [T, H, W, 3], is normalized with the video
+        processor's arithmetic (video_value_table; Qwen3-VL's two processors share mean, std and rescale)."""
+        table = (video_value_table if raw.dim() == 4 else _value_table)(
+            self.rescale_factor, self.image_mean, self.image_std, raw.device)
         return ops.patchify(raw, table, self.patch_size, self.merge_size, self.temporal_patch_size, dtype)
 
 
@@ -141,4 +143,14 @@ def _value_table(rescale: float, mean: tuple[float, ...], std: tuple[float, ...]
     x = (torch.arange(256, dtype=torch.float64) * rescale).to(torch.float32)
     mean_t = torch.tensor(mean, dtype=torch.float32).view(-1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(-1, 1)
+    return ((x[None, :] - mean_t) / std_t).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def video_value_table(rescale: float, mean: tuple[float, ...], std: tuple[float, ...], device: torch.device):
+    """float32 [C, 256]: each 8-bit value as the video processor's fused rescale + normalize makes it: mean and
+    std divided by the rescale factor in float32, then (x - mean') / std' in float32."""
+    mean_t = (torch.tensor(mean, dtype=torch.float32) * (1.0 / rescale)).view(-1, 1)
+    std_t = (torch.tensor(std, dtype=torch.float32) * (1.0 / rescale)).view(-1, 1)
+    x = torch.arange(256, dtype=torch.float32)
     return ((x[None, :] - mean_t) / std_t).to(device)

@@ -1,14 +1,18 @@
-"""From what a request sends (text, token ids, chat messages, images) to a ProcessedPrompt the engine can run.
+"""From what a request sends (text, token ids, chat messages, images, videos) to a ProcessedPrompt the engine
+can run.
 
 The prompt holds one <|image_pad|> per image (the chat template writes <|vision_start|><|image_pad|><|vision_end|>);
 each is expanded to the t*h*w / merge**2 tokens its image becomes after the vision encoder, exactly as the
 Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are computed over the expanded prompt.
+A video's <|vision_start|><|video_pad|><|vision_end|> is replaced in the rendered text, before tokenizing, by one
+`<t seconds><|vision_start|><|video_pad|><|vision_end|>` per frame group (the Qwen3-VL processor's text); each
+group's <|video_pad|> is then expanded like an image's, and each group is an item of its own (VideoIntake).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,17 +24,21 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import ModelConfig
-from engine.errors import EngineError, ImageError, InvalidInputError, PromptTooLongError
+from engine.errors import ImageError, InvalidInputError, PromptTooLongError
 from engine.inputs.budget import PixelBudget, RequestPixels, TextBudget, check_text_size, text_bytes
-from engine.inputs.chat_messages import ImageRef, parse_chat_messages
-from engine.inputs.chat_template import ChatTemplate
+from engine.inputs.chat_messages import ImageRef, VideoRef, parse_chat_messages
+from engine.inputs.chat_template import ChatTemplate, cut_after_final_message, request_template
 from engine.inputs.image_cache import ImageCache
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
                                     decode_image, fetch_image_bytes)
 from engine.inputs.image_processor import ImageProcessor, image_hw
+from engine.inputs.mm_kwargs import check_mm_processor_kwargs, image_processor_for
 from engine.inputs.mrope import get_mrope_positions
 from engine.inputs.typed_specials import TypedSpecialTokens
-from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
+from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt, ProcessedVideo
+from engine.inputs.video_intake import MediaAccess, VideoIntake
+from engine.inputs.video_io import VideoLimits
+from engine.inputs.video_processor import VideoProcessor, placeholder_text
 
 # _refuse_surely_too_long: characters per piece, and the tokens a cut between two pieces may add.
 _PIECE_CHARS = 16384
@@ -44,6 +52,8 @@ class InputLimits:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS    # of the image as sent, before resizing
     limit_images_per_prompt: int = 8                    # vLLM: --limit-mm-per-prompt
+    limit_videos_per_prompt: int = 1
+    video: VideoLimits = VideoLimits()
     allow_remote_media: bool = False                    # http(s) image URLs
     allowed_local_media_path: str | None = None         # file:// image URLs under this directory
     image_cache_bytes: int = 256 * 2**20                # processed uploads kept for re-sent chat history
@@ -57,17 +67,21 @@ class InputLimits:
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase,
                  chat_template: ChatTemplate | None, image_processor: ImageProcessor | None = None,
-                 limits: InputLimits | None = None):
+                 limits: InputLimits | None = None, video_processor: VideoProcessor | None = None):
         if model_config.is_multimodal and image_processor is None:
             raise ValueError(f"{model_config.architecture} takes images: pass an ImageProcessor")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.image_processor = image_processor if model_config.is_multimodal else None
-        self.limits = limits or InputLimits()
-        self.image_cache = ImageCache(self.limits.image_cache_bytes)
+        self.video_processor = (video_processor or VideoProcessor()) if model_config.is_multimodal else None
+        self.limits = lim = limits or InputLimits()
+        self.image_cache = ImageCache(lim.image_cache_bytes)
         self.typed_specials = TypedSpecialTokens(tokenizer)
-        self.pixel_budget = PixelBudget(self.limits.max_pixels_in_flight)
+        self.pixel_budget = PixelBudget(lim.max_pixels_in_flight)
+        self.video_intake = VideoIntake(lim.video, MediaAccess(lim.allow_remote_media, lim.allowed_local_media_path,
+                                                               lim.max_image_bytes, lim.max_image_pixels),
+                                        self.pixel_budget, self.image_cache)
         self.text_budget = TextBudget(self.limits.max_prompt_text_bytes_in_flight)
         # The engine's max_model_len, once known: a text that surely tokenizes past it is refused before it is
         # tokenized in full (a 30 MB prompt would otherwise take seconds and gigabytes to be refused).
@@ -116,11 +130,13 @@ class InputProcessor:
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-                     continue_final_message: bool = False) -> ProcessedPrompt:
+                     continue_final_message: bool = False,
+                     mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
         `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
         them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
-        text ends, for the model to continue that message."""
+        text ends, for the model to continue that message. mm_processor_kwargs: the request's own image and
+        video processor settings (engine/inputs/mm_kwargs.py)."""
         template = self.chat_template if chat_template is None else request_template(chat_template)
         if template is None:
             raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
@@ -134,22 +150,37 @@ class InputProcessor:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
         chat = parse_chat_messages(messages, template.content_format)
-        if chat.images and not self.model_config.is_multimodal:
-            raise self._text_only_error(chat.images[0].param)
+        media = chat.images + chat.videos
+        if media and not self.model_config.is_multimodal:
+            raise self._text_only_error(media[0].param)
         self._check_image_count(len(chat.images), "messages")
+        self._check_video_count(len(chat.videos), "messages")
+        mm_kwargs = check_mm_processor_kwargs(mm_processor_kwargs)
+        image_proc = image_processor_for(self.image_processor, mm_kwargs, "mm_processor_kwargs") if media else None
+        video_proc = self.video_processor.with_kwargs(mm_kwargs, "mm_processor_kwargs", self.video_processor) \
+            if chat.videos else None
         with self._text_held((chat.messages, tools, kwargs), "messages"):
-            # The images load on the executor, all at once, while this thread renders and tokenizes; a template
-            # error still wins over an image error, and images not started by then are not started.
+            # Images and videos load on the executor, all at once, while this thread renders; the videos are
+            # awaited before tokenizing (their timestamps are text), the images after. A template error still
+            # wins over a media error, and loads not started by then are not started.
             pixels = RequestPixels(self.limits.max_pixels_per_request, "messages")
-            pending = [self.executor.submit(self._load_image, ref, pixels) for ref in chat.images]
+            pending_videos = [self.executor.submit(self.video_intake.load, ref, video_proc, pixels,
+                                                   mm_kwargs.get("fps")) for ref in chat.videos]
+            pending = [self.executor.submit(self._load_image, ref, pixels, image_proc) for ref in chat.images]
             try:
+                videos: list[ProcessedVideo] = []
+
+                def expand_videos(rendered: str) -> str:
+                    videos.extend(self._finish_video(p, ref, pixels, video_proc, mm_kwargs.get("fps"))
+                                  for p, ref in zip(pending_videos, chat.videos))
+                    return self._expand_video_text(rendered, videos)
                 text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
-                                                    continue_final_message)
-                images = [self._finish_loading(p, ref, pixels) for p, ref in zip(pending, chat.images)]
+                                                    continue_final_message, expand_videos if chat.videos else None)
+                images = [self._finish_loading(p, ref, pixels, image_proc) for p, ref in zip(pending, chat.images)]
             finally:
-                for p in pending:
+                for p in pending + pending_videos:
                     p.cancel()
-            return self._build(token_ids, images, text, param="messages")
+            return self._build(token_ids, images, text, param="messages", videos=videos)
 
     def _text_held(self, text: Any, param: str) -> contextlib.AbstractContextManager:
         """The prompt text's share of the in-flight text budget while it is rendered and tokenized, once it is
@@ -159,16 +190,19 @@ class InputProcessor:
         return self.text_budget.hold(size, param)
 
     def _render_chat(self, template: ChatTemplate, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
-                     continue_final_message: bool) -> tuple[str, list[int]]:
-        """The rendered prompt and its token ids. Special-token strings the request typed (in messages, tools or
-        template kwargs) are tokenized as text, so that control tokens come only from the template."""
+                     tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], continue_final_message: bool,
+                     transform=None) -> tuple[str, list[int]]:
+        """The rendered prompt (passed through `transform` before it is tokenized) and its token ids.
+        Special-token strings the request typed (in messages, tools or template kwargs) are tokenized as text,
+        so that control tokens come only from the template."""
         markers: dict[str, str] = {}
         if not self.limits.allow_special_tokens_in_messages:
             (messages, tools, kwargs), markers = self.typed_specials.mask((messages, tools, kwargs))
         rendered = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         if continue_final_message:
-            rendered = _cut_after_final_message(rendered, messages[-1])
+            rendered = cut_after_final_message(rendered, messages[-1])
+        if transform is not None:
+            rendered = transform(rendered)
         if not markers:
             return rendered, self._encode(rendered, add_special_tokens=False, param="messages")
         if not rendered:
@@ -179,33 +213,44 @@ class InputProcessor:
 
     # ---- building the prompt --------------------------------------------------------------------------------
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
-               param: str = "prompt") -> ProcessedPrompt:
+               param: str = "prompt", videos: list[ProcessedVideo] = ()) -> ProcessedPrompt:
         mc = self.model_config
         if not mc.is_multimodal:
             if images:
                 raise self._text_only_error("multi_modal_data")
             return ProcessedPrompt(prompt_token_ids=token_ids, prompt=text)
-        if mc.video_token_id is not None and mc.video_token_id in token_ids:
-            raise InvalidInputError("video input is not supported; send images", param=param)
-        slots = [i for i, t in enumerate(token_ids) if t == mc.image_token_id]
-        if len(slots) != len(images):
+        image_id, video_id = mc.image_token_id, mc.video_token_id
+        slots = [i for i, t in enumerate(token_ids) if t == image_id or t == video_id]
+        groups = [(g, grid, h) for v in videos for g, grid, h in zip(v.groups, [v.grid_thw] * len(v.groups),
+                                                                        v.content_hashes)]
+        num_image_slots = sum(token_ids[i] == image_id for i in slots)
+        if num_image_slots != len(images):
             raise InvalidInputError(
-                f"the prompt has {len(slots)} image placeholder(s) but {len(images)} image(s) were given; put one "
-                f"<|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param=param)
+                f"the prompt has {num_image_slots} image placeholder(s) but {len(images)} image(s) were given; put "
+                f"one <|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param=param)
+        if len(slots) - num_image_slots != len(groups):
+            raise InvalidInputError(f"the prompt has {len(slots) - num_image_slots} video placeholder(s) but the "
+                                    f"videos given make {len(groups)} frame group(s); send videos as video_url "
+                                    f"parts of chat messages", param=param)
         merge = mc.vision.spatial_merge_size
         ids: list[int] = []
         items: list[ImageItem] = []
         prev = 0
-        for slot, image in zip(slots, images):
-            t, h, w = image.grid_thw
+        next_image, next_group = iter(images), iter(groups)
+        for slot in slots:
+            if token_ids[slot] == image_id:
+                image = next(next_image)
+                raw, grid, content_hash = image.raw, image.grid_thw, image.content_hash
+            else:
+                raw, grid, content_hash = next(next_group)
+            t, h, w = grid
             length = t * h * w // merge ** 2
             ids += token_ids[prev:slot]
-            items.append(ImageItem(raw=image.raw, grid_thw=image.grid_thw, offset=len(ids), length=length,
-                                   content_hash=image.content_hash))
-            ids += [mc.image_token_id] * length
+            items.append(ImageItem(raw=raw, grid_thw=grid, offset=len(ids), length=length, content_hash=content_hash))
+            ids += [token_ids[slot]] * length
             prev = slot + 1
         ids += token_ids[prev:]
-        positions, delta = get_mrope_positions(ids, [it.grid_thw for it in items], mc.image_token_id, merge)
+        positions, delta = get_mrope_positions(ids, [it.grid_thw for it in items], (image_id, video_id), merge)
         return ProcessedPrompt(prompt_token_ids=ids, prompt=text, images=items, mrope_positions=positions,
                                mrope_position_delta=delta)
 
@@ -269,19 +314,38 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def _finish_loading(self, loading: Future, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
+    def _finish_loading(self, loading: Future, ref: ImageRef, pixels: RequestPixels,
+                        processor: ImageProcessor | None = None) -> ProcessedImage:
         """The loaded image. A load still queued runs on this thread instead: process_chat itself runs on the
         executor in the server, and a worker that waited for work queued behind it could wait forever once every
         worker did."""
-        return self._load_image(ref, pixels) if loading.cancel() else loading.result()
+        return self._load_image(ref, pixels, processor) if loading.cancel() else loading.result()
 
-    def _load_image(self, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
+    def _finish_video(self, loading: Future, ref: VideoRef, pixels: RequestPixels, processor: VideoProcessor,
+                      fps: float | None) -> ProcessedVideo:
+        """The loaded video (a load still queued runs on this thread, as _finish_loading says)."""
+        return self.video_intake.load(ref, processor, pixels, fps) if loading.cancel() else loading.result()
+
+    def _expand_video_text(self, rendered: str, videos: list[ProcessedVideo]) -> str:
+        """Each video's placeholder (the template's <|vision_start|><|video_pad|><|vision_end|>, or a bare
+        <|video_pad|>) replaced by its groups' timestamps and placeholders, in order."""
+        start, pad, end = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
+        found = iter(videos)
+
+        def one(match: re.Match) -> str:
+            video = next(found, None)
+            return match.group(0) if video is None else placeholder_text(list(video.timestamps), start, pad, end)
+        return _VIDEO_PLACEHOLDER.sub(one, rendered)
+
+    def _load_image(self, ref: ImageRef, pixels: RequestPixels, processor: ImageProcessor | None = None
+                    ) -> ProcessedImage:
         """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes.
         From its header on, a decode counts against the request's pixels (413) and the in-flight budget (429).
         An upload found in the cache counts against the request's pixels too, so that the answer to a request
         does not depend on what the cache holds."""
+        processor = processor or self.image_processor
         if ref.image is not None:
-            return self._process_image(ref.image, ref.param)
+            return self._process_image(ref.image, ref.param, processor)
         lim = self.limits
         data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
                                  allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
@@ -294,62 +358,46 @@ class InputProcessor:
             held.enter_context(self.pixel_budget.hold(width * height, ref.param))
         with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
             image = self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
-                data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param))
+                data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param, processor),
+                settings="" if processor is self.image_processor else processor.cache_key)
         if not decoded:
             pixels.add(image.source_pixels)
         return image
 
-    def _process_image(self, image: Image.Image | np.ndarray, param: str) -> ProcessedImage:
+    def _process_image(self, image: Image.Image | np.ndarray, param: str,
+                       processor: ImageProcessor | None = None) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the
         patch grid, and its content hash."""
+        processor = processor or self.image_processor
         height, width = image_hw(image)
         check_pixels(width, height, self.limits.max_image_pixels, param)
         try:
-            raw, grid = self.image_processor.resize(image)
+            raw, grid = processor.resize(image)
         except ImageError as e:
             raise ImageError(e.message, param=param) from e
-        return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw),
+        return ProcessedImage(raw=raw, grid_thw=grid, content_hash=self._content_hash(raw, processor),
                               source_pixels=width * height)
 
     def _check_image_count(self, n: int, param: str) -> None:
         if n > self.limits.limit_images_per_prompt:
             raise InvalidInputError(f"{n} images in one prompt, over the limit of "
-                                    f"{self.limits.limit_images_per_prompt}", param=param)
+                                    f"{self.limits.limit_images_per_prompt} (--limit-mm-per-prompt)", param=param)
 
-    def _content_hash(self, raw: torch.Tensor) -> str:
+    def _check_video_count(self, n: int, param: str) -> None:
+        if n > self.limits.limit_videos_per_prompt:
+            raise InvalidInputError(f"{n} videos in one prompt, over the limit of "
+                                    f"{self.limits.limit_videos_per_prompt} (--limit-mm-per-prompt)", param=param)
+
+    def _content_hash(self, raw: torch.Tensor, processor: ImageProcessor) -> str:
         """Identifies what the vision encoder will see (the resized pixels and how they are normalized): the
         prefix-cache and encoder-cache key. Two uploads that resize to the same pixels share it, rightly."""
-        key = blake3(f"{tuple(raw.shape)}:{self.image_processor.cache_key}\0".encode())
+        key = blake3(f"{tuple(raw.shape)}:{processor.cache_key}\0".encode())
         return key.update(raw.numpy().data).hexdigest()
 
     def _text_only_error(self, param: str) -> InvalidInputError:
         return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
-                                 f"accept images", param=param)
+                                 f"accept images or videos", param=param)
 
 
-@functools.lru_cache(maxsize=16)
-def request_template(source: str) -> ChatTemplate:
-    """A request's own chat template, compiled once per distinct source. It gets no tokenizer kwargs: the
-    request's template writes its special tokens itself."""
-    if not isinstance(source, str) or not source.strip():
-        raise InvalidInputError("chat_template must be a non-empty Jinja template", param="chat_template")
-    try:
-        return ChatTemplate(source)
-    except EngineError as e:
-        raise InvalidInputError(f"chat_template: {e.message}", param="chat_template") from None
-
-
-def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
-    """The rendered chat up to the end of the last message's text, as transformers' continue_final_message."""
-    content = final.get("content")
-    if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        content = texts[-1] if texts else None
-    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
-        raise InvalidInputError("continue_final_message needs the last message to be an assistant message with "
-                                "text", param="continue_final_message")
-    at = text.rfind(content.strip())
-    if at < 0:
-        raise InvalidInputError("continue_final_message: the chat template does not write the last message's text "
-                                "verbatim", param="continue_final_message")
-    return text[:at + len(content.strip())]
+_VIDEO_PLACEHOLDER = re.compile(re.escape("<|vision_start|><|video_pad|><|vision_end|>") + "|"
+                                + re.escape("<|video_pad|>"))

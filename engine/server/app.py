@@ -54,6 +54,7 @@ def _model_card(state: ServerState) -> dict:
             "multimodal": info.multimodal, "demo_model": info.demo_model,
             # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
             "max_images_per_prompt": info.max_images_per_prompt,
+            "max_videos_per_prompt": info.max_videos_per_prompt if info.multimodal else 0,
             "sampling_defaults": asdict(state.sampling_defaults)}
 
 

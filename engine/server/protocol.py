@@ -162,10 +162,12 @@ def parse_options(f: Fields) -> RequestOptions:
 def chat_template_options(f: Fields) -> dict[str, Any]:
     """How chat messages are rendered: vLLM's add_generation_prompt, continue_final_message (the prompt ends
     inside the last, assistant, message, for the model to continue it), chat_template (this request's own
-    template, rendered in the same sandbox) and chat_template_kwargs."""
+    template, rendered in the same sandbox), chat_template_kwargs, and mm_processor_kwargs (how its images
+    and videos are processed: engine/inputs/mm_kwargs.py)."""
     options = dict(add_generation_prompt=f.boolean("add_generation_prompt", True),
                    continue_final_message=f.boolean("continue_final_message", False),
-                   chat_template=f.string("chat_template", None), chat_template_kwargs=f.obj("chat_template_kwargs"))
+                   chat_template=f.string("chat_template", None), chat_template_kwargs=f.obj("chat_template_kwargs"),
+                   mm_processor_kwargs=f.obj("mm_processor_kwargs"))
     if options["continue_final_message"] and options["add_generation_prompt"]:
         raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true (set "
                                 "add_generation_prompt: false)", param="continue_final_message")

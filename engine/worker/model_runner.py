@@ -13,6 +13,7 @@ from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.sizing import MAX_GRAPH_PATCHES
 from engine.structured_output import Grammar, catch_up_grammars
 from engine.transfer import to_device
 from engine.worker.cache_engine import CacheEngine
@@ -233,6 +234,23 @@ class ModelRunner:
                                 deepstack=torch.cat(deep, dim=1) if deep else None)
 
     def _encode(self, images) -> dict[str, EncoderOutput]:
+        """Encode `images` (images and video frame groups) in batches of at most the patches of the largest image
+        (the memory profile's, kv_sizing) and of a vision graph, or one larger item alone: a video's many frame
+        groups in one step do not make one unbounded batch."""
+        p = self.image_processor
+        limit = min(MAX_GRAPH_PATCHES, p.max_pixels // p.patch_size ** 2) if p is not None else MAX_GRAPH_PATCHES
+        out, batch, patches = {}, [], 0
+        for image in images:
+            n = image.grid_thw[0] * image.grid_thw[1] * image.grid_thw[2]
+            if batch and patches + n > limit:
+                out.update(self._encode_batch(batch))
+                batch, patches = [], 0
+            batch.append(image)
+            patches += n
+        out.update(self._encode_batch(batch))
+        return out
+
+    def _encode_batch(self, images) -> dict[str, EncoderOutput]:
         dtype = self.model.visual.pos_embed.weight.dtype     # the pixels come out in the encoder's dtype
         to_pixels = self.image_processor.to_pixel_values
         parts = [to_pixels(raw, dtype) for raw in self._upload([i.raw for i in images])]
