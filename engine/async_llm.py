@@ -51,9 +51,11 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs, max_pending: int = 4096, max_waiting: int | None = None):
         self.engine = LLMEngine(args)
         e = self.engine
+        video = e.input_processor.video_processor
         self.model_info = ModelInfo(e.model_name, e.max_model_len, e.model_config.vocab_size,
                                     e.model_config.is_multimodal, e.input_processor.limits.limit_images_per_prompt,
-                                    args.demo_model, e.input_processor.limits.limit_videos_per_prompt)
+                                    args.demo_model, e.input_processor.limits.limit_videos_per_prompt,
+                                    video.sampling_defaults() if video is not None else None)
         self.model_name = self.model_info.name
         self.max_num_seqs = args.max_num_seqs
         self.max_pending = max_pending      # every request in flight, whatever its priority

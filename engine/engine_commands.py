@@ -55,6 +55,7 @@ class ModelInfo:
     max_images_per_prompt: int
     demo_model: bool                 # --demo-model: the page shows a banner
     max_videos_per_prompt: int = 0
+    video: dict[str, float] | None = None   # the video processor's sampling and pixel defaults (the page's estimate)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,24 @@ def test_image_upload_and_answer(page, proxy, tmp_path):
     screenshot(page, tmp_path, "image-answer.png")
 
 
+def test_a_video_clip_is_answered_by_the_real_engine(page, proxy, tmp_path):
+    """The clip goes from the file input through the proxy to the engine, which samples, encodes and answers."""
+    from video_helpers import make_clip
+    open_chat(page, proxy)
+    clip = make_clip(12, fps=6, width=96, height=64)
+    page.set_input_files("#file-input", [{"name": "clip.mp4", "mimeType": "video/mp4", "buffer": clip}])
+    expect(page.locator(".video-card .video-duration")).to_have_text("0:02")
+
+    sent = extend_chat_requests(page, max_tokens=8, ignore_eos=True)
+    send(page, "What happens in this clip?")
+    expect(last_answer(page)).to_have_attribute("data-status", "done", timeout=90_000)
+    expect(page.locator("#error")).to_be_hidden()
+    parts = sent[-1]["messages"][-1]["content"]
+    assert [p["video_url"]["url"] for p in parts if p["type"] == "video_url"] == \
+        ["data:video/mp4;base64," + base64.b64encode(clip).decode()]
+    expect(page.locator(".msg.user video")).to_have_count(1)
+
+
 def test_stop_mid_answer(page, proxy, engine):
     open_chat(page, proxy)
     n = long_generation_tokens(engine, seconds=30)

@@ -114,3 +114,12 @@ def test_a_request_may_not_raise_the_servers_bounds(engine):
     body = chat(video_url(make_clip(8, fps=4)), mm_processor_kwargs={"frames": 3})
     status, reply = http("POST", engine.url + "/v1/chat/completions", body)
     assert status == 400 and "does not take ['frames']" in reply["error"]["message"], reply
+
+
+def test_the_model_card_tells_the_page_how_clips_are_sampled(engine):
+    """The page estimates a clip's frames and tokens before it sends it, from the card's numbers."""
+    status, reply = http("GET", engine.url + "/v1/models")
+    card = reply["data"][0]
+    assert status == 200 and card["max_videos_per_prompt"] == 1
+    assert set(card["video"]) == {"fps", "min_frames", "max_frames", "min_pixels", "max_pixels"}
+    assert card["video"]["fps"] > 0 and card["video"]["min_frames"] <= card["video"]["max_frames"]

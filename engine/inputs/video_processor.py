@@ -83,6 +83,11 @@ class VideoProcessor:
                 return cls.from_config(read_model_json(path, name, ""))
         return cls()
 
+    def sampling_defaults(self) -> dict[str, float]:
+        """What a client needs to predict a clip's frames and tokens (the page's estimate before it sends)."""
+        return {"fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames,
+                "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+
     def with_kwargs(self, kwargs: dict[str, Any], param: str, cap: "VideoProcessor | None" = None
                     ) -> "VideoProcessor":
         """This processor with mm_processor_kwargs' video settings applied (the others ignored). `cap`: the

@@ -55,6 +55,7 @@ def _model_card(state: ServerState) -> dict:
             # What the chat page needs to build requests the engine accepts, and to show the model's defaults.
             "max_images_per_prompt": info.max_images_per_prompt,
             "max_videos_per_prompt": info.max_videos_per_prompt if info.multimodal else 0,
+            "video": info.video,
             "sampling_defaults": asdict(state.sampling_defaults)}
 
 
