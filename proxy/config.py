@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from proxy.guard import OriginPolicy
+from engine.server.origin_policy import OriginPolicy
 
 # The engine's default --max-num-seqs (256) plus its default --max-waiting-requests (1024), and room for the
 # streams that are ending: past this, requests would queue inside the proxy instead of being answered.

