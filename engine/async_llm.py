@@ -38,6 +38,8 @@ T = TypeVar("T")
 # How long a read of the block map waits for the engine thread to reach a step boundary before it takes the last
 # copy instead (a long prefill on the CPU can hold the thread for seconds).
 READ_WAIT_S = 0.5
+# How old the queue positions that waiting streams report may be.
+QUEUE_POSITIONS_S = 0.25
 
 
 @dataclass
@@ -64,6 +66,8 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._token_texts: dict[int, str] = {}     # token_text's, filled by the event loop
+        self._positions: dict[str, int] = {}       # queue_position's, counted at _positions_at
+        self._positions_at = 0.0
         self._stopping = False
         self.dead_error: BaseException | None = None
         # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
@@ -103,6 +107,17 @@ class AsyncLLM:
         """Requests admitted here that hold no running slot: still crossing to the engine thread, waiting, or
         swapped out (the running count as the engine's last schedule() published it)."""
         return max(0, len(self._streams) - self.engine.num_running)
+
+    def queue_position(self, request_id: str) -> int | None:
+        """How many admitted requests wait ahead of this one for a running slot (admission order, which the fcfs
+        policy runs in), or None if it holds a slot, or may. From the event loop; the positions of all waiting
+        requests are counted in one pass, at most every QUEUE_POSITIONS_S."""
+        now = time.monotonic()
+        if now - self._positions_at > QUEUE_POSITIONS_S:
+            running = self.engine.num_running
+            self._positions = {rid: i - running for i, rid in enumerate(self._streams) if i >= running}
+            self._positions_at = now
+        return self._positions.get(request_id)
 
     def admission_stats(self) -> dict:
         return {"num_pending": self.num_waiting, "max_waiting_requests": self.max_waiting,

@@ -41,6 +41,7 @@ class OpenForwards:
     """The requests being forwarded now, so that a stop can end each one with a word (proxy/forward.py)."""
     tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
+    generations: int = 0         # forwards holding (or waiting for) a connection of the generations' pool
 
 
 OPEN_FORWARDS = web.AppKey("open_forwards", OpenForwards)

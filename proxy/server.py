@@ -93,11 +93,28 @@ async def health(request: web.Request) -> web.Response:
 
 async def forward_api(request: web.Request) -> web.StreamResponse:
     # The path sent upstream is the route's own, rebuilt here: never the client's spelling of it.
-    return await forward(request, request.match_info.route.resource.canonical, request.app[SESSION])
+    return await _forward_generation(request, request.match_info.route.resource.canonical)
 
 
 async def forward_model(request: web.Request) -> web.StreamResponse:
-    return await forward(request, "/v1/models/" + quote(request.match_info["model"], safe=""), request.app[SESSION])
+    return await _forward_generation(request, "/v1/models/" + quote(request.match_info["model"], safe=""))
+
+
+async def _forward_generation(request: web.Request, upstream_path: str) -> web.StreamResponse:
+    """Through the generations' pool, or 503 at once when every connection of it is taken: a request never
+    waits inside the proxy without an answer (the pool holds all the engine runs and queues, so this is rare)."""
+    cfg, forwards = request.app[CONFIG], request.app[OPEN_FORWARDS]
+    if forwards.generations >= cfg.max_upstream_connections:
+        log.warning("refused %s %s: all %d connections to the engine are in use", request.method, request.path,
+                    cfg.max_upstream_connections)
+        return error_response(503, f"The server is busy: all {cfg.max_upstream_connections} connections to the "
+                                   "inference engine are in use (--max-upstream-connections); retry shortly.",
+                              "service_unavailable", code="proxy_busy")
+    forwards.generations += 1
+    try:
+        return await forward(request, upstream_path, request.app[SESSION])
+    finally:
+        forwards.generations -= 1
 
 
 async def forward_control(request: web.Request) -> web.StreamResponse:

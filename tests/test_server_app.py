@@ -51,6 +51,9 @@ class ScriptedLLM:
     def check_room(self, past_queue_limit=False) -> None:
         pass
 
+    def queue_position(self, request_id) -> None:
+        return None
+
     def admission_stats(self) -> dict:
         return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}
 

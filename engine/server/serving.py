@@ -33,6 +33,8 @@ from engine.server.sse import SSEWriter
 from engine.server.state import STATE, ServerState
 
 logger = init_logger(__name__)
+# How often a stream still waiting for its first output looks up its place in the queue.
+QUEUE_REPORT_S = 0.5
 
 
 @dataclass
@@ -256,14 +258,23 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
     refusal before that is a plain error response), so that a queued client sees its request accepted."""
     first_task = await _first_output_or_admission(state, gen, streams[0])
     try:
-        sse = await SSEWriter.start(request, state.stream_write_timeout)
+        sse = await SSEWriter.start(request, state.stream_write_timeout, state.stream_buffer_bytes)
     except BaseException:
         await _cancel(first_task)
         raise
+    try:
+        return await _stream_events(state, gen, fmt, sse, first_task, streams, start_others)
+    finally:
+        sse.close()
+
+
+async def _stream_events(state: ServerState, gen: Generation, fmt: ResponseFormat, sse: SSEWriter,
+                         first_task: asyncio.Task, streams: list[AsyncIterator[RequestOutput]],
+                         start_others: Callable[[], list[AsyncIterator[RequestOutput]]]) -> web.StreamResponse:
     queue: asyncio.Queue = asyncio.Queue()
     readers: list[asyncio.Task] = []
     try:
-        first = await first_task
+        first = await _first_while_queued(state, gen.request_id, sse, first_task)
         streams += start_others()
         readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
                    for i, s in enumerate(streams)]
@@ -293,6 +304,21 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         await _cancel(first_task, *readers)
     await sse.finish()
     return sse.response
+
+
+async def _first_while_queued(state: ServerState, request_id: str, sse: SSEWriter,
+                              first_task: asyncio.Task) -> RequestOutput:
+    """The first output; until it comes, the request's place in the queue whenever it changes, as an SSE comment
+    (`: queued N ahead`), which OpenAI clients skip and the chat page shows."""
+    reported = None
+    while True:
+        done, _ = await asyncio.wait({first_task}, timeout=QUEUE_REPORT_S)
+        if done:
+            return first_task.result()
+        ahead = state.engine.queue_position(request_id)
+        if ahead is not None and ahead != reported:
+            sse.push(f": queued {ahead} ahead\n\n".encode())
+            reported = ahead
 
 
 async def _read_into(queue: asyncio.Queue, index: int, outputs: AsyncIterator[RequestOutput],
