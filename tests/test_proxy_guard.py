@@ -162,3 +162,57 @@ def test_slow_clients_are_cut_off(engine, tmp_path):
         assert got.startswith(b"HTTP/1.1 408"), got[:200]
     finally:
         other.stop()
+
+
+# ---- the engine guards its own port with the same rules ------------------------------------------------------
+def raw_request(url: str, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """(status, JSON body) of a request written byte for byte: request line and headers as given."""
+    import socket
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        extra = f"Content-Length: {len(body)}\r\n" if body else ""
+        sock.sendall(head.replace("{port}", str(port)).encode() + extra.encode() + b"Connection: close\r\n\r\n" + body)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    head_bytes, _, payload = got.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), json.loads(payload) if payload.startswith(b"{") else {}
+
+
+def both(engine, proxy) -> list[str]:
+    return [engine.url, proxy.url]
+
+
+# (what, request line and headers, status, error code): each refused by the engine as by the proxy.
+LAX_REQUESTS = [
+    ("a rebound Host", "GET /v1/models HTTP/1.1\r\nHost: evil.example:{port}\r\n", 403, "host_not_allowed"),
+    ("a rebound Host on a POST", "POST /v1/chat/completions HTTP/1.1\r\nHost: evil.example\r\n"
+     "Content-Type: application/json\r\n", 403, "host_not_allowed"),
+    ("a foreign Origin", "GET /stats HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: http://evil.example\r\n", 403,
+     "origin_not_allowed"),
+    ("a null Origin", "GET /v1/models HTTP/1.1\r\nHost: localhost:{port}\r\nOrigin: null\r\n", 403,
+     "origin_not_allowed"),
+    ("an https Origin for an http port", "GET /stats HTTP/1.1\r\nHost: localhost:{port}\r\n"
+     "Origin: https://localhost:{port}\r\n", 403, "origin_not_allowed"),
+    ("userinfo in Host", "GET /stats HTTP/1.1\r\nHost: localhost:{port}@evil.example\r\n", 400, "invalid_host"),
+    ("a path in Host", "GET /stats HTTP/1.1\r\nHost: localhost/evil\r\n", 400, "invalid_host"),
+    ("an absolute-form target naming another host", "GET http://evil.example/v1/models HTTP/1.1\r\n"
+     "Host: localhost:{port}\r\n", 400, "invalid_request_target"),
+    ("an absolute-form target naming this host", "GET http://localhost:{port}/stats HTTP/1.1\r\n"
+     "Host: localhost:{port}\r\n", 400, "invalid_request_target"),
+]
+
+
+@pytest.mark.parametrize("what,head,status,code", LAX_REQUESTS, ids=[c[0] for c in LAX_REQUESTS])
+def test_engine_and_proxy_refuse_alike(engine, proxy, what, head, status, code):
+    for url in both(engine, proxy):
+        got, body = raw_request(url, head, b'{"messages": []}' if head.startswith("POST") else b"")
+        assert (got, body.get("error", {}).get("code")) == (status, code), (url, body)
+
+
+def test_the_own_origin_and_names_pass_at_both(engine, proxy):
+    for url in both(engine, proxy):
+        for head in ("GET /v1/models HTTP/1.1\r\nHost: localhost:{port}\r\nOrigin: http://localhost:{port}\r\n",
+                     "GET /v1/models HTTP/1.1\r\nHost: [::1]:{port}\r\n", "GET /v1/models HTTP/1.1\r\nHost: x.localhost\r\n"):
+            status, body = raw_request(url, head)
+            assert status == 200, (url, head, body)

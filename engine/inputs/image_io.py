@@ -121,6 +121,25 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
     return to_rgb(image)
 
 
+def image_size(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, param: str | None = None
+               ) -> tuple[int, int]:
+    """(width, height) from the image's header alone, checked against max_pixels: what a request's images will
+    cost is known before any of them is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as image:   # lazy: reads the header only
+                width, height = image.size
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image has more than the limit of {max_pixels} pixels: {e}", param=param) from e
+    except UnidentifiedImageError as e:
+        raise ImageError(f"could not decode image: not a {', '.join(ALLOWED_FORMATS)} image", param=param) from e
+    except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt headers
+        raise ImageError(f"could not decode image: {e}", param=param) from e
+    check_pixels(width, height, max_pixels, param)
+    return width, height
+
+
 def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
     """The pixels of an 8-bit RGB or RGBA PNG, decoded by libspng (faster than Pillow here: docs/perf-log.md):
     the same values Pillow gives, since PNG is lossless. None for every other image, which Pillow decodes:

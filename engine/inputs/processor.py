@@ -26,7 +26,7 @@ from engine.inputs.chat_messages import ImageRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate
 from engine.inputs.image_cache import ImageCache
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
-                                    decode_image, fetch_image_bytes)
+                                    decode_image, fetch_image_bytes, image_size)
 from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mrope import get_mrope_positions
 from engine.inputs.typed_specials import TypedSpecialTokens
@@ -37,6 +37,13 @@ _PIECE_CHARS = 16384
 _CUT_MARGIN_TOKENS = 2
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """An image of a chat whose size is known and counted, not yet decoded."""
+    ref: ImageRef
+    data: bytes | None          # the fetched bytes; None for an image given decoded (offline)
 
 
 @dataclass(frozen=True)
@@ -138,14 +145,17 @@ class InputProcessor:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
         with self._text_held((chat.messages, tools, kwargs), "messages"):
-            # The images load on the executor, all at once, while this thread renders and tokenizes; a template
-            # error still wins over an image error, and images not started by then are not started.
+            # Every image's size is read from its header and counted first: a request refused for its images
+            # decodes none of them. Then they decode on the executor, all at once, while this thread renders and
+            # tokenizes; a template error still wins over a decode error, and decodes not started by then are not
+            # started.
             pixels = RequestPixels(self.limits.max_pixels_per_request, "messages")
-            pending = [self.executor.submit(self._load_image, ref, pixels) for ref in chat.images]
+            sources = [self._image_source(ref, pixels) for ref in chat.images]
+            pending = [self.executor.submit(self._load_image, source) for source in sources]
             try:
                 text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
                                                     continue_final_message)
-                images = [self._finish_loading(p, ref, pixels) for p, ref in zip(pending, chat.images)]
+                images = [self._finish_loading(p, source) for p, source in zip(pending, sources)]
             finally:
                 for p in pending:
                     p.cancel()
@@ -269,35 +279,42 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def _finish_loading(self, loading: Future, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
+    def _finish_loading(self, loading: Future, source: ImageSource) -> ProcessedImage:
         """The loaded image. A load still queued runs on this thread instead: process_chat itself runs on the
         executor in the server, and a worker that waited for work queued behind it could wait forever once every
         worker did."""
-        return self._load_image(ref, pixels) if loading.cancel() else loading.result()
+        return self._load_image(source) if loading.cancel() else loading.result()
 
-    def _load_image(self, ref: ImageRef, pixels: RequestPixels) -> ProcessedImage:
-        """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes.
-        From its header on, a decode counts against the request's pixels (413) and the in-flight budget (429).
-        An upload found in the cache counts against the request's pixels too, so that the answer to a request
-        does not depend on what the cache holds."""
+    def _image_source(self, ref: ImageRef, pixels: RequestPixels) -> ImageSource:
+        """An image's bytes and its size from the header, counted against the request's pixels (413): no pixel
+        is decoded here."""
+        if ref.image is not None:
+            width, height = ref.image.size
+        else:
+            lim = self.limits
+            data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
+                                     allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
+            width, height = image_size(data, lim.max_image_pixels, ref.param)
+        try:
+            self.image_processor.resized_size(height, width)     # its shape rules (aspect ratio), from the size
+        except ImageError as e:
+            raise ImageError(e.message, param=ref.param) from e
+        pixels.add(width * height)
+        return ImageSource(ref, None if ref.image is not None else data)
+
+    def _load_image(self, source: ImageSource) -> ProcessedImage:
+        """bytes -> Pillow decode -> the image processor, or the result kept for these bytes. The decode holds
+        its share of the in-flight pixel budget (429) from its header on."""
+        ref = source.ref
         if ref.image is not None:
             return self._process_image(ref.image, ref.param)
-        lim = self.limits
-        data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
-                                 allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        decoded = False
+        lim, data = self.limits, source.data
 
         def on_size(width: int, height: int) -> None:
-            nonlocal decoded
-            decoded = True
-            pixels.add(width * height)
             held.enter_context(self.pixel_budget.hold(width * height, ref.param))
         with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
-            image = self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
+            return self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
                 data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param))
-        if not decoded:
-            pixels.add(image.source_pixels)
-        return image
 
     def _process_image(self, image: Image.Image | np.ndarray, param: str) -> ProcessedImage:
         """The image checked against the limits and the resize rules (errors name `param`), resized to the
