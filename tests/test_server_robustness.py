@@ -156,18 +156,22 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     wait_blocks_free(server, timeout=5)
 
 
-def test_a_priority_request_may_pass_a_full_queue(server):
-    """The limit counts requests of the default priority and lower; a more urgent one (priority < 0) is taken."""
-    async def run() -> tuple[list, tuple]:
-        crowd = [asyncio.ensure_future(post_raw(server.port, chat(max_tokens=4, ignore_eos=True)))
-                 for _ in range(320)]
-        while stats(server)["num_refused_queue_full"] == before:
-            await asyncio.sleep(0.01)
-        urgent = await post_raw(server.port, chat(priority=-1))
-        return await asyncio.gather(*crowd), urgent
-    before = stats(server)["num_refused_queue_full"]
-    crowd, urgent = asyncio.run(run())
-    assert 503 in {status for status, _ in crowd} and urgent[0] == 200
+def test_a_priority_below_zero_needs_the_api_key(server):
+    """Without the API key (and without --allow-anonymous-priority) an urgent priority is refused, not queued."""
+    status, body = asyncio.run(post_json(server.port, chat(priority=-1)))
+    assert status == 403 and body["error"]["code"] == "priority_not_allowed", body
+    assert "--api-key" in body["error"]["message"] and body["error"]["param"] == "priority"
+
+
+async def post_json(port: int, body: dict, headers: str = "") -> tuple[int, dict]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + headers.encode() + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    head = await reader.readuntil(b"\r\n\r\n")
+    payload = await reader.read()
+    writer.close()
+    return int(head.split()[1]), json.loads(payload)
 
 
 def test_a_stalled_reader_loses_its_stream():

@@ -44,10 +44,6 @@ class Keys:
         return self.api_key is not None and (path == _PROTECTED_PREFIX or path.startswith(_PROTECTED_PREFIX + "/"))
 
 
-def requires_key(path: str) -> bool:
-    return Keys(api_key="-").required(path)
-
-
 def bearer_token(authorization: str | None) -> str:
     """The token of `Bearer <token>`; AuthenticationError if the header is missing or malformed."""
     if not authorization:
@@ -64,37 +60,30 @@ def key_matches(token: str | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
-def check_api_key(authorization: str | None, api_key: str) -> None:
-    """Raise AuthenticationError unless `authorization` is `Bearer <api_key>`."""
-    if not key_matches(bearer_token(authorization), api_key):
-        raise AuthenticationError("incorrect API key provided", code="invalid_api_key")
-
-
 def api_key_middleware(keys: Keys) -> Callable:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         required = keys.required(request.path)
-        token = _token(request.headers.get("Authorization"), required)
-        privileged = token is not None and key_matches(token, keys.api_key)
+        token = _token(request.headers.get("Authorization"))
+        privileged = key_matches(token, keys.api_key)
         if required and not privileged and not key_matches(token, keys.proxy_key):
-            raise AuthenticationError(_refusal(keys), code="invalid_api_key")
+            raise _refusal(keys, request.headers.get("Authorization"))
         request[PRIVILEGED] = privileged
         return await handler(request)
     return auth
 
 
-def _token(authorization: str | None, required: bool) -> str | None:
-    """The bearer token; a missing or malformed header is an error only where a key is required."""
+def _token(authorization: str | None) -> str | None:
     try:
         return bearer_token(authorization)
     except AuthenticationError:
-        if required:
-            raise
         return None
 
 
-def _refusal(keys: Keys) -> str:
-    if keys.proxy_key is None:
-        return "incorrect API key provided"
-    return ("this engine was started by the launcher and answers only its proxy (use the chat page's address), or "
-            "clients with the --api-key the app was started with; `./run_app.sh --expose-engine` opens it")
+def _refusal(keys: Keys, authorization: str | None) -> AuthenticationError:
+    if keys.proxy_key is not None:
+        return AuthenticationError("this engine was started by the launcher and answers only its proxy (use the "
+                                   "chat page's address) and clients with the --api-key the app was started with; "
+                                   "`./run_app.sh --expose-engine` opens it", code="invalid_api_key")
+    bearer_token(authorization)          # says what is wrong with a missing or malformed header
+    return AuthenticationError("incorrect API key provided", code="invalid_api_key")
