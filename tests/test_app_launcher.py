@@ -239,6 +239,42 @@ def test_proxy_death_stops_engine_and_reports(qwen3_vl_dir, app_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_engine_port_answers_only_the_proxy(qwen3_vl_dir, app_env, tmp_path):
+    """The launcher gives the engine a key of this run that only the proxy holds (never on a command line): the
+    engine's port answers 401 to anyone else, on every route but /health; the proxy serves as before. With
+    --expose-engine the engine port is open again, on purpose."""
+    launcher, _ = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
+    engine_url = f"http://127.0.0.1:{app_env['ENGINE_PORT']}"
+    proxy_url = f"http://127.0.0.1:{app_env['PROXY_PORT']}"
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/stats", None), ("GET", "/metrics", None),
+                                   ("POST", "/v1/chat/completions", chat), ("POST", "/tokenize", {"prompt": "x"})):
+            status, reply = http(method, engine_url + path, body)
+            assert status == 401 and "--expose-engine" in reply["error"]["message"], (path, reply)
+            assert http(method, proxy_url + path, body)[0] == 200, path
+        assert http("GET", engine_url + "/health")[0] == 200
+        children = tree(launcher.pid)
+        engine = next(p for p in children if "engine" in p.cmdline())
+        proxy = next(p for p in children if "proxy" in p.cmdline())
+        key = proxy.environ()["ENGINE_API_KEY"]
+        assert len(key) >= 32 and "LOCALCHAT_PROXY_KEY" not in os.environ
+        assert not any(key in " ".join(p.cmdline()) for p in children)
+        assert "LOCALCHAT_PROXY_KEY" not in engine.environ() or engine.environ()["LOCALCHAT_PROXY_KEY"] == key
+        assert http("GET", engine_url + "/stats", headers={"Authorization": f"Bearer {key}"})[0] == 200
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) == 0
+    exposed, _ = start_app([PYTHON, "-m", "app", "start", "--expose-engine", "--model", str(qwen3_vl_dir)], app_env,
+                           tmp_path)
+    try:
+        assert http("GET", engine_url + "/stats")[0] == 200
+    finally:
+        exposed.send_signal(signal.SIGINT)
+        assert exposed.wait(60) == 0
+
+
+@pytest.mark.slow
 def test_sigint_stops_everything(qwen3_vl_dir, app_env, tmp_path):
     launcher, out = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
     procs = tree(launcher.pid)

@@ -216,3 +216,49 @@ def test_the_own_origin_and_names_pass_at_both(engine, proxy):
                      "GET /v1/models HTTP/1.1\r\nHost: [::1]:{port}\r\n", "GET /v1/models HTTP/1.1\r\nHost: x.localhost\r\n"):
             status, body = raw_request(url, head)
             assert status == 200, (url, head, body)
+
+
+def test_a_full_pool_is_a_503_not_a_wait(engine, tmp_path):
+    """With every connection of its generations' pool taken, the proxy answers 503 with Retry-After at once
+    instead of holding the request without headers; an engine that does not answer is a 503 with Retry-After too."""
+    import urllib.error
+    import urllib.request
+
+    small = start_proxy(engine.url, tmp_path, extra_args=("--max-upstream-connections", "2"))
+    gone = start_proxy("http://127.0.0.1:9", tmp_path)        # nothing listens there
+    held = []
+    try:
+        for _ in range(2):
+            req = urllib.request.Request(small.url + CHAT, json.dumps(chat_body(max_tokens=1500, ignore_eos=True,
+                                                                               stream=True)).encode(),
+                                         {"Content-Type": "application/json"})
+            held.append(urllib.request.urlopen(req, timeout=30))          # headers in: both hold a connection
+        start = time.monotonic()
+        reply = urllib.request.Request(small.url + CHAT, json.dumps(chat_body()).encode(),
+                                       {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(reply, timeout=10)
+            pytest.fail("a third request was served through a pool of two")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
+            assert json.loads(err.read())["error"]["code"] == "proxy_busy"
+        assert time.monotonic() - start < 2
+        for resp in held:
+            resp.close()
+        held.clear()
+        deadline = time.monotonic() + 10
+        while http("POST", small.url + CHAT, chat_body())[0] != 200:      # the connections come back
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        try:
+            urllib.request.urlopen(urllib.request.Request(gone.url + CHAT, json.dumps(chat_body()).encode(),
+                                                          {"Content-Type": "application/json"}), timeout=10)
+            pytest.fail("an engine nobody listens for answered")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
+    finally:
+        for resp in held:
+            resp.close()
+        small.stop()
+        gone.stop()
+    wait_idle(engine, timeout=15)

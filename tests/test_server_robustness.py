@@ -192,10 +192,41 @@ def test_a_stalled_reader_loses_its_stream():
     async def run() -> float:
         writer = SSEWriter(NeverDrains(), Request(), write_timeout=0.2)
         start = time.monotonic()
+        await writer.send({"x": 1})            # queued at once; the writer's task waits on the socket
         with pytest.raises(StalledClientError):
-            await writer.send({"x": 1})
+            await writer.flush()
+        with pytest.raises(StalledClientError):
+            await writer.send({"x": 2})
         return time.monotonic() - start
     assert asyncio.run(run()) < 1.0 and Request.transport.aborted
+
+
+def test_a_reader_too_far_behind_loses_its_stream():
+    """What waits for a reader is bounded in bytes: the chunk that would pass max_buffer cuts the client off."""
+    class Transport:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    class NeverDrains:
+        async def write(self, data):
+            await asyncio.sleep(3600)
+
+    class Request:
+        transport = Transport()
+
+    async def run() -> int:
+        writer = SSEWriter(NeverDrains(), Request(), write_timeout=60, max_buffer=10_000)
+        sent = 0
+        with pytest.raises(StalledClientError, match="10000 bytes behind"):
+            while True:
+                await writer.send({"text": "x" * 100})
+                sent += 1
+        writer.close()
+        return sent
+    event = len(b'data: {"text":"' + b"x" * 100 + b'"}\n\n')
+    assert asyncio.run(run()) == 10_000 // event and Request.transport.aborted
 
 
 def test_a_queued_stream_gets_its_headers_at_once(server):
@@ -265,6 +296,122 @@ def test_a_large_tokenize_does_not_stall_open_streams(server):
         return max(gaps), end - start
     largest_gap, tokenize_s = asyncio.run(run())
     assert largest_gap < tokenize_s / 4, (largest_gap, tokenize_s)
+    wait_blocks_free(server, timeout=10)
+
+
+class PeakRSS:
+    """The engine's largest resident memory while the `with` block runs, sampled every 20 ms on a thread."""
+
+    def __init__(self, server):
+        self.process = psutil.Process(server.proc.pid)
+
+    def __enter__(self) -> "PeakRSS":
+        self.baseline = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.pool.submit(self._sample)
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.02)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.pool.shutdown()
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.baseline) / 2**20
+
+
+def test_huge_message_lists_are_refused_at_once_and_streams_go_on(server):
+    """Four bodies of 100,000 tiny messages (3.3 MB each) are refused after one look at their list, each in under
+    a second, while a running stream keeps getting its tokens (no gap of 0.5 s): nothing parses, renders or
+    tokenizes them on the event loop or anywhere else."""
+    body = json.dumps(chat(messages=[{"role": "user", "content": "hi"}] * 100_000)).encode()
+    assert len(body) > 3_000_000
+
+    async def run() -> tuple[list[tuple[int, float]], list[float], float, float]:
+        arrivals: list[float] = []
+        done = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            async def stream() -> None:
+                async with session.post(server.url + CHAT, json=chat(max_tokens=1900, ignore_eos=True,
+                                                                     stream=True)) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            arrivals.append(time.monotonic())
+                        if done.is_set():
+                            break
+
+            async def refused() -> tuple[int, float]:
+                start = time.monotonic()
+                async with session.post(server.url + CHAT, data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    await resp.read()
+                    return resp.status, time.monotonic() - start
+            streaming = asyncio.ensure_future(stream())
+            while len(arrivals) < 5:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            answers = await asyncio.gather(*(refused() for _ in range(4)))
+            end = time.monotonic()
+            await asyncio.sleep(0.3)           # the stream's next token after the last refusal
+            done.set()
+            await streaming
+        return answers, arrivals, start, end
+    answers, arrivals, start, end = asyncio.run(run())
+    assert all(status == 413 for status, _ in answers), answers
+    assert max(seconds for _, seconds in answers) < 1.0, answers
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end + 0.3]
+    assert gaps and max(gaps) < 0.5, max(gaps)
+
+
+def _png_data_url(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_a_request_refused_for_its_images_decodes_none(server):
+    """Eight 6000 x 6000 images (36 Mpx each, within --max-image-pixels) are 288 Mpx together, past
+    --max-pixels-per-request: the 413 comes from their headers, and the engine's memory does not grow by the
+    hundreds of MB that decoding even two of them takes."""
+    url = _png_data_url(6000, 6000)
+    parts = [{"type": "image_url", "image_url": {"url": url}} for _ in range(8)]
+    body = chat(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What are these?"}]}])
+    with PeakRSS(server) as rss:
+        reply = http("POST", server.url + CHAT, body)
+    assert reply.status == 413 and "--max-pixels-per-request" in reply.json()["error"]["message"], reply.text
+    assert rss.growth_mb < 50, f"{rss.growth_mb:.0f} MB"
+
+
+def test_a_one_byte_a_second_reader_costs_little(server):
+    """A stream with top_logprobs 20 read one byte a second: what waits for the reader is bounded in bytes
+    (--max-stream-buffer-kb), not a backlog of outputs that each hold the whole answer so far."""
+    data = json.dumps(chat(max_tokens=1900, ignore_eos=True, stream=True, logprobs=True, top_logprobs=20)).encode()
+    with PeakRSS(server) as rss:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        sock.settimeout(2)
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < 20 and sock.recv(1):
+                time.sleep(1.0)
+        except (ConnectionResetError, TimeoutError):
+            pass
+        finally:
+            sock.close()
+    assert rss.growth_mb < 30, f"{rss.growth_mb:.0f} MB"
     wait_blocks_free(server, timeout=10)
 
 
