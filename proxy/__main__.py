@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                       write_timeout=args.write_timeout, max_upstream_connections=args.max_upstream_connections,
                       engine_status_file=args.engine_status_file,
                       supervisor_status_file=args.supervisor_status_file,
-                      origin_policy=OriginPolicy.from_lists(args.allowed_hosts, args.allowed_origins))
+                      origin_policy=OriginPolicy.from_lists(f"{args.allowed_hosts},{args.host}",
+                                                            args.allowed_origins))
     log = logging.getLogger("proxy")
     log.info("proxy on http://%s:%d -> engine %s (api key %s, upload limit %g MB)", args.host, args.port,
              cfg.engine_url, "set" if cfg.api_key else "not set", args.max_upload_mb)

@@ -98,7 +98,8 @@ async def _open_stream(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamW
 
 
 def test_stats_stay_quick_with_300_streams_open(proxy, engine):
-    """The page's KV panel (GET /stats) and a new request do not queue behind 300 open streams."""
+    """The page's KV panel (GET /stats) and a new request do not queue behind 300 open streams: the new chat gets
+    its headers and its place in the queue within seconds."""
     port = int(proxy.url.rsplit(":", 1)[1])
 
     async def run() -> tuple[list[float], float]:
@@ -125,7 +126,15 @@ def test_stats_stay_quick_with_300_streams_open(proxy, engine):
             while engine_stats(engine)["num_pending"] <= before:
                 await asyncio.sleep(0.01)
                 assert time.perf_counter() - start < 10
-            return timings, time.perf_counter() - start
+            admitted = time.perf_counter() - start
+            # ... and its client hears at once that it waits, and where: a status line, then the queue position.
+            reader = streams[-1][0]
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            while not (line := await asyncio.wait_for(reader.readline(), timeout=5)).startswith(b": queued "):
+                pass
+            assert line.rstrip().endswith(b" ahead") and time.perf_counter() - start < 5
+            return timings, admitted
         finally:
             for _, writer in streams:
                 writer.close()

@@ -102,7 +102,8 @@ ROUTES = [
 
 
 def build_app(state: ServerState, args: ServerArgs, keys: Keys | None = None) -> web.Application:
-    policy = OriginPolicy.from_lists(args.allowed_hosts, args.allowed_origins)
+    # The name it listens on is one it answers to (an address needs no listing).
+    policy = OriginPolicy.from_lists(f"{args.allowed_hosts},{args.host}", args.allowed_origins)
     middlewares = [error_middleware(args.max_request_body_mb), origin_guard_middleware(policy),
                    api_key_middleware(keys or Keys(args.api_key))]
     if not args.disable_access_log:
