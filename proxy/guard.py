@@ -11,8 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from engine.server.origin_policy import OriginPolicy, check_request, cors_headers, json_declared, origin_listed, \
-    same_origin
+from engine.server.origin_policy import OriginPolicy, check_request, json_declared, preflight_headers, response_cors
 from proxy.errors import error_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -38,9 +37,9 @@ def refusal_of(request: web.Request, policy: OriginPolicy) -> web.Response | Non
 def guard_middleware(policy: OriginPolicy) -> Callable:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        if request.method == "OPTIONS" and origin is not None and origin_listed(origin, policy):
-            return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+        preflight = preflight_headers(request.method, request.headers.get("Origin"), policy)
+        if preflight is not None:
+            return web.Response(status=204, headers=preflight)
         refused = refusal_of(request, policy)
         return refused if refused is not None else await handler(request)
     return guard
@@ -49,8 +48,5 @@ def guard_middleware(policy: OriginPolicy) -> Callable:
 def cors_signal(policy: OriginPolicy) -> Callable:
     """on_response_prepare: CORS headers for a listed origin, also on streams (prepared inside the handler)."""
     async def add_cors(request: web.Request, response: web.StreamResponse) -> None:
-        origin = request.headers.get("Origin")
-        if origin is not None and origin_listed(origin, policy) \
-                and not same_origin(origin, request.host, request.scheme):
-            response.headers.update(cors_headers(origin))
+        response.headers.update(response_cors(request.headers.get("Origin"), request.host, request.scheme, policy))
     return add_cors

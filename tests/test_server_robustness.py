@@ -174,21 +174,28 @@ async def post_json(port: int, body: dict, headers: str = "") -> tuple[int, dict
     return int(head.split()[1]), json.loads(payload)
 
 
-def test_a_stalled_reader_loses_its_stream():
-    """An SSE write that cannot complete within the write timeout ends the stream as a disconnect would."""
+class NeverDrains:
+    """A response whose writes never complete: a client that stopped reading."""
+    async def write(self, data):
+        await asyncio.sleep(3600)
+
+
+def never_drained_request() -> type:
+    """A request class whose transport records that it was aborted."""
     class Transport:
         aborted = False
 
         def abort(self):
             self.aborted = True
 
-    class NeverDrains:
-        async def write(self, data):
-            await asyncio.sleep(3600)
-
     class Request:
         transport = Transport()
+    return Request
 
+
+def test_a_stalled_reader_loses_its_stream():
+    """An SSE write that cannot complete within the write timeout ends the stream as a disconnect would."""
+    Request = never_drained_request()
     async def run() -> float:
         writer = SSEWriter(NeverDrains(), Request(), write_timeout=0.2)
         start = time.monotonic()
@@ -203,19 +210,7 @@ def test_a_stalled_reader_loses_its_stream():
 
 def test_a_reader_too_far_behind_loses_its_stream():
     """What waits for a reader is bounded in bytes: the chunk that would pass max_buffer cuts the client off."""
-    class Transport:
-        aborted = False
-
-        def abort(self):
-            self.aborted = True
-
-    class NeverDrains:
-        async def write(self, data):
-            await asyncio.sleep(3600)
-
-    class Request:
-        transport = Transport()
-
+    Request = never_drained_request()
     async def run() -> int:
         writer = SSEWriter(NeverDrains(), Request(), write_timeout=60, max_buffer=10_000)
         sent = 0

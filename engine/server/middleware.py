@@ -11,7 +11,7 @@ from aiohttp import web
 from engine.errors import EngineError, PayloadTooLargeError
 from engine.logger import init_logger
 from engine.server.errors import MethodNotAllowedError, NotFoundError, error_response
-from engine.server.origin_policy import OriginPolicy, check_request, cors_headers, origin_listed, same_origin
+from engine.server.origin_policy import OriginPolicy, check_request, preflight_headers, response_cors
 
 logger = init_logger(__name__)
 
@@ -50,8 +50,9 @@ def origin_guard_middleware(policy: OriginPolicy) -> Callable:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         origin = request.headers.get("Origin")
-        if request.method == "OPTIONS" and origin is not None and origin_listed(origin, policy):
-            return web.Response(status=204, headers=cors_headers(origin, preflight=True))
+        preflight = preflight_headers(request.method, origin, policy)
+        if preflight is not None:
+            return web.Response(status=204, headers=preflight)
         refused = check_request(request.raw_path, request.headers.get("Host"), origin, request.scheme, policy,
                                 "engine")
         if refused is not None:
@@ -66,10 +67,7 @@ def origin_guard_middleware(policy: OriginPolicy) -> Callable:
 def cors_signal(policy: OriginPolicy) -> Callable:
     """on_response_prepare: CORS headers for a listed origin, also on streams."""
     async def add_cors(request: web.Request, response: web.StreamResponse) -> None:
-        origin = request.headers.get("Origin")
-        if origin is not None and origin_listed(origin, policy) \
-                and not same_origin(origin, request.host, request.scheme):
-            response.headers.update(cors_headers(origin))
+        response.headers.update(response_cors(request.headers.get("Origin"), request.host, request.scheme, policy))
     return add_cors
 
 

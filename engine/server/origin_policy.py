@@ -127,6 +127,21 @@ def check_request(target: str, host: str | None, origin: str | None, scheme: str
     return None
 
 
+def preflight_headers(method: str, origin: str | None, policy: OriginPolicy) -> dict[str, str] | None:
+    """The headers of the 204 that answers a CORS preflight (OPTIONS) from a listed origin; None for any other
+    request, which then meets check_request."""
+    if method == "OPTIONS" and origin is not None and origin_listed(origin, policy):
+        return cors_headers(origin, preflight=True)
+    return None
+
+
+def response_cors(origin: str | None, host: str, scheme: str, policy: OriginPolicy) -> dict[str, str]:
+    """CORS headers for a response to a listed origin's page (none for the server's own page or anyone else)."""
+    if origin is not None and origin_listed(origin, policy) and not same_origin(origin, host, scheme):
+        return cors_headers(origin)
+    return {}
+
+
 def cors_headers(origin: str, preflight: bool = False) -> dict[str, str]:
     headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
     if preflight:
