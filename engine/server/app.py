@@ -11,6 +11,9 @@
 | GET  /metrics                  | no   | Prometheus text                                              |
 | POST /tokenize, /detokenize    | no   | a prompt or chat messages -> token ids, and back (as vLLM)   |
 | GET  /version                  | no   | {"version": ...}                                             |
+
+auth: "key" routes need the --api-key when one is set. Started by the launcher (a proxy key in the environment,
+auth.py), every route but /health needs a key. Every route first passes the Host/Origin guard (origin_policy.py).
 """
 from __future__ import annotations
 
