@@ -114,8 +114,10 @@ class AsyncLLM:
         requests are counted in one pass, at most every QUEUE_POSITIONS_S."""
         now = time.monotonic()
         if now - self._positions_at > QUEUE_POSITIONS_S:
+            with self._admit:            # input threads add to _streams meanwhile
+                order = list(self._streams)
             running = self.engine.num_running
-            self._positions = {rid: i - running for i, rid in enumerate(self._streams) if i >= running}
+            self._positions = {rid: i - running for i, rid in enumerate(order) if i >= running}
             self._positions_at = now
         return self._positions.get(request_id)
 

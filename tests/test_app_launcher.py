@@ -262,6 +262,9 @@ def test_the_engine_port_answers_only_the_proxy(qwen3_vl_dir, app_env, tmp_path)
         assert not any(key in " ".join(p.cmdline()) for p in children)
         assert "LOCALCHAT_PROXY_KEY" not in engine.environ() or engine.environ()["LOCALCHAT_PROXY_KEY"] == key
         assert http("GET", engine_url + "/stats", headers={"Authorization": f"Bearer {key}"})[0] == 200
+        status_run = subprocess.run([PYTHON, "-m", "app", "status"], cwd=REPO, env=app_env, capture_output=True,
+                                    text=True)
+        assert "KV blocks" in status_run.stdout, status_run.stdout        # read through the proxy
     finally:
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(60) == 0
