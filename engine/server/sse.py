@@ -12,7 +12,6 @@ nothing for `write_timeout` is.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from aiohttp import web
 
@@ -89,8 +88,9 @@ class SSEWriter:
                     self._pending.clear()
                     await self._write(data)
                 self._idle.set()
-        except ConnectionResetError as e:        # StalledClientError too
-            self._failed = self._failed or e
+        except Exception as e:  # noqa: BLE001 - any failed write ends the stream as a disconnect does
+            failed = e if isinstance(e, ConnectionResetError) else ConnectionResetError(f"the write failed: {e!r}")
+            self._failed = self._failed or failed
             self._idle.set()
 
     async def flush(self) -> None:
@@ -116,9 +116,3 @@ class SSEWriter:
         """Stop the sending task (the handler ends: finished, failed or cancelled)."""
         if self._sender is not None:
             self._sender.cancel()
-
-    async def closed(self) -> None:
-        self.close()
-        if self._sender is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
