@@ -6,8 +6,9 @@ each request body is recorded in window.__chat.requests and answered with the ne
 event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set
 (a whole reply {status, body} with `pauseAfter: 0`); `bursts: k` sends the chunks in k network reads instead
 (several events each, as a buffering network does); `drop: true` breaks the connection after the chunks (the
-browser's TypeError); `queued: [n, ...]` first sends the engine's `: queued n ahead` comments, `delayMs` apart. A request that asks for stream_options.continuous_usage_stats gets the running usage in
-every chunk, as the engine sends it.
+browser's TypeError); `queued: [n, ...]` first sends the engine's `: queued n ahead` comments, `delayMs` apart. A
+request that asks for stream_options.continuous_usage_stats gets the running usage in every chunk, as the engine
+sends it.
 """
 from __future__ import annotations
 

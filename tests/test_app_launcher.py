@@ -134,7 +134,8 @@ def test_launcher_and_proxy_import_no_torch_nor_demo_package():
             f"print([m for m in {heavy} if m in sys.modules], 'engine.sizing' in sys.modules)")
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True"
-    code = "import sys; import proxy.server; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))"
+    code = ("import sys; import proxy.server; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))")
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(["engine", "engine.server", "engine.server.origin_policy"])
 

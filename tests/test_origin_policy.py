@@ -9,7 +9,8 @@ POLICY = OriginPolicy.from_lists("chat.lan", "https://app.example")
 
 
 @pytest.mark.parametrize("host,parsed", [
-    ("localhost:8000", ("localhost", "8000")), ("LocalHost", ("localhost", None)), ("127.0.0.1:3001", ("127.0.0.1", "3001")),
+    ("localhost:8000", ("localhost", "8000")), ("LocalHost", ("localhost", None)),
+    ("127.0.0.1:3001", ("127.0.0.1", "3001")),
     ("[::1]:8000", ("::1", "8000")), ("[::1]", ("::1", None)),
     ("localhost:8200@evil.example", None), ("user@localhost", None), ("localhost/x", None), ("localhost:80x", None),
     ("", None), (None, None), ("[::1", None), ("local host", None), ("localhost?", None), ("localhost#", None),

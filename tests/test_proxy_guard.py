@@ -222,7 +222,8 @@ def test_engine_and_proxy_refuse_alike(engine, proxy, what, head, status, code):
 def test_the_own_origin_and_names_pass_at_both(engine, proxy):
     for url in both(engine, proxy):
         for head in ("GET /v1/models HTTP/1.1\r\nHost: localhost:{port}\r\nOrigin: http://localhost:{port}\r\n",
-                     "GET /v1/models HTTP/1.1\r\nHost: [::1]:{port}\r\n", "GET /v1/models HTTP/1.1\r\nHost: x.localhost\r\n"):
+                     "GET /v1/models HTTP/1.1\r\nHost: [::1]:{port}\r\n",
+                     "GET /v1/models HTTP/1.1\r\nHost: x.localhost\r\n"):
             status, body = raw_request(url, head)
             assert status == 200, (url, head, body)
 
