@@ -205,6 +205,8 @@ LAX_REQUESTS = [
      "Origin: https://localhost:{port}\r\n", 403, "origin_not_allowed"),
     ("userinfo in Host", "GET /stats HTTP/1.1\r\nHost: localhost:{port}@evil.example\r\n", 400, "invalid_host"),
     ("a path in Host", "GET /stats HTTP/1.1\r\nHost: localhost/evil\r\n", 400, "invalid_host"),
+    ("two Host headers (aiohttp's own 400)", "GET /stats HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n",
+     400, None),
     ("an absolute-form target naming another host", "GET http://evil.example/v1/models HTTP/1.1\r\n"
      "Host: localhost:{port}\r\n", 400, "invalid_request_target"),
     ("an absolute-form target naming this host", "GET http://localhost:{port}/stats HTTP/1.1\r\n"
