@@ -85,7 +85,8 @@ def status(settings: Settings) -> int:
     print(f"{'engine':>10}: {settings.engine_url}/health -> " + (str(health) if health else "no answer"))
     if state.get("model"):
         print(f"{'model':>10}: {state['model']}")
-    stats = procs.http_json(settings.engine_url + "/stats") if health == 200 else None
+    # Through the proxy: the engine's own port answers only it (the run's key, app/launcher.py).
+    stats = procs.http_json(settings.proxy_url + "/stats") if health == 200 else None
     if stats:
         print(f"{'KV blocks':>10}: {stats.get('num_used_gpu_blocks')} used / {stats.get('num_free_gpu_blocks')} "
               f"free / {stats.get('num_total_gpu_blocks')} total (block size {stats.get('block_size')}); "

@@ -10,6 +10,7 @@ Ports come from ENGINE_PORT (3001) and PROXY_PORT (8000); see app/settings.py fo
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from app.models import TARGET_NAME, ModelNotFound, ResolvedModel, resolve_model
 from app.settings import REPO, Settings
 from engine import load_progress
 from engine.args import EngineArgs
-from engine.server.cli import ServerArgs
+from engine.server.cli import PROXY_KEY_ENV, ServerArgs
 
 POLL_S = 0.3
 
@@ -142,10 +143,16 @@ def demo_notice(model: ResolvedModel, gpu=gpu_memory) -> None:
 
 
 class Supervisor:
-    """One run: the engine and the proxy as children of this process."""
+    """One run: the engine and the proxy as children of this process.
 
-    def __init__(self, s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None):
+    The engine's port answers only the proxy: each run makes a random key that the engine (env
+    LOCALCHAT_PROXY_KEY) and the proxy (env ENGINE_API_KEY) alone receive, never on a command line. With
+    `expose_engine` there is none, and the engine port is as open as its flags make it (the user's --api-key)."""
+
+    def __init__(self, s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None,
+                 expose_engine: bool = False):
         self.s, self.model, self.engine_args, self.api_key = s, model, engine_args, api_key
+        self.proxy_key = None if expose_engine else secrets.token_urlsafe(32)
         self.engine: subprocess.Popen | None = None
         self.proxy: subprocess.Popen | None = None
 
@@ -157,7 +164,7 @@ class Supervisor:
     def start_engine(self, rotate_log: bool = True) -> subprocess.Popen:
         if rotate_log:
             procs.rotate(self.s.engine_log)
-        env = {"VLLM_API_KEY": self.api_key} if self.api_key else {}
+        env = {"VLLM_API_KEY": self.api_key or "", PROXY_KEY_ENV: self.proxy_key or ""}
         cmd = engine_command(self.s, self.model, self.engine_args) + ["--load-status-file",
                                                                      str(load_status_file(self.s))]
         say("engine: " + " ".join(cmd))
@@ -212,7 +219,7 @@ class Supervisor:
                "--engine-status-file", str(load_status_file(self.s)),
                "--supervisor-status-file", str(control.engine_status_file(self.s)),
                "--max-upstream-connections", str(upstream_connections(self.engine_args))]
-        env = {"ENGINE_API_KEY": self.api_key} if self.api_key else {}
+        env = {"ENGINE_API_KEY": self.proxy_key or self.api_key or "", "VLLM_API_KEY": ""}
         self.proxy = procs.spawn(cmd, self.s.proxy_log, env=env, cwd=REPO)
         procs.write_pid(control.pid_file(self.s, "proxy"), self.proxy.pid, "proxy")
         deadline = time.monotonic() + 30
@@ -261,14 +268,15 @@ def fetch_from_hub(s: Settings, model: ResolvedModel, plan: hub.DownloadPlan) ->
 
 
 def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: str | None,
-          plan: hub.DownloadPlan | None = None) -> int:
-    """`plan`: a Hub model to download once the proxy serves the page (then the flags are fitted to it)."""
+          plan: hub.DownloadPlan | None = None, expose_engine: bool = False) -> int:
+    """`plan`: a Hub model to download once the proxy serves the page (then the flags are fitted to it).
+    `expose_engine`: no per-run proxy key, so that the engine's port answers clients directly."""
     for role, host, port, var in (("engine", s.engine_host, s.engine_port, "ENGINE_PORT"),
                                   ("proxy", s.proxy_host, s.proxy_port, "PROXY_PORT")):
         if not procs.port_free(host, port):
             say(f"port {port} ({role}) is already in use; stop what uses it or set {var}.")
             return 1
-    sup = Supervisor(s, model, engine_args, api_key)
+    sup = Supervisor(s, model, engine_args, api_key, expose_engine)
     procs.write_pid(control.pid_file(s, "supervisor"), os.getpid(), "supervisor")
     control.write_state(s, status="starting", model=model.describe(), pid=os.getpid())
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -296,7 +304,11 @@ def start(s: Settings, model: ResolvedModel, engine_args: list[str], api_key: st
         say(f"Ready. Open {s.proxy_url}/ in your browser.")
         if s.proxy_host in ("0.0.0.0", "::"):
             say(f"(listening on all interfaces, port {s.proxy_port})")
-        say(f"Engine API: {s.engine_url}/v1  ·  KV stats: curl {s.engine_url}/stats")
+        if expose_engine:
+            say(f"Engine API: {s.engine_url}/v1  ·  KV stats: curl {s.engine_url}/stats")
+        else:
+            say(f"API: {s.proxy_url}/v1  ·  KV stats: curl {s.proxy_url}/stats  (the engine's own port answers only "
+                "the proxy; --expose-engine opens it)")
         say(f"Logs: {s.engine_log}, {s.proxy_log}.  Stop: Ctrl-C or ./start_all.sh stop")
         if model.demo:
             say(f"(demo model: text only; for images run ./run_app.sh --model /path/to/{TARGET_NAME})")
@@ -356,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if command in ("help", "-h", "--help") else 2
     detach = "--detach" in argv
     argv = [a for a in argv if a != "--detach"]
+    expose_engine = "--expose-engine" in argv or os.environ.get("LOCALCHAT_EXPOSE_ENGINE") == "1"
     alive = control.running(s)
     if alive:
         say(f"already running ({', '.join(f'{r} pid {p.pid}' for r, p in alive.items())}); "
@@ -369,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             model_arg = next(it, None)
         elif arg.startswith("--model="):
             model_arg = arg.split("=", 1)[1]
-        else:
+        elif arg != "--expose-engine":
             rest.append(arg)
     try:
         model = resolve_model(model_arg, tensor_parallel_size=tensor_parallel_size(rest))
@@ -392,4 +405,4 @@ def main(argv: list[str] | None = None) -> int:
     key = key or os.environ.get("ENGINE_API_KEY") or os.environ.get("VLLM_API_KEY")
     if plan is None:
         model, engine_args = fit_engine_flags(model, engine_args)
-    return start(s, model, engine_args, key, plan)
+    return start(s, model, engine_args, key, plan, expose_engine)

@@ -38,6 +38,8 @@ T = TypeVar("T")
 # How long a read of the block map waits for the engine thread to reach a step boundary before it takes the last
 # copy instead (a long prefill on the CPU can hold the thread for seconds).
 READ_WAIT_S = 0.5
+# How old the queue positions that waiting streams report may be.
+QUEUE_POSITIONS_S = 0.25
 
 
 @dataclass
@@ -66,6 +68,8 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._token_texts: dict[int, str] = {}     # token_text's, filled by the event loop
+        self._positions: dict[str, int] = {}       # queue_position's, counted at _positions_at
+        self._positions_at = 0.0
         self._stopping = False
         self.dead_error: BaseException | None = None
         # What other threads read of the engine, written by the engine thread alone (and here, before it starts):
@@ -105,6 +109,19 @@ class AsyncLLM:
         """Requests admitted here that hold no running slot: still crossing to the engine thread, waiting, or
         swapped out (the running count as the engine's last schedule() published it)."""
         return max(0, len(self._streams) - self.engine.num_running)
+
+    def queue_position(self, request_id: str) -> int | None:
+        """How many admitted requests wait ahead of this one for a running slot (admission order, which the fcfs
+        policy runs in), or None if it holds a slot, or may. From the event loop; the positions of all waiting
+        requests are counted in one pass, at most every QUEUE_POSITIONS_S."""
+        now = time.monotonic()
+        if now - self._positions_at > QUEUE_POSITIONS_S:
+            with self._admit:            # input threads add to _streams meanwhile
+                order = list(self._streams)
+            running = self.engine.num_running
+            self._positions = {rid: i - running for i, rid in enumerate(order) if i >= running}
+            self._positions_at = now
+        return self._positions.get(request_id)
 
     def admission_stats(self) -> dict:
         return {"num_pending": self.num_waiting, "max_waiting_requests": self.max_waiting,
@@ -178,34 +195,38 @@ class AsyncLLM:
         return self.engine.check_lengths(prompt, params)
 
     def start_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int,
-                      loop: asyncio.AbstractEventLoop) -> None:
+                      loop: asyncio.AbstractEventLoop, past_queue_limit: bool = False) -> None:
         """Check and queue a request, from any thread; generate() then streams its outputs to `loop`."""
         if not self.is_healthy:
             raise EngineOverloadedError("the engine loop is not running", code="engine_dead")
         self.check_request(prompt, params)
         with self._admit:
-            self._check_room(priority)
+            self.check_room(past_queue_limit)
             self._streams[request_id] = _Stream(loop, asyncio.Queue())
         self._send(AddRequest(request_id, prompt, params, priority, time.time()))
 
-    def _check_room(self, priority: int) -> None:
+    def check_room(self, past_queue_limit: bool = False) -> None:
+        """Raise a 503 (with Retry-After) if a new request would not be admitted now: the engine is down, too many
+        are in flight, or the queue is full. The server asks before any work on a request, start_request again
+        when it queues it. `past_queue_limit`: a privileged request (the server decides: the API key with a
+        priority below 0) may pass the queue limit, never max_pending."""
+        if not self.is_healthy:
+            raise EngineOverloadedError("the engine loop is not running", code="engine_dead")
         if len(self._streams) >= self.max_pending:
             raise EngineOverloadedError(f"too many requests in flight ({len(self._streams)}); retry shortly",
                                         code="overloaded")
-        # vLLM's priority convention: lower runs sooner. A request more urgent than the default may pass the
-        # queue limit (the priority policy then also schedules it first).
-        if self.max_waiting is not None and priority >= 0 and self.num_waiting >= self.max_waiting:
+        if self.max_waiting is not None and not past_queue_limit and self.num_waiting >= self.max_waiting:
             self.num_refused_queue_full += 1
             retry = self._retry_after_s()
             raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting (limit "
                                  f"{self.max_waiting}, --max-waiting-requests); retry in about {retry}s", retry)
 
     async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, past_queue_limit: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream this request's outputs (one per step that produced text), starting it unless a StartRequest
         did. Cancelling the consumer, or leaving the loop early, aborts the request in the engine."""
         if request_id not in self._streams:
-            self.start_request(request_id, prompt, params, priority, asyncio.get_running_loop())
+            self.start_request(request_id, prompt, params, priority, asyncio.get_running_loop(), past_queue_limit)
         stream = self._streams[request_id]
         finished = False
         try:
@@ -256,7 +277,8 @@ class AsyncLLM:
             if start is not None:
                 if start.fit is not None:
                     start.fit(prompt, start.params)
-                self.start_request(start.request_id, prompt, start.params, start.priority, loop)
+                self.start_request(start.request_id, prompt, start.params, start.priority, loop,
+                                   start.past_queue_limit)
             return prompt
         job = self._workers.submit(work)
         try:

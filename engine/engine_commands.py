@@ -75,3 +75,4 @@ class StartRequest:
     params: SamplingParams
     priority: int = 0
     fit: Callable[[ProcessedPrompt, SamplingParams], None] | None = None
+    past_queue_limit: bool = False      # a privileged request (the API key) may pass --max-waiting-requests

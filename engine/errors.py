@@ -39,9 +39,10 @@ class ModelLoadError(EngineError):
 
 
 class EngineOverloadedError(EngineError):
-    """The engine cannot take more requests right now. HTTP 503."""
+    """The engine cannot take more requests right now. HTTP 503, with a Retry-After header (every 503 has one)."""
     status = 503
     err_type = "service_unavailable"
+    retry_after_s = 1
 
 
 class QueueFullError(EngineOverloadedError):
@@ -51,6 +52,12 @@ class QueueFullError(EngineOverloadedError):
     def __init__(self, message: str, retry_after_s: int, param: str | None = None, code: str | None = "queue_full"):
         super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s
+
+
+class PermissionDeniedError(EngineError):
+    """The request asks for what only a client with the API key may (a priority below 0). HTTP 403."""
+    status = 403
+    err_type = "permission_error"
 
 
 class ServerBusyError(EngineError):

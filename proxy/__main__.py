@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy.config import DEFAULT_MAX_UPSTREAM_CONNECTIONS, ProxyConfig
-from proxy.guard import OriginPolicy, normalize_origin
+from engine.server.origin_policy import OriginPolicy
 from proxy.server import create_app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,10 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def split_list(value: str) -> list[str]:
-    return [item.strip() for item in value.split(",") if item.strip()]
-
-
 def load_api_key(key_file: Path | None) -> str | None:
     if key_file is not None:
         return key_file.read_text().strip() or None
@@ -84,9 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                       write_timeout=args.write_timeout, max_upstream_connections=args.max_upstream_connections,
                       engine_status_file=args.engine_status_file,
                       supervisor_status_file=args.supervisor_status_file,
-                      origin_policy=OriginPolicy(
-                          allowed_hosts=frozenset(h.lower() for h in split_list(args.allowed_hosts)),
-                          allowed_origins=frozenset(normalize_origin(o) for o in split_list(args.allowed_origins))))
+                      origin_policy=OriginPolicy.from_lists(f"{args.allowed_hosts},{args.host}",
+                                                            args.allowed_origins))
     log = logging.getLogger("proxy")
     log.info("proxy on http://%s:%d -> engine %s (api key %s, upload limit %g MB)", args.host, args.port,
              cfg.engine_url, "set" if cfg.api_key else "not set", args.max_upload_mb)

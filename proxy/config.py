@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from proxy.guard import OriginPolicy
+from engine.server.origin_policy import OriginPolicy
 
 # The engine's default --max-num-seqs (256) plus its default --max-waiting-requests (1024), and room for the
 # streams that are ending: past this, requests would queue inside the proxy instead of being answered.
@@ -41,6 +41,7 @@ class OpenForwards:
     """The requests being forwarded now, so that a stop can end each one with a word (proxy/forward.py)."""
     tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
+    generations: int = 0         # forwards holding (or waiting for) a connection of the generations' pool
 
 
 OPEN_FORWARDS = web.AppKey("open_forwards", OpenForwards)

@@ -8,12 +8,20 @@ def error_body(message: str, err_type: str, code: str | None = None, param: str 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# Retry-After of a 503 that knows no better (the engine unreachable, restarting without a countdown, the pool
+# full): every 503 says when to come back.
+RETRY_AFTER_S = 2
+
+
 def error_response(status: int, message: str, err_type: str, code: str | None = None,
                    extra: dict | None = None) -> web.Response:
     body = error_body(message, err_type, code)
     if extra:
         body.update(extra)
-    return web.json_response(body, status=status)
+    response = web.json_response(body, status=status)
+    if status == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def unreachable_message(engine_url: str) -> str:

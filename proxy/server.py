@@ -53,6 +53,9 @@ async def _client_session(app: web.Application):
 
 
 def _static_file(cfg: ProxyConfig, rel: str) -> web.StreamResponse:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in rel):     # a NUL would make the file system raise
+        return error_response(400, "the path holds a control character", "invalid_request_error",
+                              code="invalid_path")
     root = cfg.static_dir.resolve()
     target = (root / rel).resolve()
     if not target.is_relative_to(root) or not target.is_file():
@@ -91,11 +94,28 @@ async def health(request: web.Request) -> web.Response:
 
 async def forward_api(request: web.Request) -> web.StreamResponse:
     # The path sent upstream is the route's own, rebuilt here: never the client's spelling of it.
-    return await forward(request, request.match_info.route.resource.canonical, request.app[SESSION])
+    return await _forward_generation(request, request.match_info.route.resource.canonical)
 
 
 async def forward_model(request: web.Request) -> web.StreamResponse:
-    return await forward(request, "/v1/models/" + quote(request.match_info["model"], safe=""), request.app[SESSION])
+    return await _forward_generation(request, "/v1/models/" + quote(request.match_info["model"], safe=""))
+
+
+async def _forward_generation(request: web.Request, upstream_path: str) -> web.StreamResponse:
+    """Through the generations' pool, or 503 at once when every connection of it is taken: a request never
+    waits inside the proxy without an answer (the pool holds all the engine runs and queues, so this is rare)."""
+    cfg, forwards = request.app[CONFIG], request.app[OPEN_FORWARDS]
+    if forwards.generations >= cfg.max_upstream_connections:
+        log.warning("refused %s %s: all %d connections to the engine are in use", request.method, request.path,
+                    cfg.max_upstream_connections)
+        return error_response(503, f"The server is busy: all {cfg.max_upstream_connections} connections to the "
+                                   "inference engine are in use (--max-upstream-connections); retry shortly.",
+                              "service_unavailable", code="proxy_busy")
+    forwards.generations += 1
+    try:
+        return await forward(request, upstream_path, request.app[SESSION])
+    finally:
+        forwards.generations -= 1
 
 
 async def forward_response(request: web.Request) -> web.StreamResponse:

@@ -1,17 +1,20 @@
 // One streamed answer read into its message node: the text as it arrives (onText after each delta), a Thinking
 // model's reasoning before it (node.reasoning, and how long it thought: meta.thoughtMs), the usage and finish
 // reason the engine reports, and the timings the message shows (time to first token, tokens per second).
+// While the request waits for a free slot, the engine says how many wait ahead (`: queued N ahead`): onQueued(N).
 import { postChat } from "./api.js";
 import { readSSE } from "./sse.js";
 
 // An answer's speed is measured only over a stream that lasts this long: chunks that arrive together (a
 // buffering network, a short answer) would otherwise give absurd rates.
 const MIN_RATE_SPAN_MS = 250;
+const QUEUED = /^queued (\d+) ahead$/;
 
 export class AnswerStream {
-  constructor(node, onText) {
+  constructor(node, onText, onQueued = () => {}) {
     this.node = node;
     this.onText = onText;
+    this.onQueued = onQueued;
     this.t0 = performance.now();
     this.chunks = 0;
     this.tFirst = null;
@@ -24,7 +27,11 @@ export class AnswerStream {
   // Reads the answer to `body` until [DONE]; throws on an error event or a stream that ends without [DONE].
   async read(body, controller) {
     const resp = await postChat(body, controller, this.node);
-    for await (const data of readSSE(resp.body)) {
+    const onComment = (text) => {
+      const queued = QUEUED.exec(text);
+      if (queued && this.tFirst === null) this.onQueued(Number(queued[1]));
+    };
+    for await (const data of readSSE(resp.body, onComment)) {
       if (data === "[DONE]") return;
       let event;
       try { event = JSON.parse(data); } catch { continue; }

@@ -287,7 +287,7 @@ async function generate(chat, user, continuing = null) {
   const answer = new AnswerStream(node, (chunks) => {
     box.dataset.chunks = String(chunks);
     if (!frame) frame = requestAnimationFrame(render);  // at most one render per frame
-  });
+  }, (ahead) => { box.querySelector(".content").dataset.queue = String(ahead); });  // shown by chat.css
   // Until the first words: "Thinking… 12 s", so that a long wait (a queue, a long prompt) shows as one.
   const waiting = setInterval(() => {
     box.querySelector(".content").dataset.wait = `${Math.round((performance.now() - answer.t0) / 1000)} s`;

@@ -6,8 +6,9 @@ each request body is recorded in window.__chat.requests and answered with the ne
 event per chunk, `delayMs` apart; `pauseAfter: k` holds the stream after k chunks until window.__chat.go is set
 (a whole reply {status, body} with `pauseAfter: 0`); a chunk {reasoning: text} is a reasoning_content delta;
 `bursts: k` sends the chunks in k network reads instead (several events each, as a buffering network does);
-`drop: true` breaks the connection after the chunks (the browser's TypeError). A request that asks for stream_options.continuous_usage_stats gets the running usage in
-every chunk, as the engine sends it.
+`drop: true` breaks the connection after the chunks (the browser's TypeError); `queued: [n, ...]` first sends the
+engine's `: queued n ahead` comments, `delayMs` apart. A request that asks for stream_options.continuous_usage_stats
+gets the running usage in every chunk, as the engine sends it.
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ window.fetch = async (input, init = {}) => {
   const stream = new ReadableStream({
     async start(controller) {
       signal?.addEventListener("abort", () => { try { controller.error(new DOMException("aborted", "AbortError")); } catch {} });
+      for (const ahead of reply.queued || []) {
+        await sleep(reply.delayMs ?? 10);
+        controller.enqueue(enc.encode(`: queued ${ahead} ahead\n\n`));
+      }
       if (reply.bursts) {
         const size = Math.ceil(reply.chunks.length / reply.bursts);
         for (let i = 0; i < reply.chunks.length; i += size) {
@@ -146,7 +151,8 @@ def delta(text):
 
 
 def script_replies(page, *replies):
-    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, error?, usage?} or {status, body, pauseAfter?}."""
+    """Queue fake-stream replies: each a dict {chunks, delayMs?, pauseAfter?, queued?, error?, usage?} or {status, body,
+    pauseAfter?}."""
     page.evaluate("(rs) => window.__chat.replies.push(...rs)", list(replies))
 
 

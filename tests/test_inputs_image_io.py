@@ -321,6 +321,27 @@ def test_file_urls_cannot_escape_the_allowed_directory(tmp_path):
             fetch_image_bytes(url, allowed_local_media_path=media)
 
 
+def test_file_url_errors_name_only_what_was_sent(tmp_path):
+    """A symlink's target and the allowed directory are the server's business: errors quote the URL's path."""
+    media, secret = tmp_path / "media", tmp_path / "hidden" / "secret.png"
+    media.mkdir()
+    secret.parent.mkdir()
+    secret.write_bytes(encode(RED))
+    (media / "link.png").symlink_to(secret)
+    (media / "dangling.png").symlink_to(tmp_path / "hidden" / "gone.png")
+    for name in ("link.png", "dangling.png"):
+        with pytest.raises(InvalidInputError) as err:
+            fetch_image_bytes((media / name).as_uri(), allowed_local_media_path=media)
+        assert "hidden" not in err.value.message and name in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("suffix", ["ok.png%00.txt", "ok.png%0a", "ok%7f.png"])
+def test_control_characters_in_file_urls_are_400(tmp_path, suffix):
+    (tmp_path / "ok.png").write_bytes(encode(RED))
+    with pytest.raises(InvalidInputError, match="control character"):
+        fetch_image_bytes(f"file://{tmp_path}/{suffix}", allowed_local_media_path=tmp_path)
+
+
 def test_file_urls_obey_the_byte_cap(tmp_path):
     (tmp_path / "a.png").write_bytes(b"\0" * 2000)
     with pytest.raises(PayloadTooLargeError):

@@ -295,3 +295,19 @@ def test_context_meter_shows_the_last_turn_of_max_model_len(chat):
     expect(meter).to_have_attribute("data-used", "1600")
     chat.click("#new-chat")
     expect(meter).to_contain_text("Context 0 / 2,048 tokens")
+
+
+def test_a_queued_answer_shows_its_place_in_the_queue(chat):
+    """The engine's `: queued N ahead` comments show as "Waiting for a free slot (N ahead)" until the first words
+    (text from an attribute through CSS: nothing the stream sends becomes HTML)."""
+    open_page(chat)
+    script_replies(chat, {"chunks": ["hello"], "queued": [2, 1], "pauseAfter": 0, "delayMs": 50})
+    send(chat, "hi")
+    content = last_answer(chat).locator(".content")
+    expect(content).to_have_attribute("data-queue", "1")
+    shown = content.evaluate("(el) => getComputedStyle(el, '::after').content")
+    assert shown.startswith('"Waiting for a free slot (1 ahead)… '), shown
+    chat.evaluate("window.__chat.go = true")
+    answer_done(chat, 0)
+    expect(content).to_have_text("hello")
+

@@ -98,7 +98,8 @@ async def _open_stream(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamW
 
 
 def test_stats_stay_quick_with_300_streams_open(proxy, engine):
-    """The page's KV panel (GET /stats) and a new request do not queue behind 300 open streams."""
+    """The page's KV panel (GET /stats) and a new request do not queue behind 300 open streams: the new chat gets
+    its headers and its place in the queue within seconds."""
     port = int(proxy.url.rsplit(":", 1)[1])
 
     async def run() -> tuple[list[float], float]:
@@ -125,7 +126,15 @@ def test_stats_stay_quick_with_300_streams_open(proxy, engine):
             while engine_stats(engine)["num_pending"] <= before:
                 await asyncio.sleep(0.01)
                 assert time.perf_counter() - start < 10
-            return timings, time.perf_counter() - start
+            admitted = time.perf_counter() - start
+            # ... and its client hears at once that it waits, and where: a status line, then the queue position.
+            reader = streams[-1][0]
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            while not (line := await asyncio.wait_for(reader.readline(), timeout=5)).startswith(b": queued "):
+                pass
+            assert line.rstrip().endswith(b" ahead") and time.perf_counter() - start < 5
+            return timings, admitted
         finally:
             for _, writer in streams:
                 writer.close()
@@ -162,3 +171,106 @@ def test_slow_clients_are_cut_off(engine, tmp_path):
         assert got.startswith(b"HTTP/1.1 408"), got[:200]
     finally:
         other.stop()
+
+
+# ---- the engine guards its own port with the same rules ------------------------------------------------------
+def raw_request(url: str, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """(status, JSON body) of a request written byte for byte: request line and headers as given."""
+    import socket
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        extra = f"Content-Length: {len(body)}\r\n" if body else ""
+        sock.sendall(head.replace("{port}", str(port)).encode() + extra.encode() + b"Connection: close\r\n\r\n" + body)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    head_bytes, _, payload = got.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), json.loads(payload) if payload.startswith(b"{") else {}
+
+
+def both(engine, proxy) -> list[str]:
+    return [engine.url, proxy.url]
+
+
+# (what, request line and headers, status, error code): each refused by the engine as by the proxy.
+LAX_REQUESTS = [
+    ("a rebound Host", "GET /v1/models HTTP/1.1\r\nHost: evil.example:{port}\r\n", 403, "host_not_allowed"),
+    ("a rebound Host on a POST", "POST /v1/chat/completions HTTP/1.1\r\nHost: evil.example\r\n"
+     "Content-Type: application/json\r\n", 403, "host_not_allowed"),
+    ("a foreign Origin", "GET /stats HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: http://evil.example\r\n", 403,
+     "origin_not_allowed"),
+    ("a null Origin", "GET /v1/models HTTP/1.1\r\nHost: localhost:{port}\r\nOrigin: null\r\n", 403,
+     "origin_not_allowed"),
+    ("an https Origin for an http port", "GET /stats HTTP/1.1\r\nHost: localhost:{port}\r\n"
+     "Origin: https://localhost:{port}\r\n", 403, "origin_not_allowed"),
+    ("userinfo in Host", "GET /stats HTTP/1.1\r\nHost: localhost:{port}@evil.example\r\n", 400, "invalid_host"),
+    ("a path in Host", "GET /stats HTTP/1.1\r\nHost: localhost/evil\r\n", 400, "invalid_host"),
+    ("two Host headers (aiohttp's own 400)", "GET /stats HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n",
+     400, None),
+    ("an absolute-form target naming another host", "GET http://evil.example/v1/models HTTP/1.1\r\n"
+     "Host: localhost:{port}\r\n", 400, "invalid_request_target"),
+    ("an absolute-form target naming this host", "GET http://localhost:{port}/stats HTTP/1.1\r\n"
+     "Host: localhost:{port}\r\n", 400, "invalid_request_target"),
+]
+
+
+@pytest.mark.parametrize("what,head,status,code", LAX_REQUESTS, ids=[c[0] for c in LAX_REQUESTS])
+def test_engine_and_proxy_refuse_alike(engine, proxy, what, head, status, code):
+    for url in both(engine, proxy):
+        got, body = raw_request(url, head, b'{"messages": []}' if head.startswith("POST") else b"")
+        assert (got, body.get("error", {}).get("code")) == (status, code), (url, body)
+
+
+def test_the_own_origin_and_names_pass_at_both(engine, proxy):
+    for url in both(engine, proxy):
+        for head in ("GET /v1/models HTTP/1.1\r\nHost: localhost:{port}\r\nOrigin: http://localhost:{port}\r\n",
+                     "GET /v1/models HTTP/1.1\r\nHost: [::1]:{port}\r\n",
+                     "GET /v1/models HTTP/1.1\r\nHost: x.localhost\r\n"):
+            status, body = raw_request(url, head)
+            assert status == 200, (url, head, body)
+
+
+def test_a_full_pool_is_a_503_not_a_wait(engine, tmp_path):
+    """With every connection of its generations' pool taken, the proxy answers 503 with Retry-After at once
+    instead of holding the request without headers; an engine that does not answer is a 503 with Retry-After too."""
+    import urllib.error
+    import urllib.request
+
+    small = start_proxy(engine.url, tmp_path, extra_args=("--max-upstream-connections", "2"))
+    gone = start_proxy("http://127.0.0.1:9", tmp_path)        # nothing listens there
+    held = []
+    try:
+        for _ in range(2):
+            req = urllib.request.Request(small.url + CHAT, json.dumps(chat_body(max_tokens=1500, ignore_eos=True,
+                                                                               stream=True)).encode(),
+                                         {"Content-Type": "application/json"})
+            held.append(urllib.request.urlopen(req, timeout=30))          # headers in: both hold a connection
+        start = time.monotonic()
+        reply = urllib.request.Request(small.url + CHAT, json.dumps(chat_body()).encode(),
+                                       {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(reply, timeout=10)
+            pytest.fail("a third request was served through a pool of two")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
+            assert json.loads(err.read())["error"]["code"] == "proxy_busy"
+        assert time.monotonic() - start < 2
+        for resp in held:
+            resp.close()
+        held.clear()
+        deadline = time.monotonic() + 10
+        while http("POST", small.url + CHAT, chat_body())[0] != 200:      # the connections come back
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        try:
+            urllib.request.urlopen(urllib.request.Request(gone.url + CHAT, json.dumps(chat_body()).encode(),
+                                                          {"Content-Type": "application/json"}), timeout=10)
+            pytest.fail("an engine nobody listens for answered")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
+    finally:
+        for resp in held:
+            resp.close()
+        small.stop()
+        gone.stop()
+    wait_idle(engine, timeout=15)

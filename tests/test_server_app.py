@@ -48,6 +48,12 @@ class ScriptedLLM:
     def check_request(self, prompt, params) -> int:
         return params.max_tokens
 
+    def check_room(self, past_queue_limit=False) -> None:
+        pass
+
+    def queue_position(self, request_id) -> None:
+        return None
+
     def admission_stats(self) -> dict:
         return {"num_pending": 0, "max_waiting_requests": None, "num_refused_queue_full": 0}
 
@@ -57,7 +63,7 @@ class ScriptedLLM:
     async def wait_admitted(self, request_id) -> None:
         await asyncio.Event().wait()     # never says "queued": each stream's first output (or error) comes first
 
-    async def generate(self, request_id, prompt, params, priority=0):
+    async def generate(self, request_id, prompt, params, priority=0, past_queue_limit=False):
         for item in self.script:
             if isinstance(item, BaseException):
                 raise item
@@ -128,7 +134,7 @@ class EndlessLLM(ScriptedLLM):
         super().__init__([])
         self.left: list[str] = []        # requests whose output iterator was left
 
-    async def generate(self, request_id, prompt, params, priority=0):
+    async def generate(self, request_id, prompt, params, priority=0, past_queue_limit=False):
         try:
             yield output("Hel")
             await asyncio.Event().wait()

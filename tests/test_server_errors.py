@@ -2,7 +2,8 @@
 says what to fix, never a 500 or a hang; afterwards the engine still serves normally.
 
 The server runs with an API key, a 1 MB body limit, at most 2 images per prompt, a 1 Mpx image limit, 1.5 Mpx of
-images and 0.5 MB of prompt text per request, so every limit can be hit with small requests.
+images and 0.5 MB of prompt text per request, 100 messages of at most 8 parts, and file:// images from the tests'
+folder, so every limit can be hit with small requests.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -26,6 +28,8 @@ API_KEY = "sk-errors-test"
 SERVED = "tiny-vl"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_MODEL_LEN = 2048
+MAX_MESSAGES, MAX_PARTS = 100, 8
+MEDIA_DIR = Path(__file__).resolve().parent
 # A bad request is answered at once; TEST_FAST_S loosens it on a machine busy with other work.
 FAST_S = float(os.environ.get("TEST_FAST_S", "0.1"))
 
@@ -35,7 +39,8 @@ def server(qwen3_vl_dir, tmp_path_factory):
     srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-errors"), "--max-request-body-mb", "1",
                               "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
                               "--max-pixels-per-request", "1500000", "--max-prompt-text-mb", "0.5",
-                              api_key=API_KEY, served_name=SERVED)
+                              "--max-chat-messages", str(MAX_MESSAGES), "--max-content-parts", str(MAX_PARTS),
+                              "--allowed-local-media-path", str(MEDIA_DIR), api_key=API_KEY, served_name=SERVED)
     # A good image and bytes that are no image first: the first decode starts what later ones reuse, and the first
     # unknown format makes Pillow import all its plugins (once per process); the table times each request.
     http("POST", srv.url + CHAT, image_chat(SMALL_IMAGE), srv.auth, timeout=60)
@@ -116,6 +121,22 @@ CASES = [
          IMAGE_PARAM, "over the limit of 1000000"),
     Case("too many images", CHAT, image_chat(SMALL_IMAGE, SMALL_IMAGE, SMALL_IMAGE), 400, "messages",
          "over the limit of 2"),
+    Case("a NUL in a file:// image path", CHAT, image_chat(f"file://{MEDIA_DIR}/ok.png%00.txt"), 400, IMAGE_PARAM,
+         "control character"),
+    Case("a control character in an image URL", CHAT, image_chat(f"file://{MEDIA_DIR}/a\x01.png"), 400, IMAGE_PARAM,
+         "control character"),
+    Case("a NUL in the model name", CHAT, b'{"model":"tiny\\u0000","messages":[{"role":"user","content":"hi"}]}',
+         400, "model", "NUL"),
+    Case("a NUL in a message", CHAT, b'{"messages":[{"role":"user","content":"a\\u0000b"}]}', 400,
+         "messages[0].content", "NUL"),
+    Case("more messages than --max-chat-messages", CHAT,
+         chat(messages=[{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)), 413, "messages",
+         "--max-chat-messages"),
+    Case("more parts than --max-content-parts", CHAT,
+         chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * (MAX_PARTS + 1)}]), 413,
+         "messages[0].content", "--max-content-parts"),
+    Case("more images than the model takes, counted before any decode", CHAT,
+         image_chat(*["data:image/png;base64,AAAA"] * 3), 400, "messages", "over the limit of 2"),
     Case("images past --max-pixels-per-request", CHAT, image_chat(data_url(Image.new("RGB", (1000, 1000), "red")),
                                                                    data_url(Image.new("RGB", (1000, 1000), "blue"))),
          413, "messages", "--max-pixels-per-request"),

@@ -64,7 +64,7 @@ def seconds_until_closed(sock: socket.socket, limit: float = 10.0) -> tuple[floa
 
 def test_slow_headers_and_idle_connections_are_cut_off(server):
     slow, idle = connect(server), connect(server)
-    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")   # and then nothing more
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # and then nothing more
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         waits = list(pool.map(seconds_until_closed, (slow, idle)))
     assert all(elapsed < KEEP_ALIVE_S + 2 for elapsed, _ in waits), waits
@@ -74,7 +74,7 @@ def test_slow_headers_and_idle_connections_are_cut_off(server):
 def test_a_half_sent_body_gets_408(server):
     sock = connect(server)
     body = json.dumps(chat()).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body[: len(body) // 2])
     elapsed, got = seconds_until_closed(sock)
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
@@ -84,7 +84,7 @@ def test_a_half_sent_body_gets_408(server):
 
 def test_a_slowloris_body_gets_408(server):
     sock = connect(server)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100000\r\n\r\n")
     start, got = time.monotonic(), b""
     sock.settimeout(0.2)
@@ -156,42 +156,72 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     wait_blocks_free(server, timeout=5)
 
 
-def test_a_priority_request_may_pass_a_full_queue(server):
-    """The limit counts requests of the default priority and lower; a more urgent one (priority < 0) is taken."""
-    async def run() -> tuple[list, tuple]:
-        crowd = [asyncio.ensure_future(post_raw(server.port, chat(max_tokens=4, ignore_eos=True)))
-                 for _ in range(320)]
-        while stats(server)["num_refused_queue_full"] == before:
-            await asyncio.sleep(0.01)
-        urgent = await post_raw(server.port, chat(priority=-1))
-        return await asyncio.gather(*crowd), urgent
-    before = stats(server)["num_refused_queue_full"]
-    crowd, urgent = asyncio.run(run())
-    assert 503 in {status for status, _ in crowd} and urgent[0] == 200
+def test_a_priority_below_zero_needs_the_api_key(server):
+    """Without the API key (and without --allow-anonymous-priority) an urgent priority is refused, not queued."""
+    status, body = asyncio.run(post_json(server.port, chat(priority=-1)))
+    assert status == 403 and body["error"]["code"] == "priority_not_allowed", body
+    assert "--api-key" in body["error"]["message"] and body["error"]["param"] == "priority"
 
 
-def test_a_stalled_reader_loses_its_stream():
-    """An SSE write that cannot complete within the write timeout ends the stream as a disconnect would."""
+async def post_json(port: int, body: dict, headers: str = "") -> tuple[int, dict]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + headers.encode() + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    head = await reader.readuntil(b"\r\n\r\n")
+    payload = await reader.read()
+    writer.close()
+    return int(head.split()[1]), json.loads(payload)
+
+
+class NeverDrains:
+    """A response whose writes never complete: a client that stopped reading."""
+    async def write(self, data):
+        await asyncio.sleep(3600)
+
+
+def never_drained_request() -> type:
+    """A request class whose transport records that it was aborted."""
     class Transport:
         aborted = False
 
         def abort(self):
             self.aborted = True
 
-    class NeverDrains:
-        async def write(self, data):
-            await asyncio.sleep(3600)
-
     class Request:
         transport = Transport()
+    return Request
 
+
+def test_a_stalled_reader_loses_its_stream():
+    """An SSE write that cannot complete within the write timeout ends the stream as a disconnect would."""
+    Request = never_drained_request()
     async def run() -> float:
         writer = SSEWriter(NeverDrains(), Request(), write_timeout=0.2)
         start = time.monotonic()
+        await writer.send({"x": 1})            # queued at once; the writer's task waits on the socket
         with pytest.raises(StalledClientError):
-            await writer.send({"x": 1})
+            await writer.flush()
+        with pytest.raises(StalledClientError):
+            await writer.send({"x": 2})
         return time.monotonic() - start
     assert asyncio.run(run()) < 1.0 and Request.transport.aborted
+
+
+def test_a_reader_too_far_behind_loses_its_stream():
+    """What waits for a reader is bounded in bytes: the chunk that would pass max_buffer cuts the client off."""
+    Request = never_drained_request()
+    async def run() -> int:
+        writer = SSEWriter(NeverDrains(), Request(), write_timeout=60, max_buffer=10_000)
+        sent = 0
+        with pytest.raises(StalledClientError, match="10000 bytes behind"):
+            while True:
+                await writer.send({"text": "x" * 100})
+                sent += 1
+        writer.close()
+        return sent
+    event = len(b'data: {"text":"' + b"x" * 100 + b'"}\n\n')
+    assert asyncio.run(run()) == 10_000 // event and Request.transport.aborted
 
 
 def test_a_queued_stream_gets_its_headers_at_once(server):
@@ -261,6 +291,125 @@ def test_a_large_tokenize_does_not_stall_open_streams(server):
         return max(gaps), end - start
     largest_gap, tokenize_s = asyncio.run(run())
     assert largest_gap < tokenize_s / 4, (largest_gap, tokenize_s)
+    wait_blocks_free(server, timeout=10)
+
+
+class PeakRSS:
+    """The engine's largest resident memory while the `with` block runs, sampled every 20 ms on a thread."""
+
+    def __init__(self, server):
+        self.process = psutil.Process(server.proc.pid)
+
+    def __enter__(self) -> "PeakRSS":
+        self.baseline = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+        self.pool.submit(self._sample)
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.02)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.pool.shutdown()
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.baseline) / 2**20
+
+
+def test_huge_message_lists_are_refused_at_once_and_streams_go_on(server):
+    """Four bodies of 100,000 tiny messages (3.3 MB each) are refused after one look at their list, each in under
+    a second, while a running stream keeps getting its tokens (no gap of 0.5 s): nothing parses, renders or
+    tokenizes them on the event loop or anywhere else."""
+    body = json.dumps(chat(messages=[{"role": "user", "content": "hi"}] * 100_000)).encode()
+    assert len(body) > 3_000_000
+
+    async def run() -> tuple[list[tuple[int, float]], list[float], float, float]:
+        arrivals: list[float] = []
+        done = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            async def stream() -> None:
+                async with session.post(server.url + CHAT, json=chat(max_tokens=1900, ignore_eos=True,
+                                                                     stream=True)) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            arrivals.append(time.monotonic())
+                        if done.is_set():
+                            break
+
+            async def refused() -> tuple[int, float]:
+                start = time.monotonic()
+                async with session.post(server.url + CHAT, data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    await resp.read()
+                    return resp.status, time.monotonic() - start
+            streaming = asyncio.ensure_future(stream())
+            while len(arrivals) < 5:
+                await asyncio.sleep(0.01)
+            start = time.monotonic()
+            answers = await asyncio.gather(*(refused() for _ in range(4)))
+            end = time.monotonic()
+            await asyncio.sleep(0.3)           # the stream's next token after the last refusal
+            done.set()
+            await streaming
+        return answers, arrivals, start, end
+    answers, arrivals, start, end = asyncio.run(run())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end + 0.3]
+    before = [b - a for a, b in zip(arrivals, arrivals[1:]) if b <= start]
+    print(f"refused in {[round(seconds, 3) for _, seconds in answers]} s; largest token gap {max(gaps):.3f} s "
+          f"(before: {max(before):.3f} s)")
+    assert all(status == 413 for status, _ in answers), answers
+    assert max(seconds for _, seconds in answers) < 1.0, answers
+    assert max(gaps) < 0.5, max(gaps)
+
+
+def _png_data_url(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_a_request_refused_for_its_images_decodes_none(server):
+    """Eight 6000 x 6000 images (36 Mpx each, within --max-image-pixels) are 288 Mpx together, past
+    --max-pixels-per-request: the 413 comes from their headers, and the engine's memory does not grow by the
+    hundreds of MB that decoding even two of them takes."""
+    url = _png_data_url(6000, 6000)
+    parts = [{"type": "image_url", "image_url": {"url": url}} for _ in range(8)]
+    body = chat(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What are these?"}]}])
+    with PeakRSS(server) as rss:
+        reply = http("POST", server.url + CHAT, body)
+    assert reply.status == 413 and "--max-pixels-per-request" in reply.json()["error"]["message"], reply.text
+    assert rss.growth_mb < 50, f"{rss.growth_mb:.0f} MB"
+
+
+def test_a_one_byte_a_second_reader_costs_little(server):
+    """A stream with top_logprobs 20 read one byte a second: what waits for the reader is bounded in bytes
+    (--max-stream-buffer-kb), not a backlog of outputs that each hold the whole answer so far."""
+    data = json.dumps(chat(max_tokens=1900, ignore_eos=True, stream=True, logprobs=True, top_logprobs=20)).encode()
+    with PeakRSS(server) as rss:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        sock.settimeout(2)
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < 20 and sock.recv(1):
+                time.sleep(1.0)
+        except (ConnectionResetError, TimeoutError):
+            pass
+        finally:
+            sock.close()
+    assert rss.growth_mb < 30, f"{rss.growth_mb:.0f} MB"
     wait_blocks_free(server, timeout=10)
 
 

@@ -144,8 +144,9 @@ class MultiprocExecutor(Executor):
         hint = "" if self._ready else (
             " while starting (its error is above; a script that starts a tensor-parallel LLM must guard its entry "
             "point with `if __name__ == \"__main__\":`, as the workers are spawned processes that import it)")
-        self.fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                  f"{_describe_exit(proc.exitcode)}{hint}; the engine stops")
+        logger.error("tensor-parallel worker rank %d was pid %d", rank, proc.pid)   # the log's, not the clients'
+        self.fail(f"tensor-parallel worker rank {rank} exited with code {_describe_exit(proc.exitcode)}{hint}; the "
+                  f"engine stops")
 
     def step_failed(self, error: BaseException) -> None:
         """Rank 0 raised inside a step the workers had received: they may wait in one of its collectives forever.

@@ -84,6 +84,7 @@ def fetch_media_bytes(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, allow_
     # Before urlsplit, which scans (and caches) the whole multi-MB string.
     if url[:5].lower() == "data:":
         return decode_data_url(url, max_bytes, param, media)
+    _refuse_control_characters(url, f"{media} URL", param)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
         if not allow_remote:
@@ -135,6 +136,25 @@ def decode_image(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, max_pixe
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt files
         raise ImageError(f"could not decode image: {e}", param=param) from e
     return to_rgb(image)
+
+
+def image_size(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, param: str | None = None
+               ) -> tuple[int, int]:
+    """(width, height) from the image's header alone, checked against max_pixels: what a request's images will
+    cost is known before any of them is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as image:   # lazy: reads the header only
+                width, height = image.size
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image has more than the limit of {max_pixels} pixels: {e}", param=param) from e
+    except UnidentifiedImageError as e:
+        raise ImageError(f"could not decode image: not a {', '.join(ALLOWED_FORMATS)} image", param=param) from e
+    except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError, ValueError... for corrupt headers
+        raise ImageError(f"could not decode image: {e}", param=param) from e
+    check_pixels(width, height, max_pixels, param)
+    return width, height
 
 
 def _spng_pixels(data: bytes, header: Image.Image) -> np.ndarray | None:
@@ -221,19 +241,34 @@ def _fetch_http(url: str, max_bytes: int, timeout: float, param: str | None, med
     return data
 
 
+def _refuse_control_characters(text: str, what: str, param: str | None) -> None:
+    """400 for a NUL or another control character (C0, DEL): no URL or path holds one, and the file system
+    would fail on a NUL with a ValueError."""
+    bad = next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise InvalidInputError(f"the {what} holds a control character (\\u{ord(bad):04x}) at character "
+                                f"{text.index(bad)}; remove it", param=param)
+
+
 def _read_local(url: str, allowed_dir: Path, max_bytes: int, param: str | None, media: str) -> bytes:
+    """The file a file:// URL names, inside allowed_dir. Errors name the path as the URL gave it, never where
+    a symlink leads nor the allowed directory: the client learns nothing of the disk it did not send."""
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidInputError(f"file:// URL must name a local path, got host {parts.netloc!r}", param=param)
+    given = urllib.request.url2pathname(parts.path)
+    _refuse_control_characters(given, "file path", param)
+    shown = repr(given[:200])
     # resolve() follows symlinks and '..', so the containment check sees where the file really is.
-    path = Path(urllib.request.url2pathname(parts.path)).resolve()
+    path = Path(given).resolve()
     root = allowed_dir.expanduser().resolve()
     if not path.is_relative_to(root):
-        raise InvalidInputError(f"{path} is outside the allowed local media directory {root}", param=param)
+        raise InvalidInputError(f"{shown} is outside the allowed local media directory (--allowed-local-media-path)",
+                                param=param)
     if not path.is_file():
-        raise ImageError(f"no such {media} file: {path}", param=param)
+        raise ImageError(f"no such {media} file: {shown}", param=param)
     size = path.stat().st_size
     if size > max_bytes:
-        raise PayloadTooLargeError(f"{media} {path} is {size} bytes, over the limit of {max_bytes} bytes",
+        raise PayloadTooLargeError(f"{media} {shown} is {size} bytes, over the limit of {max_bytes} bytes",
                                    param=param)
     return path.read_bytes()

@@ -30,7 +30,7 @@ from engine.inputs.chat_messages import ImageRef, VideoRef, parse_chat_messages
 from engine.inputs.chat_template import ChatTemplate, cut_after_final_message, request_template
 from engine.inputs.image_cache import ImageCache
 from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, check_pixels,
-                                    decode_image, fetch_image_bytes)
+                                    decode_image, fetch_image_bytes, image_size)
 from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mm_kwargs import check_mm_processor_kwargs, image_processor_for
 from engine.inputs.mrope import get_mrope_positions
@@ -45,6 +45,13 @@ _PIECE_CHARS = 16384
 _CUT_MARGIN_TOKENS = 2
 # Names the template itself receives; a request's chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """An image of a chat whose size is known and counted, not yet decoded."""
+    ref: ImageRef
+    data: bytes | None          # the fetched bytes; None for an image given decoded (offline)
 
 
 @dataclass(frozen=True)
@@ -160,13 +167,15 @@ class InputProcessor:
         video_proc = self.video_processor.with_kwargs(mm_kwargs, "mm_processor_kwargs", self.video_processor) \
             if chat.videos else None
         with self._text_held((chat.messages, tools, kwargs), "messages"):
-            # Images and videos load on the executor, all at once, while this thread renders; the videos are
-            # awaited before tokenizing (their timestamps are text), the images after. A template error still
-            # wins over a media error, and loads not started by then are not started.
+            # Every image's size is read from its header and counted first: a request refused for its images
+            # decodes none of them, nor any video. Then images and videos load on the executor, all at once, while
+            # this thread renders; the videos are awaited before tokenizing (their timestamps are text), the images
+            # after. A template error still wins over a media error, and loads not started by then are not started.
             pixels = RequestPixels(self.limits.max_pixels_per_request, "messages")
+            sources = [self._image_source(ref, pixels, image_proc) for ref in chat.images]
             pending_videos = [self.executor.submit(self.video_intake.load, ref, video_proc, pixels,
                                                    mm_kwargs.get("fps")) for ref in chat.videos]
-            pending = [self.executor.submit(self._load_image, ref, pixels, image_proc) for ref in chat.images]
+            pending = [self.executor.submit(self._load_image, source, image_proc) for source in sources]
             try:
                 videos: list[ProcessedVideo] = []
 
@@ -176,7 +185,7 @@ class InputProcessor:
                     return self._expand_video_text(rendered, videos)
                 text, token_ids = self._render_chat(template, chat.messages, add_generation_prompt, tools, kwargs,
                                                     continue_final_message, expand_videos if chat.videos else None)
-                images = [self._finish_loading(p, ref, pixels, image_proc) for p, ref in zip(pending, chat.images)]
+                images = [self._finish_loading(p, source, image_proc) for p, source in zip(pending, sources)]
             finally:
                 for p in pending + pending_videos:
                     p.cancel()
@@ -314,12 +323,12 @@ class InputProcessor:
                                         f"got {type(image).__name__}", param="multi_modal_data")
         return [self._process_image(image, f"multi_modal_data.image[{i}]") for i, image in enumerate(images)]
 
-    def _finish_loading(self, loading: Future, ref: ImageRef, pixels: RequestPixels,
+    def _finish_loading(self, loading: Future, source: ImageSource,
                         processor: ImageProcessor | None = None) -> ProcessedImage:
         """The loaded image. A load still queued runs on this thread instead: process_chat itself runs on the
         executor in the server, and a worker that waited for work queued behind it could wait forever once every
         worker did."""
-        return self._load_image(ref, pixels, processor) if loading.cancel() else loading.result()
+        return self._load_image(source, processor) if loading.cancel() else loading.result()
 
     def _finish_video(self, loading: Future, ref: VideoRef, pixels: RequestPixels, processor: VideoProcessor,
                       fps: float | None) -> ProcessedVideo:
@@ -337,32 +346,40 @@ class InputProcessor:
             return match.group(0) if video is None else placeholder_text(list(video.timestamps), start, pad, end)
         return _VIDEO_PLACEHOLDER.sub(one, rendered)
 
-    def _load_image(self, ref: ImageRef, pixels: RequestPixels, processor: ImageProcessor | None = None
-                    ) -> ProcessedImage:
-        """bytes -> base64 decode -> Pillow decode -> the image processor, or the result kept for these bytes.
-        From its header on, a decode counts against the request's pixels (413) and the in-flight budget (429).
-        An upload found in the cache counts against the request's pixels too, so that the answer to a request
-        does not depend on what the cache holds."""
+    def _image_source(self, ref: ImageRef, pixels: RequestPixels,
+                      processor: ImageProcessor | None = None) -> ImageSource:
+        """An image's bytes and its size from the header, counted against the request's pixels (413) whether or
+        not the cache holds it, so that the answer does not depend on the cache: no pixel is decoded here."""
         processor = processor or self.image_processor
         if ref.image is not None:
+            width, height = ref.image.size
+        else:
+            lim = self.limits
+            data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
+                                     allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
+            width, height = image_size(data, lim.max_image_pixels, ref.param)
+        try:
+            processor.resized_size(height, width)     # its shape rules (aspect ratio), from the size
+        except ImageError as e:
+            raise ImageError(e.message, param=ref.param) from e
+        pixels.add(width * height)
+        return ImageSource(ref, None if ref.image is not None else data)
+
+    def _load_image(self, source: ImageSource, processor: ImageProcessor | None = None) -> ProcessedImage:
+        """bytes -> Pillow decode -> the image processor, or the result kept for these bytes. The decode holds
+        its share of the in-flight pixel budget (429) from its header on."""
+        processor = processor or self.image_processor
+        ref = source.ref
+        if ref.image is not None:
             return self._process_image(ref.image, ref.param, processor)
-        lim = self.limits
-        data = fetch_image_bytes(ref.url, max_bytes=lim.max_image_bytes, allow_remote=lim.allow_remote_media,
-                                 allowed_local_media_path=lim.allowed_local_media_path, param=ref.param)
-        decoded = False
+        lim, data = self.limits, source.data
 
         def on_size(width: int, height: int) -> None:
-            nonlocal decoded
-            decoded = True
-            pixels.add(width * height)
             held.enter_context(self.pixel_budget.hold(width * height, ref.param))
         with contextlib.ExitStack() as held:     # the decode's share of the pixel budget, from its header on
-            image = self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
+            return self.image_cache.get_or_process(data, lambda: self._process_image(decode_image(
                 data, lim.max_image_bytes, lim.max_image_pixels, ref.param, on_size=on_size), ref.param, processor),
                 settings="" if processor is self.image_processor else processor.cache_key)
-        if not decoded:
-            pixels.add(image.source_pixels)
-        return image
 
     def _process_image(self, image: Image.Image | np.ndarray, param: str,
                        processor: ImageProcessor | None = None) -> ProcessedImage:

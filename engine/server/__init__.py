@@ -6,8 +6,9 @@
 | cli.py          | the flags: EngineArgs' vLLM flags plus ServerArgs' (--host, --port, ...)   |
 | serve.py        | start-up: logging, the engine, the listening socket, signals, shutdown      |
 | app.py          | the aiohttp app: routes, middlewares, shared state; the small GET routes    |
-| middleware.py   | access log and errors -> OpenAI-shaped JSON                                 |
-| auth.py         | the Bearer API key on /v1                                                   |
+| middleware.py   | access log, errors -> OpenAI-shaped JSON, the Host/Origin guard, CORS       |
+| auth.py         | the Bearer API key on /v1, the launcher's proxy key, who is privileged      |
+| origin_policy.py| Host, Origin and request-target rules (standard library: the proxy's too)  |
 | errors.py       | the OpenAI error body and the HTTP-only errors (401, 404 model)             |
 | protocol.py     | request bodies -> typed fields and SamplingParams                           |
 | defaults.py     | default sampling parameters (generation_config.json, as vLLM's auto mode)   |

@@ -13,6 +13,9 @@
 | GET  /metrics                  | no   | Prometheus text                                              |
 | POST /tokenize, /detokenize    | no   | a prompt or chat messages -> token ids, and back (as vLLM)   |
 | GET  /version                  | no   | {"version": ...}                                             |
+
+auth: "key" routes need the --api-key when one is set. Started by the launcher (a proxy key in the environment,
+auth.py), every route but /health needs a key. Every route first passes the Host/Origin guard (origin_policy.py).
 """
 from __future__ import annotations
 
@@ -22,14 +25,15 @@ from aiohttp import web
 
 from engine import __version__
 from engine.errors import EngineOverloadedError
-from engine.server.auth import api_key_middleware
+from engine.server.auth import Keys, api_key_middleware
 from engine.server.chat import create_chat_completion
 from engine.server.cli import ServerArgs
 from engine.server.completions import create_completion
 from engine.server.errors import dumps, error_response
 from engine.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.server.metrics import render_metrics
-from engine.server.middleware import access_log_middleware, error_middleware
+from engine.server.middleware import access_log_middleware, cors_signal, error_middleware, origin_guard_middleware
+from engine.server.origin_policy import OriginPolicy
 from engine.server.request_body import BODY_TIMEOUT
 from engine.server.responses import create_response, delete_response, retrieve_response
 from engine.server.state import STATE, ServerState
@@ -108,14 +112,16 @@ ROUTES = [
 ]
 
 
-def build_app(state: ServerState, args: ServerArgs) -> web.Application:
-    middlewares = [error_middleware(args.max_request_body_mb)]
+def build_app(state: ServerState, args: ServerArgs, keys: Keys | None = None) -> web.Application:
+    # The name it listens on is one it answers to (an address needs no listing).
+    policy = OriginPolicy.from_lists(f"{args.allowed_hosts},{args.host}", args.allowed_origins)
+    middlewares = [error_middleware(args.max_request_body_mb), origin_guard_middleware(policy),
+                   api_key_middleware(keys or Keys(args.api_key))]
     if not args.disable_access_log:
         middlewares.insert(0, access_log_middleware())     # outermost: it sees the final status
-    if args.api_key:
-        middlewares.append(api_key_middleware(args.api_key))
     # client_max_size: aiohttp refuses larger bodies with 413 while reading them (turned into JSON above).
     app = web.Application(middlewares=middlewares, client_max_size=args.max_request_body_bytes)
+    app.on_response_prepare.append(cors_signal(policy))
     app[STATE] = state
     app[BODY_TIMEOUT] = args.request_body_timeout
     app.add_routes(ROUTES)

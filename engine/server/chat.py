@@ -46,7 +46,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if constraint is not None:
             await state.engine.compile_structured_output(params, constraint_param)
         start = StartRequest(f"chatcmpl-{uuid.uuid4().hex}", params, options.priority,
-                             None if user_max is not None else state.fit_default_max_tokens)
+                             None if user_max is not None else state.fit_default_max_tokens,
+                             past_queue_limit=options.past_queue_limit)
         prompt = await state.engine.process_chat(f.body.get("messages"), start=start, tools=tools.tools,
                                                  **template)
     gen = Generation(start.request_id, prompt, params, options, int(time.time()), n=n, best_of=best_of)

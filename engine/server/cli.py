@@ -7,9 +7,14 @@ flag errors answer at once, before torch is loaded.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from engine.args import EngineArgs, add_cli_args, api_key_from_env, flag, from_cli
+
+# The per-run key the launcher gives the engine and the proxy (engine/server/auth.py): in the environment, never
+# a flag, so that no other user reads it in `ps`.
+PROXY_KEY_ENV = "LOCALCHAT_PROXY_KEY"
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,23 @@ class ServerArgs:
                                                   "reading; then the request is aborted and its KV blocks freed "
                                                   "(default %(default)s)")
     max_waiting_requests: int = flag(1024, help="requests queued for a running slot beyond which new ones get 503 "
-                                                "with Retry-After (requests with a priority below 0 may exceed it; "
-                                                "default %(default)s)")
+                                                "with Retry-After (requests with a priority below 0 that carry the "
+                                                "--api-key may exceed it; default %(default)s)")
+    allow_anonymous_priority: bool = flag(False, help="accept a priority below 0 from clients without the --api-key "
+                                                      "(they still meet --max-waiting-requests); by default it "
+                                                      "needs the key")
+    allowed_hosts: str = flag("", help="comma-separated host names besides localhost and IP addresses under which "
+                                       "the API may be reached (DNS-rebinding guard; env LOCALCHAT_ALLOWED_HOSTS)")
+    allowed_origins: str = flag("", help="comma-separated origins (https://example.com) whose pages may call the "
+                                         "API from a browser, with CORS; '*' allows any (env "
+                                         "LOCALCHAT_ALLOWED_ORIGINS; default none)")
+    max_chat_messages: int = flag(4096, help="messages one chat request may hold; more are refused (413) before "
+                                             "anything renders them (default %(default)s)")
+    max_content_parts: int = flag(512, help="content parts one message may hold; more are refused (413) before "
+                                            "anything renders them (default %(default)s)")
+    max_stream_buffer_kb: int = flag(1024, help="KiB of output a stream may have waiting for a slow reader; past "
+                                                "it the reader is cut off and the request aborted (default "
+                                                "%(default)s)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +84,9 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be 0 or more")
+        for name in ("max_chat_messages", "max_content_parts", "max_stream_buffer_kb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
 
     @property
     def max_request_body_bytes(self) -> int:
@@ -88,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[EngineArgs, ServerArgs]:
     parser = make_parser()
     ns = parser.parse_args(argv)
     ns.api_key = api_key_from_env(ns.api_key)
+    ns.allowed_hosts = ns.allowed_hosts or os.environ.get("LOCALCHAT_ALLOWED_HOSTS", "")
+    ns.allowed_origins = ns.allowed_origins or os.environ.get("LOCALCHAT_ALLOWED_ORIGINS", "")
     try:            # the dataclasses check ranges and combinations: a usage error, not a crash
         return EngineArgs.from_cli(ns), from_cli(ServerArgs, ns)
     except ValueError as e:

@@ -44,8 +44,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # The first prompt starts as soon as it is processed; the others (own parameters: a default max_tokens
         # is fitted to each prompt) after.
-        prompts = [(await state.engine.process_prompt(inputs[0], start=StartRequest(request_id, params,
-                                                                                     options.priority, fit)),
+        prompts = [(await state.engine.process_prompt(inputs[0], start=StartRequest(
+            request_id, params, options.priority, fit, past_queue_limit=options.past_queue_limit)),
                     params)]
         for prompt_input in inputs[1:]:
             prompt = await state.engine.process_prompt(prompt_input)

@@ -47,6 +47,6 @@ def engine_error_body(err: EngineError) -> dict:
 def error_response(err: EngineError) -> web.Response:
     response = web.json_response(engine_error_body(err), status=err.status, dumps=dumps)
     retry_after = getattr(err, "retry_after_s", None)
-    if retry_after is not None:      # a full queue (QueueFullError): when to come back, as HTTP says it
+    if retry_after is not None:      # a 503 or 429: when to come back, as HTTP says it
         response.headers["Retry-After"] = str(retry_after)
     return response

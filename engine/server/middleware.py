@@ -11,6 +11,7 @@ from aiohttp import web
 from engine.errors import EngineError, PayloadTooLargeError
 from engine.logger import init_logger
 from engine.server.errors import MethodNotAllowedError, NotFoundError, error_response
+from engine.server.origin_policy import OriginPolicy, check_request, preflight_headers, response_cors
 
 logger = init_logger(__name__)
 
@@ -41,6 +42,33 @@ def access_log_middleware() -> Callable:
                         request.version.major, request.version.minor, status,
                         (time.perf_counter() - start) * 1000)
     return access_log
+
+
+def origin_guard_middleware(policy: OriginPolicy) -> Callable:
+    """The proxy's rules (origin_policy.py) at the engine's own port: a page on a rebound or foreign name gets 403,
+    a lax Host or request target 400; a preflight from an origin given with --allowed-origins is answered."""
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        preflight = preflight_headers(request.method, origin, policy)
+        if preflight is not None:
+            return web.Response(status=204, headers=preflight)
+        refused = check_request(request.raw_path, request.headers.get("Host"), origin, request.scheme, policy,
+                                "engine")
+        if refused is not None:
+            err = EngineError(refused.message, code=refused.code)
+            err.status = refused.status
+            err.err_type = "forbidden" if refused.status == 403 else "invalid_request_error"
+            raise err
+        return await handler(request)
+    return guard
+
+
+def cors_signal(policy: OriginPolicy) -> Callable:
+    """on_response_prepare: CORS headers for a listed origin, also on streams."""
+    async def add_cors(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(response_cors(request.headers.get("Origin"), request.host, request.scheme, policy))
+    return add_cors
 
 
 def error_middleware(max_request_body_mb: float) -> Callable:

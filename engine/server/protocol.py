@@ -6,9 +6,11 @@ change the answer if silently ignored are checked, never dropped.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +20,33 @@ from aiohttp import web
 from engine.errors import InvalidInputError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.server.defaults import SamplingDefaults
-from engine.server.request_body import check_json_content_type, check_json_tree, read_body
+from engine.server.request_body import BodyLimits, check_chat_shape, check_json_content_type, check_json_tree, \
+    read_body
 
 MAX_CHOICES = 16                                     # n and best_of: each choice is one engine request
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1     # torch.Generator.manual_seed's range (and vLLM's bounds)
 
 
-async def read_json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object. aiohttp raises 413 past client_max_size while reading."""
+# Bodies up to this size are parsed and checked on the event loop (well under a millisecond); larger ones on a
+# thread of their own, one at a time: orjson holds the GIL for a whole parse (a tenth of a second for 100,000 small
+# objects), so parses in a row on several threads could keep the event loop and the engine thread waiting for as
+# long as all of them take; between two parses on one thread, both get their turn.
+INLINE_PARSE_BYTES = 64 << 10
+_BODY_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="body")
+
+
+async def read_json_body(request: web.Request, limits: BodyLimits | None = None) -> dict[str, Any]:
+    """The body as a JSON object, its chat shape within `limits`. aiohttp raises 413 past client_max_size while
+    reading."""
     check_json_content_type(request)
     raw = await read_body(request)
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return parse_json_body(raw, limits)
+    return await asyncio.get_running_loop().run_in_executor(_BODY_PARSER, parse_json_body, raw, limits)
+
+
+def parse_json_body(raw: bytes, limits: BodyLimits | None = None) -> dict[str, Any]:
+    """The checks of read_json_body after the read, in O(body): any thread."""
     if not raw.strip():
         raise InvalidInputError("the request body is empty; send a JSON object (Content-Type: application/json)",
                                 code="invalid_json")
@@ -40,6 +59,7 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidInputError(f"the request body must be a JSON object, not a JSON {type(body).__name__}",
                                 code="invalid_json")
+    check_chat_shape(body, limits or BodyLimits())
     check_json_tree(body)
     return body
 
@@ -144,6 +164,7 @@ class RequestOptions:
     include_usage: bool          # stream_options.include_usage: a last chunk with the usage
     priority: int
     continuous_usage_stats: bool = False   # stream_options.continuous_usage_stats: usage in every chunk
+    past_queue_limit: bool = False         # a priority below 0 from a client with the API key
 
 
 def parse_options(f: Fields) -> RequestOptions:

@@ -1,21 +1,65 @@
-"""Checks on a request body that come before any field is read: the Content-Type says JSON, and the parsed JSON
-is neither nested past MAX_JSON_DEPTH nor holds a lone UTF-16 surrogate.
+"""Checks on a request body that come before any field is read: the Content-Type says JSON, the chat's shape
+(messages, parts per message, images, videos) is within the server's limits, and the parsed JSON is neither nested past
+MAX_JSON_DEPTH nor holds a lone UTF-16 surrogate or a NUL or other control character where a name, a URL or a
+path goes (`check_json_tree`).
 
-Both would otherwise fail deep inside (a RecursionError in a recursive walk, a TypeError in the tokenizer, an
-encoding error while writing an error message that quotes the value) and come back as a 500. Here they are a
-400 naming the field, found by one iterative walk over the parsed body.
+The nesting and Unicode checks would otherwise fail deep inside (a RecursionError in a recursive walk, a
+TypeError in the tokenizer, an encoding error while writing an error message that quotes the value, a
+ValueError from the file system) and come back as a 500. Here they are a 400 naming the field, found by one
+iterative walk over the parsed body. The shape is checked first: a body of 100,000 tiny messages is refused
+after one pass over its list, before anything renders, tokenizes or decodes it.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from engine.errors import EngineError, InvalidInputError
+from engine.errors import EngineError, InvalidInputError, PayloadTooLargeError
+from engine.server.origin_policy import json_declared
 
 # The deepest real bodies: a tool's JSON-schema parameters (tools[0].function.parameters.properties.x.items...).
 MAX_JSON_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one chat request may hold (the server's flags), checked on the parsed body before any other work."""
+    max_messages: int = 4096             # --max-chat-messages
+    max_parts: int = 512                 # --max-content-parts, per message
+    max_images: int | None = None        # the model's --limit-mm-per-prompt; None: not checked here
+    max_videos: int | None = None        # the same for videos
+
+
+def check_chat_shape(body: dict[str, Any], limits: BodyLimits) -> None:
+    """413 for more messages or parts than the limits, 400 for more images or videos than the model takes:
+    counted on the parsed body, in one pass over its messages, before anything reads their text, images or
+    videos."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return                           # the chat route says what is wrong with it
+    if len(messages) > limits.max_messages:
+        raise PayloadTooLargeError(f"{len(messages)} messages in one request, over the limit of "
+                                   f"{limits.max_messages} (--max-chat-messages); send a shorter history",
+                                   param="messages", code="too_many_messages")
+    images = videos = 0
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        if len(content) > limits.max_parts:
+            raise PayloadTooLargeError(f"messages[{i}].content has {len(content)} parts, over the limit of "
+                                       f"{limits.max_parts} (--max-content-parts)", param=f"messages[{i}].content",
+                                       code="too_many_parts")
+        kinds = [part.get("type") for part in content if isinstance(part, dict)]
+        images += sum(1 for kind in kinds if kind in ("image_url", "image"))
+        videos += sum(1 for kind in kinds if kind in ("video_url", "video"))
+    for count, limit, media in ((images, limits.max_images, "images"), (videos, limits.max_videos, "videos")):
+        if limit is not None and count > limit:
+            raise InvalidInputError(f"{count} {media} in one prompt, over the limit of {limit} "
+                                    f"(--limit-mm-per-prompt)", param="messages", code=f"too_many_{media}")
 
 
 class UnsupportedMediaTypeError(EngineError):
@@ -27,10 +71,9 @@ def check_json_content_type(request: web.Request) -> None:
     """A body must be declared as JSON: application/json or an application/...+json type, with any parameters
     (charset). A missing or other Content-Type is refused, so a browser's cross-site "simple" request (text/plain,
     form data, or a typeless Blob, none of which needs a CORS preflight) never reaches a handler. The proxy
-    (proxy/guard.py) applies the same rule with the same answer; docs/API.md states it."""
+    applies the same rule (origin_policy.json_declared) with the same answer; docs/API.md states it."""
     declared = request.headers.get("Content-Type")
-    media = (declared or "").split(";", 1)[0].strip().lower()
-    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+    if json_declared(declared):
         return
     shown = repr(declared[:60]) if declared else "missing"
     raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {shown} (curl: -H "
@@ -61,7 +104,13 @@ def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
 
 
 def _check_text(text: Any, path: tuple) -> None:
-    if not isinstance(text, str) or text.isascii():
+    if not isinstance(text, str):
+        return
+    if "\x00" in text:               # no text, name, URL or path holds one; file systems and C libraries stop at it
+        where = field_path(path) or "the body"
+        raise InvalidInputError(f"{where} holds a NUL character (\\u0000) at character {text.index(chr(0))}; "
+                                f"remove it", param=field_path(path) or None, code="invalid_character")
+    if text.isascii():
         return
     try:
         text.encode("utf-8")

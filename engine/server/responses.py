@@ -18,6 +18,7 @@ from engine.outputs import RequestOutput
 from engine.server.errors import dumps
 from engine.server.protocol import Fields, renamed_params, sampling_params
 from engine.server.reasoning import ReasoningStreams, after_reasoning, request_reasoning
+from engine.server.request_body import check_chat_shape
 from engine.server.responses_items import OutputEvents, function_call_item, message_item, new_id, reasoning_item
 from engine.server.responses_protocol import chat_tools, check_unsupported, input_messages, text_format
 from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation
@@ -48,6 +49,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     reasoning = request_reasoning(state.reasoning_parser, template_kwargs)
     user_max = f.integer("max_output_tokens", None)
     with renamed_params({"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}):
+        check_chat_shape({"messages": messages}, state.body_limits)     # the chat's limits, before any work
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
         params = sampling_params(f, state.sampling_defaults, max_tokens, None, after_reasoning(constraint, reasoning))
         if constraint is not None:

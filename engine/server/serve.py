@@ -15,6 +15,7 @@ from engine import __version__, load_progress
 from engine.args import EngineArgs
 from engine.errors import ModelLoadError
 from engine.logger import add_log_file, init_logger
+from engine.server.auth import Keys
 from engine.server.cli import ServerArgs, parse_args
 
 logger = init_logger(__name__)
@@ -24,6 +25,7 @@ LISTEN_BACKLOG = 2048
 
 def run(argv: list[str] | None = None) -> None:
     engine_args, server_args = parse_args(argv)
+    keys = Keys.from_env(server_args.api_key)       # before any worker process could inherit the proxy key
     if server_args.log_file:
         add_log_file(server_args.log_file)
     logger.info("engine server version %s", __version__)
@@ -33,6 +35,7 @@ def run(argv: list[str] | None = None) -> None:
     from engine.async_llm import AsyncLLM            # torch and the model code: only after the flags are good
     from engine.server.app import build_app
     from engine.server.defaults import load_sampling_defaults
+    from engine.server.request_body import BodyLimits
     from engine.server.state import ServerState
 
     try:
@@ -46,9 +49,14 @@ def run(argv: list[str] | None = None) -> None:
                         sampling_defaults=defaults, log_requests=not server_args.disable_log_requests,
                         auto_tool_choice=server_args.enable_auto_tool_choice,
                         reasoning_parser=server_args.reasoning_parser,
-                        stream_write_timeout=server_args.stream_write_timeout)
+                        stream_write_timeout=server_args.stream_write_timeout,
+                        stream_buffer_bytes=server_args.max_stream_buffer_kb << 10,
+                        allow_anonymous_priority=server_args.allow_anonymous_priority,
+                        body_limits=BodyLimits(server_args.max_chat_messages, server_args.max_content_parts,
+                                               engine.model_info.max_images_per_prompt,
+                                               engine.model_info.max_videos_per_prompt))
     try:
-        code = asyncio.run(_serve(build_app(state, server_args), server_args))
+        code = asyncio.run(_serve(build_app(state, server_args, keys), server_args))
     finally:
         engine.shutdown()
     sys.exit(code)

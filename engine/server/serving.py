@@ -21,17 +21,20 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from engine.errors import EngineError
+from engine.errors import EngineError, PermissionDeniedError
 from engine.inputs.types import ProcessedPrompt
 from engine.logger import init_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.errors import dumps
 from engine.server.protocol import Fields, RequestOptions, parse_options, read_json_body
+from engine.server.auth import PRIVILEGED
 from engine.server.sse import SSEWriter
 from engine.server.state import STATE, ServerState
 
 logger = init_logger(__name__)
+# How often a stream still waiting for its first output looks up its place in the queue.
+QUEUE_REPORT_S = 0.5
 
 
 @dataclass
@@ -118,12 +121,30 @@ class ResponseFormat(abc.ABC):
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
     """The server's state, the body's fields and the options every generation endpoint shares, once the body
-    has named the served model."""
+    has named the served model. A request the engine would not admit now (a full queue, an engine down) is
+    answered 503 before its body is parsed, unless it carries the API key (it may pass the queue limit)."""
     state = request.app[STATE]
-    f = Fields(await read_json_body(request))
+    privileged = request.get(PRIVILEGED, False)
+    if not privileged:
+        state.engine.check_room()
+    f = Fields(await read_json_body(request, state.body_limits))
     options = parse_options(f)
     state.check_model(options.model)
+    if options.priority < 0:
+        options = dataclasses.replace(options, past_queue_limit=_priority_allowed(state, privileged))
     return state, f, options
+
+
+def _priority_allowed(state: ServerState, privileged: bool) -> bool:
+    """A priority below 0 is a privilege: the API key's (which may then pass the queue limit), or anyone's with
+    --allow-anonymous-priority (still under the queue limit). Whether the request may pass the queue limit."""
+    if privileged:
+        return True
+    if not state.allow_anonymous_priority:
+        raise PermissionDeniedError("a priority below 0 needs the server's API key (Authorization: Bearer, "
+                                    "--api-key), or a server started with --allow-anonymous-priority",
+                                    param="priority", code="priority_not_allowed")
+    return False
 
 
 def usage(outs: list[RequestOutput], num_prompts: int = 1) -> dict:
@@ -154,7 +175,7 @@ async def serve_generation(request: web.Request, state: ServerState, gen: Genera
         with contextlib.ExitStack() as stack:
             def start(child) -> AsyncIterator[RequestOutput]:
                 rid, prompt, params = child
-                it = state.engine.generate(rid, prompt, params, gen.options.priority)
+                it = state.engine.generate(rid, prompt, params, gen.options.priority, gen.options.past_queue_limit)
                 stack.callback(state.engine.release, rid)     # aborts the request if it has not finished
                 return it
             streams = [start(children[0])]
@@ -252,16 +273,26 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
     refusal before that is a plain error response), so that a queued client sees its request accepted."""
     first_task = await _first_output_or_admission(state, gen, streams[0])
     try:
-        sse = await SSEWriter.start(request, state.stream_write_timeout, named_events=fmt.named_events)
+        sse = await SSEWriter.start(request, state.stream_write_timeout, named_events=fmt.named_events,
+                                    max_buffer=state.stream_buffer_bytes)
     except BaseException:
         await _cancel(first_task)
         raise
+    try:
+        return await _stream_events(state, gen, fmt, sse, first_task, streams, start_others)
+    finally:
+        sse.close()
+
+
+async def _stream_events(state: ServerState, gen: Generation, fmt: ResponseFormat, sse: SSEWriter,
+                         first_task: asyncio.Task, streams: list[AsyncIterator[RequestOutput]],
+                         start_others: Callable[[], list[AsyncIterator[RequestOutput]]]) -> web.StreamResponse:
     queue: asyncio.Queue = asyncio.Queue()
     readers: list[asyncio.Task] = []
     try:
         for event in fmt.opening():
             await sse.send(event)
-        first = await first_task
+        first = await _first_while_queued(state, gen.request_id, sse, first_task)
         streams += start_others()
         readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
                    for i, s in enumerate(streams)]
@@ -290,6 +321,21 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         await _cancel(first_task, *readers)
     await sse.finish()
     return sse.response
+
+
+async def _first_while_queued(state: ServerState, request_id: str, sse: SSEWriter,
+                              first_task: asyncio.Task) -> RequestOutput:
+    """The first output; until it comes, the request's place in the queue whenever it changes, as an SSE comment
+    (`: queued N ahead`), which OpenAI clients skip and the chat page shows."""
+    reported = None
+    while True:
+        done, _ = await asyncio.wait({first_task}, timeout=QUEUE_REPORT_S)
+        if done:
+            return first_task.result()
+        ahead = state.engine.queue_position(request_id)
+        if ahead is not None and ahead != reported:
+            sse.push(f": queued {ahead} ahead\n\n".encode())
+            reported = ahead
 
 
 async def _read_into(queue: asyncio.Queue, index: int, outputs: AsyncIterator[RequestOutput],

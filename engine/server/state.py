@@ -15,6 +15,7 @@ from engine.logger import init_logger
 from engine.server.defaults import SamplingDefaults
 from engine.server.errors import NotFoundError
 from engine.server.metrics import ServerMetrics
+from engine.server.request_body import BodyLimits
 from engine.server.response_store import ResponseStore
 
 logger = init_logger(__name__)
@@ -30,6 +31,9 @@ class ServerState:
     auto_tool_choice: bool = False     # --enable-auto-tool-choice
     reasoning_parser: str | None = None    # --reasoning-parser
     stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
+    stream_buffer_bytes: int = 1 << 20             # output a stream may have waiting for a slow reader
+    allow_anonymous_priority: bool = False         # --allow-anonymous-priority
+    body_limits: BodyLimits = field(default_factory=BodyLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id

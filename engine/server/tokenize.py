@@ -13,7 +13,7 @@ from engine.server.state import STATE
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    f = Fields(await read_json_body(request))
+    f = Fields(await read_json_body(request, request.app[STATE].body_limits))
     state.check_model(f.string("model", None))
     if f.given("messages"):
         prompt = await state.engine.process_chat(f.body["messages"], tools=f.body.get("tools"),
@@ -32,7 +32,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    f = Fields(await read_json_body(request))
+    f = Fields(await read_json_body(request, request.app[STATE].body_limits))
     state.check_model(f.string("model", None))
     ids = f.body.get("tokens")
     if not isinstance(ids, list):      # its items are checked off the event loop, with the decoding
