@@ -119,8 +119,7 @@ async def _forward_generation(request: web.Request, upstream_path: str) -> web.S
 
 
 async def forward_response(request: web.Request) -> web.StreamResponse:
-    path = "/v1/responses/" + quote(request.match_info["response_id"], safe="")
-    return await forward(request, path, request.app[SESSION])
+    return await _forward_generation(request, "/v1/responses/" + quote(request.match_info["response_id"], safe=""))
 
 
 async def forward_control(request: web.Request) -> web.StreamResponse:

@@ -254,6 +254,12 @@ def test_a_full_pool_is_a_503_not_a_wait(engine, tmp_path):
         except urllib.error.HTTPError as err:
             assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
             assert json.loads(err.read())["error"]["code"] == "proxy_busy"
+        try:                # a stored response is read through the same pool
+            urllib.request.urlopen(small.url + "/v1/responses/resp_0", timeout=10)
+            pytest.fail("a stored response was read through a full pool")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and int(err.headers["Retry-After"]) >= 1
+            assert json.loads(err.read())["error"]["code"] == "proxy_busy"
         assert time.monotonic() - start < 2
         for resp in held:
             resp.close()

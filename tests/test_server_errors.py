@@ -26,7 +26,7 @@ from servers import start_proxy
 
 API_KEY = "sk-errors-test"
 SERVED = "tiny-vl"
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MAX_MODEL_LEN = 2048
 MAX_MESSAGES, MAX_PARTS = 100, 8
 MEDIA_DIR = Path(__file__).resolve().parent
@@ -137,6 +137,20 @@ CASES = [
          "messages[0].content", "--max-content-parts"),
     Case("more images than the model takes, counted before any decode", CHAT,
          image_chat(*["data:image/png;base64,AAAA"] * 3), 400, "messages", "over the limit of 2"),
+    Case("more videos than the model takes, counted before any decode", CHAT,
+         chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {
+             "url": "data:video/mp4;base64,AAAA"}}] * 3}]), 400, "messages", "over the limit of 2"),
+    Case("a control character in a video URL", CHAT,
+         chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {
+             "url": f"file://{MEDIA_DIR}/a\x01.mp4"}}]}]), 400, "messages[0].content[0].video_url",
+         "control character"),
+    Case("more parts than --max-content-parts (responses)", RESPONSES,
+         {"model": SERVED, "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}] *
+                                      (MAX_PARTS + 1)}]}, 413, "input[0].content", "--max-content-parts"),
+    Case("more images than the model takes (responses), counted before any decode", RESPONSES,
+         {"model": SERVED, "input": [{"role": "user", "content": [
+             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}] * 3}]}, 400, "input",
+         "over the limit of 2"),
     Case("images past --max-pixels-per-request", CHAT, image_chat(data_url(Image.new("RGB", (1000, 1000), "red")),
                                                                    data_url(Image.new("RGB", (1000, 1000), "blue"))),
          413, "messages", "--max-pixels-per-request"),

@@ -33,33 +33,38 @@ class BodyLimits:
     max_videos: int | None = None        # the same for videos
 
 
-def check_chat_shape(body: dict[str, Any], limits: BodyLimits) -> None:
+# Content part types that carry an image or a video: the chat API's, and the Responses API's input_image.
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+_VIDEO_PARTS = ("video_url", "video")
+
+
+def check_chat_shape(body: dict[str, Any], limits: BodyLimits, field: str = "messages") -> None:
     """413 for more messages or parts than the limits, 400 for more images or videos than the model takes:
-    counted on the parsed body, in one pass over its messages, before anything reads their text, images or
-    videos."""
-    messages = body.get("messages")
+    counted on the parsed body's `field` (the chat's messages, the Responses API's input items), in one pass,
+    before anything reads their text, images or videos."""
+    messages = body.get(field)
     if not isinstance(messages, list):
-        return                           # the chat route says what is wrong with it
+        return                           # the route says what is wrong with it
     if len(messages) > limits.max_messages:
         raise PayloadTooLargeError(f"{len(messages)} messages in one request, over the limit of "
                                    f"{limits.max_messages} (--max-chat-messages); send a shorter history",
-                                   param="messages", code="too_many_messages")
+                                   param=field, code="too_many_messages")
     images = videos = 0
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         if len(content) > limits.max_parts:
-            raise PayloadTooLargeError(f"messages[{i}].content has {len(content)} parts, over the limit of "
-                                       f"{limits.max_parts} (--max-content-parts)", param=f"messages[{i}].content",
+            raise PayloadTooLargeError(f"{field}[{i}].content has {len(content)} parts, over the limit of "
+                                       f"{limits.max_parts} (--max-content-parts)", param=f"{field}[{i}].content",
                                        code="too_many_parts")
         kinds = [part.get("type") for part in content if isinstance(part, dict)]
-        images += sum(1 for kind in kinds if kind in ("image_url", "image"))
-        videos += sum(1 for kind in kinds if kind in ("video_url", "video"))
+        images += sum(1 for kind in kinds if kind in _IMAGE_PARTS)
+        videos += sum(1 for kind in kinds if kind in _VIDEO_PARTS)
     for count, limit, media in ((images, limits.max_images, "images"), (videos, limits.max_videos, "videos")):
         if limit is not None and count > limit:
             raise InvalidInputError(f"{count} {media} in one prompt, over the limit of {limit} "
-                                    f"(--limit-mm-per-prompt)", param="messages", code=f"too_many_{media}")
+                                    f"(--limit-mm-per-prompt)", param=field, code=f"too_many_{media}")
 
 
 class UnsupportedMediaTypeError(EngineError):

@@ -34,6 +34,7 @@ _ECHOED = {"instructions": None, "max_output_tokens": None, "metadata": {}, "par
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state, f, options = await read_request(request)
+    check_chat_shape(f.body, state.body_limits, "input")     # the chat's limits on the input items, before any work
     check_unsupported(f)
     store = f.boolean("store", True)
     conversation = _conversation(state, f)
@@ -49,7 +50,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     reasoning = request_reasoning(state.reasoning_parser, template_kwargs)
     user_max = f.integer("max_output_tokens", None)
     with renamed_params({"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}):
-        check_chat_shape({"messages": messages}, state.body_limits)     # the chat's limits, before any work
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
         params = sampling_params(f, state.sampling_defaults, max_tokens, None, after_reasoning(constraint, reasoning))
         if constraint is not None:
