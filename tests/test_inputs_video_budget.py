@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import PayloadTooLargeError, ServerBusyError
+from engine.errors import ImageError, PayloadTooLargeError, ServerBusyError
 from engine.inputs.processor import InputLimits
 from engine.inputs.video_processor import VideoProcessor
-from test_inputs_processor import make_processor
+from test_inputs_processor import image_part, make_processor, noise
 from video_helpers import make_clip, video_part, video_url
 
 CLIP = make_clip(20, fps=10, width=96, height=64)    # 4 frames sampled, resized to 96x64: 4 * 6144 + 6144 pixels
@@ -39,3 +39,18 @@ def test_a_video_beside_others_in_flight_is_429_and_the_budget_is_returned(qwen3
     assert e.value.param == "messages[0].content[1].video_url" and ip.pixel_budget.in_flight == 0
     ip.process_chat(chat())
     assert ip.pixel_budget.in_flight == 0
+
+
+def test_an_image_refused_by_its_header_starts_no_video_decode(qwen3_vl_dir):
+    """Every image's size is checked from its header before any load starts: a request refused for an image
+    decodes none of its videos either."""
+    ip = processor(qwen3_vl_dir, max_image_pixels=64 * 64 - 1)
+    loads = []
+    real_load = ip.video_intake.load
+    ip.video_intake.load = lambda *args: loads.append(args) or real_load(*args)
+    messages = [{"role": "user", "content": [video_part(video_url(CLIP)), image_part(noise(64, 64))]}]
+    with pytest.raises(ImageError, match="over the limit") as e:
+        ip.process_chat(messages)
+    assert e.value.param == "messages[0].content[1].image_url" and loads == []
+    ip.process_chat(chat())                            # the same processor still loads a video
+    assert len(loads) == 1
