@@ -95,6 +95,35 @@ def test_streamed_tool_calls_arrive_as_openai_deltas(client):
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
 
 
+def streamed_calls(client, **kwargs) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed reply's tool calls as (name, arguments) added up from the deltas, and its finish reason."""
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, ["", ""])
+                call[0] += (d.function.name or "") if d.id else ""
+                call[1] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_a_named_call_cut_by_max_tokens_is_the_same_streamed_or_not(client):
+    kwargs = dict(model=SERVED, messages=USER, tools=TOOLS, temperature=1.0, seed=7,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    tokens = [t.token for t in client.chat.completions.create(
+        max_tokens=300, logprobs=True, **kwargs).choices[0].logprobs.content]
+    arguments = re.compile(r'"arguments"\s*:\s*\S')          # the random model pads JSON with whitespace
+    cut = next(i for i in range(len(tokens)) if arguments.search("".join(tokens[:i]))) + 1   # inside the arguments
+    written = "".join(tokens[:cut])
+    whole = client.chat.completions.create(max_tokens=cut, **kwargs).choices[0]
+    assert whole.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == \
+        [("get_time", written[arguments.search(written).end() - 1:])]
+    assert streamed_calls(client, max_tokens=cut, **kwargs) == \
+        ([(c.function.name, c.function.arguments) for c in whole.message.tool_calls], "length")
+
+
 def test_auto_and_none_tool_choice_answer(client):
     for choice in ("auto", "none"):
         reply = client.chat.completions.create(model=SERVED, messages=USER, tools=TOOLS, tool_choice=choice,
