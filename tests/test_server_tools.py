@@ -15,7 +15,10 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
+from engine.inputs.chat_template import ChatTemplate
+from engine.inputs.tool_text import tools_as_text
 from engine_server import http, start_engine_server
+from test_inputs_tool_text import SMOLLM2
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -144,6 +147,24 @@ def test_a_full_tool_round_trip_renders_through_the_models_template(client, qwen
         for c in first.tool_calls]}] + history[2:]
     expected = tok.apply_chat_template(as_template_sees, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<tool_response>" in expected and "<tool_call>" in expected
+    assert reply.usage.prompt_tokens == len(tok(expected, add_special_tokens=False).input_ids)
+
+
+def test_a_tool_round_trip_with_null_content_through_a_template_without_tool_support(client, qwen3_vl_dir):
+    first = client.chat.completions.create(model=SERVED, messages=USER, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=2, max_tokens=300).choices[0].message
+    assert first.content is None
+    # What the openai SDK and LangChain send back: the assistant message with "content": null.
+    history = USER + [first.model_dump()] + [
+        {"role": "tool", "tool_call_id": c.id, "content": json.dumps({"temp": 21})} for c in first.tool_calls]
+    reply = client.chat.completions.create(model=SERVED, messages=history, tools=TOOLS, max_tokens=4, temperature=0,
+                                           extra_body={"chat_template": SMOLLM2})
+    tok = AutoTokenizer.from_pretrained(qwen3_vl_dir)
+    rendered = tools_as_text([USER[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+        for c in first.tool_calls]}, *history[2:]], TOOLS)
+    expected = ChatTemplate(SMOLLM2).render(rendered)
+    assert "<tool_call>" in expected and "<tool_response>" in expected
     assert reply.usage.prompt_tokens == len(tok(expected, add_special_tokens=False).input_ids)
 
 

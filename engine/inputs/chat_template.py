@@ -40,6 +40,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ModelLoadError(f"the chat template does not compile: {e}") from e
         self.content_format: ContentFormat = "openai" if _loops_over_content(ast) else "string"
+        # A template that never reads a message's tool_calls has no tool support (engine/inputs/tool_text.py).
+        self.knows_tools = _reads_tool_calls(ast)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **kwargs: Any) -> str:
@@ -180,5 +182,16 @@ def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
             return True
         if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
                 and it.arg.value == "content":
+            return True
+    return False
+
+
+def _reads_tool_calls(ast: jinja2.nodes.Template) -> bool:
+    """Whether the template reads some `x.tool_calls` / `x['tool_calls']`."""
+    for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "tool_calls":
+            return True
+        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                and node.arg.value == "tool_calls":
             return True
     return False

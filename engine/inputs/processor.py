@@ -29,6 +29,7 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
                                     decode_image, fetch_image_bytes)
 from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.tool_text import tools_as_text, uses_tools
 from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt
 
@@ -134,6 +135,8 @@ class InputProcessor:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
         chat = parse_chat_messages(messages, template.content_format)
+        if not template.knows_tools and uses_tools(chat.messages, tools):
+            chat.messages, tools = tools_as_text(chat.messages, tools), None
         if chat.images and not self.model_config.is_multimodal:
             raise self._text_only_error(chat.images[0].param)
         self._check_image_count(len(chat.images), "messages")
