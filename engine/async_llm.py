@@ -150,7 +150,7 @@ class AsyncLLM:
                            start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
         `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
-        (tools, chat_template, continue_final_message)."""
+        (tools, chat_template, continue_final_message, truncate_prompt_tokens)."""
         ip = self.engine.input_processor
         return await self._on_worker(
             lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)
@@ -168,8 +168,9 @@ class AsyncLLM:
             e.param = param or e.param
             raise
 
-    async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
-        return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)
+    async def process_prompt(self, prompt, start: StartRequest | None = None,
+                             truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        return await self._on_worker(lambda: self.engine.process_prompt(prompt, truncate_prompt_tokens), start)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Raise PromptTooLongError etc. now, not after the stream has begun. Returns the resolved max_tokens."""

@@ -77,10 +77,10 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch."), self.device)
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def process_prompt(self, prompt) -> ProcessedPrompt:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         if isinstance(prompt, ProcessedPrompt):
             return prompt
-        return self.input_processor.process(prompt)
+        return self.input_processor.process(prompt, truncate_prompt_tokens)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:

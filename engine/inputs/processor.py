@@ -83,9 +83,13 @@ class InputProcessor:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- entry points ---------------------------------------------------------------------------------------
-    def process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
+    def process(self, prompt: str | dict[str, Any], truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """A completion prompt: a string (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM does),
-        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}."""
+        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}.
+        truncate_prompt_tokens: only the prompt's last k tokens are kept (vLLM's)."""
+        return self._keep_last(self._process(prompt), truncate_prompt_tokens)
+
+    def _process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
         if isinstance(prompt, str):
             with self._text_held(prompt, "prompt"):
                 return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
@@ -117,11 +121,12 @@ class InputProcessor:
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-                     continue_final_message: bool = False) -> ProcessedPrompt:
+                     continue_final_message: bool = False, truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
         `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
         them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
-        text ends, for the model to continue that message."""
+        text ends, for the model to continue that message. truncate_prompt_tokens: only the rendered prompt's
+        last k tokens are kept (vLLM's)."""
         template = self.chat_template if chat_template is None else request_template(chat_template)
         if template is None:
             raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
@@ -152,7 +157,7 @@ class InputProcessor:
             finally:
                 for p in pending:
                     p.cancel()
-            return self._build(token_ids, images, text, param="messages")
+            return self._keep_last(self._build(token_ids, images, text, param="messages"), truncate_prompt_tokens)
 
     def _text_held(self, text: Any, param: str) -> contextlib.AbstractContextManager:
         """The prompt text's share of the in-flight text budget while it is rendered and tokenized, once it is
@@ -181,6 +186,18 @@ class InputProcessor:
             self.typed_specials.encode(rendered, markers))
 
     # ---- building the prompt --------------------------------------------------------------------------------
+    def _keep_last(self, prompt: ProcessedPrompt, k: int | None) -> ProcessedPrompt:
+        """The prompt cut to its last k tokens (left truncation, as vLLM's), built again so that its positions
+        start at 0; its text is no longer the prompt's, so it is dropped. A prompt with images is not cut: the
+        cut would split an image or move every placeholder."""
+        if k is None or len(prompt.prompt_token_ids) <= k:
+            return prompt
+        if prompt.images:
+            raise InvalidInputError(f"truncate_prompt_tokens ({k}) would cut this prompt of "
+                                    f"{len(prompt.prompt_token_ids)} tokens, which holds images; prompts with images "
+                                    f"are not truncated", param="truncate_prompt_tokens")
+        return self._build(prompt.prompt_token_ids[-k:], [], None)
+
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
                param: str = "prompt") -> ProcessedPrompt:
         mc = self.model_config

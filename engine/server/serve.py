@@ -45,7 +45,8 @@ def run(argv: list[str] | None = None) -> None:
     state = ServerState(engine=engine, served_model_name=engine.model_name, model_path=engine_args.model,
                         sampling_defaults=defaults, log_requests=not server_args.disable_log_requests,
                         auto_tool_choice=server_args.enable_auto_tool_choice,
-                        stream_write_timeout=server_args.stream_write_timeout)
+                        stream_write_timeout=server_args.stream_write_timeout,
+                        return_tokens_as_token_ids=server_args.return_tokens_as_token_ids)
     try:
         code = asyncio.run(_serve(build_app(state, server_args), server_args))
     finally:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineOverloadedError
 from engine.inputs.types import ProcessedPrompt
@@ -28,12 +31,21 @@ class ServerState:
     log_requests: bool = True
     auto_tool_choice: bool = False     # --enable-auto-tool-choice
     stream_write_timeout: float | None = None      # seconds one SSE write may wait for a stalled reader
+    return_tokens_as_token_ids: bool = False       # --return-tokens-as-token-ids: a request's default
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: this server's version and what it serves, as vLLM's
+        `vllm-<version>-<hash8>`; the same for every response of one server."""
+        info = self.engine.model_info
+        what = repr((self.model_path, info.name, info.max_model_len, info.vocab_size, info.multimodal))
+        return f"localchat-{__version__}-{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
 
     @property
     def max_model_len(self) -> int:
