@@ -261,7 +261,9 @@ class AsyncLLM:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            if start is not None:    # the caller left: a request that starts anyway is dropped, not run for no one
+            # The caller left: a prompt still queued is never processed (a burst of abandoned requests must not
+            # hold the input pool for the next one), and a request that starts anyway is dropped, not run for no one.
+            if not job.cancel() and start is not None:
                 job.add_done_callback(lambda _: self.release(start.request_id))
             raise
 

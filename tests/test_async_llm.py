@@ -28,7 +28,7 @@ def llm(qwen3_dir):
 
 def slow_prompts(llm, monkeypatch, seconds: float) -> None:
     real = llm.engine.process_prompt
-    monkeypatch.setattr(llm.engine, "process_prompt", lambda p: time.sleep(seconds) or real(p))
+    monkeypatch.setattr(llm.engine, "process_prompt", lambda p, *args: time.sleep(seconds) or real(p, *args))
 
 
 def wait_idle(llm, timeout: float = 5.0) -> None:
@@ -65,6 +65,29 @@ def test_a_client_gone_while_its_prompt_was_processed_leaves_nothing_running(llm
         await asyncio.sleep(0.5)                     # it finishes, starts the request, and the request is dropped
     asyncio.run(run())
     assert "gone-1" not in llm._streams
+    wait_idle(llm)
+    assert_pool_idle(llm)
+
+
+def test_prompts_still_queued_when_their_clients_leave_are_never_processed(llm, monkeypatch):
+    processed = []
+    slow_prompts(llm, monkeypatch, 0.2)
+    real = llm.engine.process_prompt
+    monkeypatch.setattr(llm.engine, "process_prompt", lambda p, *args: processed.append(p) or real(p, *args))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    workers = llm._workers._max_workers
+
+    async def run():
+        tasks = [asyncio.create_task(llm.process_prompt(f"Hello {i}", start=StartRequest(f"queued-{i}", params)))
+                 for i in range(workers + 20)]
+        await asyncio.sleep(0.05)                    # every worker is busy; 20 prompts wait in the pool's queue
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.5)
+    asyncio.run(run())
+    assert len(processed) <= workers
+    assert not any(rid.startswith("queued-") for rid in llm._streams)
     wait_idle(llm)
     assert_pool_idle(llm)
 
