@@ -176,22 +176,17 @@ def _plain(value: Any) -> Any:
 def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
     """Whether the template iterates over some `x.content` / `x['content']` (then it understands content parts).
     The same idea as vLLM's chat-template content-format detection, reduced to the one pattern templates use."""
-    for loop in ast.find_all(jinja2.nodes.For):
-        it = loop.iter
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
-            return True
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
-                and it.arg.value == "content":
-            return True
-    return False
+    return any(_is_field(loop.iter, "content") for loop in ast.find_all(jinja2.nodes.For))
 
 
 def _reads_tool_calls(ast: jinja2.nodes.Template) -> bool:
     """Whether the template reads some `x.tool_calls` / `x['tool_calls']`."""
-    for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
-        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "tool_calls":
-            return True
-        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
-                and node.arg.value == "tool_calls":
-            return True
-    return False
+    return any(_is_field(node, "tool_calls") for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)))
+
+
+def _is_field(node: jinja2.nodes.Node, name: str) -> bool:
+    """Whether `node` is `x.name` or `x['name']`."""
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == name
+    return isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+        and node.arg.value == name
