@@ -90,7 +90,7 @@ class AsyncLLM:
         """The engine's counters as the engine thread copied them after its last step (or command), at once:
         /stats must answer while a long step runs."""
         stats = self._stats
-        return replace(stats, counters={**stats.counters, "uptime_s": time.time() - self._started})
+        return replace(stats, counters={**stats.counters, "uptime_s": time.monotonic() - self._started})
 
     async def get_block_map(self) -> dict:
         """Who holds which GPU block (engine/kv_map.py), copied by the engine thread at its next step boundary

@@ -157,6 +157,13 @@ def test_decode_refuses_anything_but_ids_of_the_vocabulary(llm, bad):
     assert e.value.param == "tokens" and repr(bad) in e.value.message
 
 
+def test_uptime_counts_seconds_since_the_engine_started(llm):
+    first = llm.get_stats().counters["uptime_s"]
+    time.sleep(0.05)
+    second = llm.get_stats().counters["uptime_s"]
+    assert 0 < first < second < 3600
+
+
 def test_model_info_describes_the_served_model(llm):
     info = llm.model_info
     assert (info.max_model_len, info.vocab_size) == (256, llm.engine.model_config.vocab_size)
