@@ -381,7 +381,7 @@ class AsyncLLM:
 
     def _step(self) -> list[RequestOutput]:
         try:
-            return self.engine.step()
+            return self.engine.step(before_schedule=self._drain_commands)
         except Exception as e:   # noqa: BLE001 - fail the requests of this step, keep serving the others
             logger.exception("engine step failed; aborting the running requests")
             failed = [r.request_id for r in list(self.engine.scheduler.running)]

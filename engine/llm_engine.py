@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -172,13 +173,17 @@ class LLMEngine:
                 or bool(self.scheduler.finished_req_ids))
 
     # ---- the step ------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_schedule: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (wait for its tokens, update, detokenize) while
-        the device computes. Returns the outputs of the previous step."""
+        the device computes. Returns the outputs of the previous step. `before_schedule` runs right before the
+        scheduler picks the step: AsyncLLM applies there the aborts and adds that came meanwhile (while a
+        step whose sampling needs every token id was awaited, just before)."""
         outputs = []
         if self._inflight is not None and self._inflight.so.needs_host_tokens:
             outputs = self._finish(self._inflight)       # its sampling reads every token id: no overlap
             self._inflight = None
+        if before_schedule is not None:
+            before_schedule()
         so = self.scheduler.schedule()
         self.num_running = len(self.scheduler.running)
         launched = None

@@ -92,6 +92,40 @@ def test_prompts_still_queued_when_their_clients_leave_are_never_processed(llm, 
     assert_pool_idle(llm)
 
 
+def test_an_abort_that_comes_during_a_step_is_applied_before_the_next_schedule(llm, monkeypatch):
+    """A repetition penalty reads every token id, so the previous step is awaited right before the next is
+    scheduled: an abort that arrives while it is awaited still keeps the request out of that next step."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)
+    engine, finishes, after_abort = llm.engine, [], []
+    finish, schedule = engine._finish, engine.scheduler.schedule
+
+    def finish_and_abort(step):
+        finishes.append(1)
+        if len(finishes) == 3:
+            llm.abort("penalized")                     # a client leaves while the step's tokens are awaited
+            after_abort.append(None)
+        return finish(step)
+
+    def recording_schedule():
+        so = schedule()
+        if after_abort and after_abort[-1] is None:
+            after_abort[-1] = set(so.num_scheduled_tokens)
+        return so
+    monkeypatch.setattr(engine, "_finish", finish_and_abort)
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+
+    async def run():
+        prompt = await llm.process_prompt("Hello there")
+        async for out in llm.generate("penalized", prompt, params):
+            if out.finished:
+                return out
+    out = asyncio.run(run())
+    wait_idle(llm)                                     # the abort's output may come before that next schedule
+    assert out.outputs[0].finish_reason == "abort"
+    assert after_abort == [set()]
+    assert_pool_idle(llm)
+
+
 def test_thousands_of_queued_and_running_requests_are_aborted_at_once(llm):
     """A burst of disconnects (every client of a full server leaving) frees everything within the step in flight
     and the next: the aborts reach the engine as one batch (test_core_scheduler times the batch itself), and no
@@ -214,7 +248,7 @@ def test_reads_during_a_long_step_answer_from_the_last_copies(llm, monkeypatch):
     block map copied last."""
     asyncio.run(llm.get_block_map())                    # a fresh copy while idle
     step = llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(4 * READ_WAIT_S) or step())
+    monkeypatch.setattr(llm.engine, "step", lambda **kw: time.sleep(4 * READ_WAIT_S) or step(**kw))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     async def run() -> tuple[float, StatsSnapshot, float, dict]:
