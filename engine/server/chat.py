@@ -86,6 +86,7 @@ class ChatFormat(ResponseFormat):
         self.tools = tools
         self.echo = echo or ""          # the text the answer continues (chat echo)
         self.tool_parsers: dict[int, StreamingToolParser] = {}
+        self.opened: set[int] = set()   # the choices whose opening chunks were sent
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends with "stop".
@@ -96,7 +97,13 @@ class ChatFormat(ResponseFormat):
             return None
         return chat_logprobs(token_ids, entries[-len(token_ids):], self.logprobs, self.token_text)
 
-    def opening_chunks(self, out: RequestOutput, index: int) -> list[dict]:
+    def events(self, out: RequestOutput, index: int) -> list[dict]:
+        opening = [] if index in self.opened else self._opening_chunks(out, index)
+        self.opened.add(index)
+        return opening + super().events(out, index)
+
+    def _opening_chunks(self, out: RequestOutput, index: int) -> list[dict]:
+        """The role alone (and with return_token_ids the prompt's ids), then the echoed text if any."""
         extra = {"prompt_token_ids": out.prompt_token_ids} if self.gen.options.return_token_ids else {}
         chunks = [self.chunk_of(out, _stream_choice(index, {"role": "assistant", "content": ""}), True, **extra)]
         if self.echo:

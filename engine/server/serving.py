@@ -78,10 +78,6 @@ class ResponseFormat(abc.ABC):
         self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
         self.token_text = _token_id_text if gen.options.tokens_as_ids else state.token_text   # tokens in logprobs
 
-    def opening_chunks(self, out: RequestOutput, index: int) -> list[dict]:
-        """The chunks that open choice `index`'s stream, before the chunk of its first output."""
-        return []
-
     @abc.abstractmethod
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
         """The chunk to stream for this output of choice `index`; None: nothing worth sending now."""
@@ -105,6 +101,11 @@ class ResponseFormat(abc.ABC):
 
     def usage_chunk(self, finals: list[RequestOutput]) -> dict:
         return self.envelope(self.chunk_object, [], usage=usage(finals, len(self.gen.prompts)))
+
+    def events(self, out: RequestOutput, index: int) -> list[dict]:
+        """Events streamed for one output of choice `index`."""
+        chunk = self.chunk(out, index)
+        return [] if chunk is None else [chunk]
 
 
 async def read_request(request: web.Request) -> tuple[ServerState, Fields, RequestOptions]:
@@ -255,18 +256,12 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, fmt
         readers = [asyncio.create_task(_read_into(queue, i, s, first if i == 0 else None))
                    for i, s in enumerate(streams)]
         finals: list[RequestOutput | None] = [None] * len(streams)
-        opened: set[int] = set()
         while any(f is None for f in finals):
             index, out = await queue.get()
             if isinstance(out, BaseException):
                 raise out
-            if index not in opened:
-                opened.add(index)
-                for opening in fmt.opening_chunks(out, index):
-                    await sse.send(opening)
-            chunk = fmt.chunk(out, index)
-            if chunk is not None:
-                await sse.send(chunk)
+            for event in fmt.events(out, index):
+                await sse.send(event)
             if out.finished:
                 finals[index] = out
                 _on_finished(state, gen, out)
