@@ -261,9 +261,9 @@ class AsyncLLM:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            # The caller left: a prompt still queued is never processed (a burst of abandoned requests must not
-            # hold the input pool for the next one), and a request that starts anyway is dropped, not run for no one.
-            if not job.cancel() and start is not None:
+            # The caller left. A prompt still queued is never processed (cancelling the awaited wrapper cancels
+            # the job); a request that starts anyway is dropped, not run for no one.
+            if start is not None:
                 job.add_done_callback(lambda _: self.release(start.request_id))
             raise
 

@@ -70,20 +70,26 @@ def test_a_client_gone_while_its_prompt_was_processed_leaves_nothing_running(llm
 
 
 def test_prompts_still_queued_when_their_clients_leave_are_never_processed(llm, monkeypatch):
-    processed = []
-    slow_prompts(llm, monkeypatch, 0.2)
+    processed, gate = [], threading.Event()
     real = llm.engine.process_prompt
-    monkeypatch.setattr(llm.engine, "process_prompt", lambda p, *args: processed.append(p) or real(p, *args))
+
+    def held(p, *args):
+        if isinstance(p, str):                        # a prompt's processing (the engine thread passes results)
+            processed.append(p)
+            gate.wait(10)                             # every worker stays busy until the clients have left
+        return real(p, *args)
+    monkeypatch.setattr(llm.engine, "process_prompt", held)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     workers = llm._workers._max_workers
 
     async def run():
         tasks = [asyncio.create_task(llm.process_prompt(f"Hello {i}", start=StartRequest(f"queued-{i}", params)))
                  for i in range(workers + 20)]
-        await asyncio.sleep(0.05)                    # every worker is busy; 20 prompts wait in the pool's queue
+        await asyncio.sleep(0.1)                     # the workers are busy; the other prompts wait in the queue
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        gate.set()
         await asyncio.sleep(0.5)
     asyncio.run(run())
     assert len(processed) <= workers
