@@ -34,6 +34,7 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
 from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mm_kwargs import check_mm_processor_kwargs, image_processor_for
 from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.tool_text import tools_as_text, uses_tools
 from engine.inputs.typed_specials import TypedSpecialTokens
 from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt, ProcessedVideo
 from engine.inputs.video_intake import MediaAccess, VideoIntake
@@ -103,9 +104,13 @@ class InputProcessor:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- entry points ---------------------------------------------------------------------------------------
-    def process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
+    def process(self, prompt: str | dict[str, Any], truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """A completion prompt: a string (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM does),
-        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}."""
+        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}.
+        truncate_prompt_tokens: only the prompt's last k tokens are kept (vLLM's)."""
+        return self._keep_last(self._process(prompt), truncate_prompt_tokens)
+
+    def _process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
         if isinstance(prompt, str):
             with self._text_held(prompt, "prompt"):
                 return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
@@ -137,13 +142,14 @@ class InputProcessor:
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-                     continue_final_message: bool = False,
-                     mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+                     continue_final_message: bool = False, mm_processor_kwargs: dict[str, Any] | None = None,
+                     truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
         `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
         them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
         text ends, for the model to continue that message. mm_processor_kwargs: the request's own image and
-        video processor settings (engine/inputs/mm_kwargs.py)."""
+        video processor settings (engine/inputs/mm_kwargs.py). truncate_prompt_tokens: only the rendered prompt's
+        last k tokens are kept (vLLM's)."""
         template = self.chat_template if chat_template is None else request_template(chat_template)
         if template is None:
             raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
@@ -157,6 +163,8 @@ class InputProcessor:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
         chat = parse_chat_messages(messages, template.content_format)
+        if not template.knows_tools and uses_tools(chat.messages, tools):
+            chat.messages, tools = tools_as_text(chat.messages, tools), None
         media = chat.images + chat.videos
         if media and not self.model_config.is_multimodal:
             raise self._text_only_error(media[0].param)
@@ -189,7 +197,8 @@ class InputProcessor:
             finally:
                 for p in pending + pending_videos:
                     p.cancel()
-            return self._build(token_ids, images, text, param="messages", videos=videos)
+            return self._keep_last(self._build(token_ids, images, text, param="messages", videos=videos),
+                                   truncate_prompt_tokens)
 
     def _text_held(self, text: Any, param: str) -> contextlib.AbstractContextManager:
         """The prompt text's share of the in-flight text budget while it is rendered and tokenized, once it is
@@ -221,6 +230,18 @@ class InputProcessor:
             self.typed_specials.encode(rendered, markers))
 
     # ---- building the prompt --------------------------------------------------------------------------------
+    def _keep_last(self, prompt: ProcessedPrompt, k: int | None) -> ProcessedPrompt:
+        """The prompt cut to its last k tokens (left truncation, as vLLM's), built again so that its positions
+        start at 0; its text is no longer the prompt's, so it is dropped. A prompt with images or videos is not
+        cut: the cut would split one or move every placeholder."""
+        if k is None or len(prompt.prompt_token_ids) <= k:
+            return prompt
+        if prompt.images:
+            raise InvalidInputError(f"truncate_prompt_tokens ({k}) would cut this prompt of "
+                                    f"{len(prompt.prompt_token_ids)} tokens, which holds images or videos; prompts "
+                                    f"with images or videos are not truncated", param="truncate_prompt_tokens")
+        return self._build(prompt.prompt_token_ids[-k:], [], None)
+
     def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
                param: str = "prompt", videos: list[ProcessedVideo] = ()) -> ProcessedPrompt:
         mc = self.model_config
