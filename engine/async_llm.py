@@ -96,7 +96,7 @@ class AsyncLLM:
         """The engine's counters as the engine thread copied them after its last step (or command), at once:
         /stats must answer while a long step runs."""
         stats = self._stats
-        return replace(stats, counters={**stats.counters, "uptime_s": time.time() - self._started})
+        return replace(stats, counters={**stats.counters, "uptime_s": time.monotonic() - self._started})
 
     async def get_block_map(self) -> dict:
         """Who holds which GPU block (engine/kv_map.py), copied by the engine thread at its next step boundary
@@ -169,7 +169,7 @@ class AsyncLLM:
                            start: StartRequest | None = None, **options) -> ProcessedPrompt:
         """Render, tokenize and decode images off the event loop (raises InvalidInputError/ImageError); with
         `start`, the request is then queued from that same worker thread. `options`: InputProcessor.process_chat's
-        (tools, chat_template, continue_final_message, mm_processor_kwargs)."""
+        (tools, chat_template, continue_final_message, mm_processor_kwargs, truncate_prompt_tokens)."""
         ip = self.engine.input_processor
         return await self._on_worker(
             lambda: ip.process_chat(messages, add_generation_prompt, chat_template_kwargs, **options), start)
@@ -187,8 +187,9 @@ class AsyncLLM:
             e.param = param or e.param
             raise
 
-    async def process_prompt(self, prompt, start: StartRequest | None = None) -> ProcessedPrompt:
-        return await self._on_worker(lambda: self.engine.process_prompt(prompt), start)
+    async def process_prompt(self, prompt, start: StartRequest | None = None,
+                             truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        return await self._on_worker(lambda: self.engine.process_prompt(prompt, truncate_prompt_tokens), start)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> int:
         """Raise PromptTooLongError etc. now, not after the stream has begun. Returns the resolved max_tokens."""
@@ -284,7 +285,9 @@ class AsyncLLM:
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
-            if start is not None:    # the caller left: a request that starts anyway is dropped, not run for no one
+            # The caller left. A prompt still queued is never processed (cancelling the awaited wrapper cancels
+            # the job); a request that starts anyway is dropped, not run for no one.
+            if start is not None:
                 job.add_done_callback(lambda _: self.release(start.request_id))
             raise
 
@@ -402,7 +405,7 @@ class AsyncLLM:
 
     def _step(self) -> list[RequestOutput]:
         try:
-            return self.engine.step()
+            return self.engine.step(before_schedule=self._drain_commands)
         except Exception as e:   # noqa: BLE001 - fail the requests of this step, keep serving the others
             logger.exception("engine step failed; aborting the running requests")
             failed = [r.request_id for r in list(self.engine.scheduler.running)]

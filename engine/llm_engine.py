@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,10 +78,10 @@ class LLMEngine:
                     str(self.dtype).removeprefix("torch."), self.device)
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def process_prompt(self, prompt) -> ProcessedPrompt:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         if isinstance(prompt, ProcessedPrompt):
             return prompt
-        return self.input_processor.process(prompt)
+        return self.input_processor.process(prompt, truncate_prompt_tokens)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
@@ -172,13 +173,17 @@ class LLMEngine:
                 or bool(self.scheduler.finished_req_ids))
 
     # ---- the step ------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_schedule: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Launch the next step, then finish the previous one (wait for its tokens, update, detokenize) while
-        the device computes. Returns the outputs of the previous step."""
+        the device computes. Returns the outputs of the previous step. `before_schedule` runs right before the
+        scheduler picks the step: AsyncLLM applies there the aborts and adds that came meanwhile (while a
+        step whose sampling needs every token id was awaited, just before)."""
         outputs = []
         if self._inflight is not None and self._inflight.so.needs_host_tokens:
             outputs = self._finish(self._inflight)       # its sampling reads every token id: no overlap
             self._inflight = None
+        if before_schedule is not None:
+            before_schedule()
         so = self.scheduler.schedule()
         self.num_running = len(self.scheduler.running)
         launched = None

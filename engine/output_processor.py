@@ -1,7 +1,9 @@
 """From sampled token ids to what a user sees: incremental text, stop strings, finish reasons.
 
 While a request runs, the last (longest stop string - 1) characters are held back, so a stop string that
-arrives over several tokens is never half-streamed before it is cut.
+arrives over several tokens is never half-streamed before it is cut. As in vLLM, stop strings are looked for only
+once min_tokens tokens are out, and only in text that ends after them: the text of the first min_tokens tokens
+is never cut.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class _State:
     detok: IncrementalDetokenizer
     sent_chars: int = 0
     stopped_text: str | None = None      # final text when a stop string ended the request
+    stop_floor: int = 0                  # characters of the first min_tokens tokens: a stop string ends past them
 
 
 class OutputProcessor:
@@ -46,8 +49,10 @@ class OutputProcessor:
             st.detok.flush()
         text = st.detok.output_text
         stops = req.sampling_params.stop_strings
-        if stops:
-            cut = self._find_stop(req, text, st.sent_chars)
+        if stops and len(req.output_token_ids) <= req.sampling_params.min_tokens:
+            st.stop_floor = len(text)
+        elif stops:
+            cut = self._find_stop(req, text, st.sent_chars, st.stop_floor)
             if cut is not None:
                 text, finished = cut, True
                 st.stopped_text = text
@@ -63,11 +68,13 @@ class OutputProcessor:
         text = st.detok.output_text[:st.sent_chars] if st else ""
         return self._output(req, text, "", [], True)
 
-    def _find_stop(self, req: Request, text: str, sent: int) -> str | None:
+    def _find_stop(self, req: Request, text: str, sent: int, floor: int) -> str | None:
+        """The text cut at the first stop string that ends past both `sent` (what was already checked) and
+        `floor` (the min_tokens text); None if there is none."""
         params = req.sampling_params
         best = None
         for s in params.stop_strings:
-            idx = text.find(s, max(0, sent - len(s) + 1))
+            idx = text.find(s, max(0, sent - len(s) + 1, floor - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

@@ -28,7 +28,7 @@ def llm(qwen3_dir):
 
 def slow_prompts(llm, monkeypatch, seconds: float) -> None:
     real = llm.engine.process_prompt
-    monkeypatch.setattr(llm.engine, "process_prompt", lambda p: time.sleep(seconds) or real(p))
+    monkeypatch.setattr(llm.engine, "process_prompt", lambda p, *args: time.sleep(seconds) or real(p, *args))
 
 
 def wait_idle(llm, timeout: float = 5.0) -> None:
@@ -66,6 +66,69 @@ def test_a_client_gone_while_its_prompt_was_processed_leaves_nothing_running(llm
     asyncio.run(run())
     assert "gone-1" not in llm._streams
     wait_idle(llm)
+    assert_pool_idle(llm)
+
+
+def test_prompts_still_queued_when_their_clients_leave_are_never_processed(llm, monkeypatch):
+    processed, gate = [], threading.Event()
+    real = llm.engine.process_prompt
+
+    def held(p, *args):
+        if isinstance(p, str):                        # a prompt's processing (the engine thread passes results)
+            processed.append(p)
+            gate.wait(10)                             # every worker stays busy until the clients have left
+        return real(p, *args)
+    monkeypatch.setattr(llm.engine, "process_prompt", held)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    workers = llm._workers._max_workers
+
+    async def run():
+        tasks = [asyncio.create_task(llm.process_prompt(f"Hello {i}", start=StartRequest(f"queued-{i}", params)))
+                 for i in range(workers + 20)]
+        await asyncio.sleep(0.1)                     # the workers are busy; the other prompts wait in the queue
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        gate.set()
+        await asyncio.sleep(0.5)
+    asyncio.run(run())
+    assert len(processed) <= workers
+    assert not any(rid.startswith("queued-") for rid in llm._streams)
+    wait_idle(llm)
+    assert_pool_idle(llm)
+
+
+def test_an_abort_that_comes_during_a_step_is_applied_before_the_next_schedule(llm, monkeypatch):
+    """A repetition penalty reads every token id, so the previous step is awaited right before the next is
+    scheduled: an abort that arrives while it is awaited still keeps the request out of that next step."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)
+    engine, finishes, after_abort = llm.engine, [], []
+    finish, schedule = engine._finish, engine.scheduler.schedule
+
+    def finish_and_abort(step):
+        finishes.append(1)
+        if len(finishes) == 3:
+            llm.abort("penalized")                     # a client leaves while the step's tokens are awaited
+            after_abort.append(None)
+        return finish(step)
+
+    def recording_schedule():
+        so = schedule()
+        if after_abort and after_abort[-1] is None:
+            after_abort[-1] = set(so.num_scheduled_tokens)
+        return so
+    monkeypatch.setattr(engine, "_finish", finish_and_abort)
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+
+    async def run():
+        prompt = await llm.process_prompt("Hello there")
+        async for out in llm.generate("penalized", prompt, params):
+            if out.finished:
+                return out
+    out = asyncio.run(run())
+    wait_idle(llm)                                     # the abort's output may come before that next schedule
+    assert out.outputs[0].finish_reason == "abort"
+    assert after_abort == [set()]
     assert_pool_idle(llm)
 
 
@@ -134,6 +197,13 @@ def test_decode_refuses_anything_but_ids_of_the_vocabulary(llm, bad):
     assert e.value.param == "tokens" and repr(bad) in e.value.message
 
 
+def test_uptime_counts_seconds_since_the_engine_started(llm):
+    first = llm.get_stats().counters["uptime_s"]
+    time.sleep(0.05)
+    second = llm.get_stats().counters["uptime_s"]
+    assert 0 < first < second < 3600
+
+
 def test_model_info_describes_the_served_model(llm):
     info = llm.model_info
     assert (info.max_model_len, info.vocab_size) == (256, llm.engine.model_config.vocab_size)
@@ -184,7 +254,7 @@ def test_reads_during_a_long_step_answer_from_the_last_copies(llm, monkeypatch):
     block map copied last."""
     asyncio.run(llm.get_block_map())                    # a fresh copy while idle
     step = llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(4 * READ_WAIT_S) or step())
+    monkeypatch.setattr(llm.engine, "step", lambda **kw: time.sleep(4 * READ_WAIT_S) or step(**kw))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     async def run() -> tuple[float, StatsSnapshot, float, dict]:

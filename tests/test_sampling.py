@@ -154,3 +154,19 @@ def test_min_tokens_holds_back_stop_tokens(tiny):
                                                  stop_token_ids=[token], min_tokens=8))
     ids = out.outputs[0].token_ids
     assert len(ids) >= 8 and token not in ids[:7]
+
+
+def test_min_tokens_holds_back_stop_strings(tiny):
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=10)
+    [unstopped] = tiny.generate(PROMPT, SamplingParams(**params))
+    full = unstopped.outputs[0]
+    floor = len(tiny.engine.tokenizer.decode(full.token_ids[:10]))
+    stop = full.text[2:4]                    # written within the first 10 tokens
+    [out] = tiny.generate(PROMPT, SamplingParams(**params, stop=[stop]))
+    c = out.outputs[0]
+    assert len(c.token_ids) > 10
+    later = full.text.find(stop, floor - len(stop) + 1)     # the first one that ends past the min_tokens text
+    if later < 0:
+        assert (c.text, c.finish_reason) == (full.text, "length")
+    else:
+        assert (c.text, c.finish_reason, c.stop_reason) == (full.text[:later], "stop", stop)

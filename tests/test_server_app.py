@@ -92,10 +92,11 @@ def test_error_after_the_stream_began_is_an_event_then_done():
     status, ctype, text = call(llm, "POST", "/v1/chat/completions", {**CHAT_BODY, "stream": True})
     assert status == 200 and ctype.startswith("text/event-stream")
     events = [e[len("data: "):] for e in text.split("\n\n") if e]
-    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
-    error = json.loads(events[1])["error"]
+    assert [json.loads(e)["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""},
+                                                                          {"content": "Hel"}]
+    error = json.loads(events[2])["error"]
     assert error["code"] == "step_failed" and "boom" in error["message"]
-    assert events[2:] == ["[DONE]"]
+    assert events[3:] == ["[DONE]"]
 
 
 def test_a_dead_engine_answers_503():
@@ -122,8 +123,8 @@ def test_a_finished_stream_ends_with_done():
                            {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}})
     events = [e[len("data: "):] for e in text.split("\n\n") if e]
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:2]] == [None, "stop"]
-    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "stop"]
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 1
     assert events[-1] == "[DONE]"
 
 

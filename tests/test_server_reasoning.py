@@ -157,3 +157,19 @@ def test_a_response_has_a_reasoning_item_before_its_message(client, forcing):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
     assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_a_stream_opens_with_the_role_alone_and_reasoning_deltas_carry_no_content(server, client, forcing):
+    seed, _, reply = split_runs(client, forcing, seeds=range(6))[0]
+    body = {"model": SERVED, "messages": USER, "seed": seed, "stream": True,
+            **{k: v for k, v in forcing.items() if k not in ("extra_body", "logprobs")}, **forcing["extra_body"]}
+    answer = http("POST", server.url + "/v1/chat/completions", body)
+    assert answer.status == 200, answer.text
+    events = [line[len("data: "):] for line in answer.text.splitlines() if line.startswith("data: ")]
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all("role" not in d for d in deltas[1:])
+    thinking = [d for d in deltas if "reasoning_content" in d]
+    assert thinking and all("content" not in d for d in thinking)
+    assert "".join(d["reasoning_content"] for d in thinking) == reply.choices[0].message.reasoning_content
+    assert "".join(d.get("content", "") for d in deltas) == (reply.choices[0].message.content or "")

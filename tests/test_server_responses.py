@@ -140,6 +140,33 @@ def test_a_named_tool_choice_calls_that_tool(client):
     assert [item.type for item in reply.output] == ["function_call"]
 
 
+def function_calls(output) -> list[tuple[str, str]]:
+    return [(item.name, item.arguments) for item in output if item.type == "function_call"]
+
+
+def test_a_function_call_cut_by_max_output_tokens_is_the_same_streamed_or_not(client):
+    ask = dict(model=SERVED, input="Weather?", tools=[WEATHER], temperature=1.0, extra_body={"seed": 7},
+               tool_choice={"type": "function", "name": "get_weather"})
+    full = client.responses.create(max_output_tokens=300, **ask)
+    (name, arguments), = function_calls(full.output)
+    cuts_inside_the_arguments = 0
+    for limit in range(1, full.usage.output_tokens, max(1, full.usage.output_tokens // 8)):
+        whole = client.responses.create(max_output_tokens=limit, **ask)
+        with client.responses.stream(max_output_tokens=limit, **ask) as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
+        assert whole.status == streamed.status == "incomplete"
+        assert function_calls(streamed.output) == function_calls(whole.output)
+        assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == \
+            [a for _, a in function_calls(whole.output)]
+        calls = function_calls(whole.output)
+        if calls and calls[0][1]:
+            # The arguments written so far (a character the cut split is U+FFFD in both).
+            assert calls[0][0] == name and arguments.startswith(calls[0][1].rstrip("\ufffd"))
+            cuts_inside_the_arguments += 1
+    assert cuts_inside_the_arguments
+
+
 def test_previous_response_id_continues_the_stored_conversation(client):
     first = client.responses.create(input="Hi there.", instructions="Be brief.", **GREEDY)
     second = client.responses.create(input="And then?", previous_response_id=first.id, **GREEDY)

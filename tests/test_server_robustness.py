@@ -442,3 +442,44 @@ def test_stop_ends_open_streams_with_an_error_event_and_done(server):
     error = json.loads(events[-2])["error"]
     assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
     assert server.proc.wait(20) == 0
+
+
+@pytest.fixture(scope="module")
+def long_server(qwen3_vl_dir, tmp_path_factory):
+    """Room for max_tokens 10000 beside a prompt of a few hundred tokens."""
+    srv = start_engine_server(qwen3_vl_dir, tmp_path_factory.mktemp("engine-aborts"), "--max-model-len", "12000",
+                              "--num-gpu-blocks-override", "2048", "--disable-uvicorn-access-log",
+                              "--disable-log-requests")
+    yield srv
+    srv.stop()
+
+
+def test_a_burst_of_abandoned_long_requests_leaves_the_engine_idle_at_once(long_server):
+    """200 clients ask for 10000 tokens each (half streamed) and disconnect 0.5 s later, some still on the input
+    pool, some queued, some in their prefill: within 2 s nothing runs, waits or is pending, and the next short
+    request is answered within 2 s."""
+    prompt = [{"role": "user", "content": "Tell me a long story about a cat. " * 30}]
+
+    async def client(i: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", long_server.port)
+        body = json.dumps({"messages": prompt, "max_tokens": 10000, "ignore_eos": True, "stream": i % 2 == 0})
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body.encode())
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        writer.transport.abort()
+
+    async def burst() -> None:
+        await asyncio.gather(*(client(i) for i in range(200)))
+    asyncio.run(burst())
+    left = time.monotonic()
+    while True:
+        s = stats(long_server)
+        if s["num_running"] == s["num_waiting"] == s["num_pending"] == 0:
+            break
+        assert time.monotonic() - left < 2.0, s
+        time.sleep(0.05)
+    start = time.monotonic()
+    reply = http("POST", long_server.url + CHAT, chat(max_tokens=4), timeout=10)
+    assert reply.status == 200, reply.text
+    assert time.monotonic() - start < 2.0

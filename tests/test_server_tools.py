@@ -15,7 +15,10 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
+from engine.inputs.chat_template import ChatTemplate
+from engine.inputs.tool_text import tools_as_text
 from engine_server import http, start_engine_server
+from test_inputs_tool_text import SMOLLM2
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -95,6 +98,35 @@ def test_streamed_tool_calls_arrive_as_openai_deltas(client):
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
 
 
+def streamed_calls(client, **kwargs) -> tuple[list[tuple[str, str]], str | None]:
+    """A streamed reply's tool calls as (name, arguments) added up from the deltas, and its finish reason."""
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, ["", ""])
+                call[0] += (d.function.name or "") if d.id else ""
+                call[1] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_a_named_call_cut_by_max_tokens_is_the_same_streamed_or_not(client):
+    kwargs = dict(model=SERVED, messages=USER, tools=TOOLS, temperature=1.0, seed=7,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    tokens = [t.token for t in client.chat.completions.create(
+        max_tokens=300, logprobs=True, **kwargs).choices[0].logprobs.content]
+    arguments = re.compile(r'"arguments"\s*:\s*\S')          # the random model pads JSON with whitespace
+    cut = next(i for i in range(len(tokens)) if arguments.search("".join(tokens[:i]))) + 1   # inside the arguments
+    written = "".join(tokens[:cut])
+    whole = client.chat.completions.create(max_tokens=cut, **kwargs).choices[0]
+    assert whole.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == \
+        [("get_time", written[arguments.search(written).end() - 1:])]
+    assert streamed_calls(client, max_tokens=cut, **kwargs) == \
+        ([(c.function.name, c.function.arguments) for c in whole.message.tool_calls], "length")
+
+
 def test_auto_and_none_tool_choice_answer(client):
     for choice in ("auto", "none"):
         reply = client.chat.completions.create(model=SERVED, messages=USER, tools=TOOLS, tool_choice=choice,
@@ -115,6 +147,24 @@ def test_a_full_tool_round_trip_renders_through_the_models_template(client, qwen
         for c in first.tool_calls]}] + history[2:]
     expected = tok.apply_chat_template(as_template_sees, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<tool_response>" in expected and "<tool_call>" in expected
+    assert reply.usage.prompt_tokens == len(tok(expected, add_special_tokens=False).input_ids)
+
+
+def test_a_tool_round_trip_with_null_content_through_a_template_without_tool_support(client, qwen3_vl_dir):
+    first = client.chat.completions.create(model=SERVED, messages=USER, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=2, max_tokens=300).choices[0].message
+    assert first.content is None
+    # What the openai SDK and LangChain send back: the assistant message with "content": null.
+    history = USER + [first.model_dump()] + [
+        {"role": "tool", "tool_call_id": c.id, "content": json.dumps({"temp": 21})} for c in first.tool_calls]
+    reply = client.chat.completions.create(model=SERVED, messages=history, tools=TOOLS, max_tokens=4, temperature=0,
+                                           extra_body={"chat_template": SMOLLM2})
+    tok = AutoTokenizer.from_pretrained(qwen3_vl_dir)
+    rendered = tools_as_text([USER[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+        for c in first.tool_calls]}, *history[2:]], TOOLS)
+    expected = ChatTemplate(SMOLLM2).render(rendered)
+    assert "<tool_call>" in expected and "<tool_response>" in expected
     assert reply.usage.prompt_tokens == len(tok(expected, add_special_tokens=False).input_ids)
 
 

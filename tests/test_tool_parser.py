@@ -1,6 +1,7 @@
 """The hermes tool-call parser on crafted model outputs (a random model never writes tool calls by itself):
 whole outputs become OpenAI tool_calls, and streaming the same text in any pieces gives deltas that add up to
-the same calls and content, never leaking a half-written <tool_call> tag into the content."""
+the same calls and content (a cut call and a block that is no call included), never leaking a half-written
+<tool_call> tag into the content."""
 from __future__ import annotations
 
 import json
@@ -32,11 +33,25 @@ def test_parallel_calls_and_content_before_them():
     assert calls(text)[1][1] == {"tz": "Europe/Paris", "fmt": "{h}:{m}"}
 
 
-def test_plain_text_and_broken_calls_stay_content():
+def test_plain_text_and_blocks_without_a_call_stay_content():
     assert parse_tool_calls("Just text.").tool_calls == []
-    broken = '<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>'
-    assert parse_tool_calls(broken) .content == broken and parse_tool_calls(broken).tool_calls == []
+    for nameless in ('Hm <tool_call>\n{"arguments": {"a": }\n</tool_call>', "<tool_call>not json</tool_call>"):
+        assert (parse_tool_calls(nameless).content, parse_tool_calls(nameless).tool_calls) == (nameless, [])
     assert calls('<tool_call>\n{"name": "f", "arguments": {"a": 1}}') == [("f", {"a": 1})]   # cut before the tag
+
+
+def test_a_named_call_keeps_the_arguments_the_model_wrote_even_cut():
+    cut = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"city": "Par')
+    assert cut.content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut.tool_calls] == [("f", '{"city": "Par')]
+    broken = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>')
+    assert broken.tool_calls[0]["function"]["arguments"] == '{"a": }'
+
+
+def test_a_finished_call_in_another_key_order_is_read_whole():
+    text = '<tool_call>\n{"arguments": {"x": 1}, "name": "g"}\n</tool_call>'
+    assert calls(text) == [("g", {"x": 1})]
+    assert calls('<tool_call>{"name": "h", "parameters": {"y": [2]}}</tool_call>') == [("h", {"y": [2]})]
 
 
 def stream(text: str, step: int):
@@ -85,3 +100,20 @@ def test_a_partial_tag_is_held_back_until_it_is_known():
     content, deltas = parser.feed('Hi <tool_call>\n{"name": "f", "arguments": {"x": "}', final=False)
     assert deltas[0]["function"] == {"name": "f", "arguments": ""}
     assert deltas[1]["function"]["arguments"] == '{"x": "}'       # a brace inside a string is not the end
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": {"city": "Par',                        # cut by max_tokens
+    'Hm <tool_call>\n{"arguments": 1\n</tool_call>',                               # no call: all content
+    '<tool_call>\n{"arguments": {"x": 1}, "name": "g"}\n</tool_call>\n' + ONE,    # read whole, then streamed
+    '<tool_call>junk</tool_call>\n' + ONE,                                         # a call after a block that is none
+])
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_streamed_and_whole_parses_agree(text, step):
+    content, deltas, _ = stream(text, step)
+    whole = parse_tool_calls(text)
+    assert (content or None) == (whole.content or None)
+    got = assemble(deltas)
+    assert [(c["name"], c["arguments"]) for c in got] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
+    assert [d["index"] for d in deltas if "id" in d] == list(range(len(got)))

@@ -116,6 +116,20 @@ def test_a_request_may_not_raise_the_servers_bounds(engine):
     assert status == 400 and "does not take ['frames']" in reply["error"]["message"], reply
 
 
+def test_a_prompt_with_a_video_is_not_truncated(engine):
+    """truncate_prompt_tokens would cut through the clip's frame groups or shift them: refused, naming the field;
+    a limit the prompt fits in keeps it whole."""
+    body = chat(video_url(make_clip(8, fps=4)))
+    status, whole = http("POST", engine.url + "/v1/chat/completions", body)
+    assert status == 200, whole
+    prompt = whole["usage"]["prompt_tokens"]
+    status, reply = http("POST", engine.url + "/v1/chat/completions", {**body, "truncate_prompt_tokens": prompt - 1})
+    assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", reply
+    assert "images or videos" in reply["error"]["message"], reply
+    status, kept = http("POST", engine.url + "/v1/chat/completions", {**body, "truncate_prompt_tokens": prompt})
+    assert status == 200 and kept["usage"]["prompt_tokens"] == prompt, kept
+
+
 def test_the_model_card_tells_the_page_how_clips_are_sampled(engine):
     """The page estimates a clip's frames and tokens before it sends it, from the card's numbers."""
     status, reply = http("GET", engine.url + "/v1/models")

@@ -64,9 +64,12 @@ def parse_chat_messages(messages: Any, content_format: str = "openai") -> Parsed
                                     param=f"{where}.role")
         content = message.get("content")
         if content is None:
-            if role != "assistant" or not message.get("tool_calls"):
-                raise InvalidInputError(f"{where}.content is required (only an assistant message with tool_calls "
-                                        f"may omit it)", param=f"{where}.content")
+            # OpenAI lets an assistant message (one with tool_calls, as SDKs send it back) leave content out or
+            # null; vLLM renders it as no parts, or "" for a template that takes content as one string.
+            if role != "assistant":
+                raise InvalidInputError(f"{where}.content is required (only an assistant message may leave it "
+                                        f"out)", param=f"{where}.content")
+            content = "" if content_format == "string" else []
         elif isinstance(content, list):
             parts = [_parse_part(part, role, f"{where}.content[{j}]", images, videos)
                      for j, part in enumerate(content)]

@@ -41,6 +41,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ModelLoadError(f"the chat template does not compile: {e}") from e
         self.content_format: ContentFormat = "openai" if _loops_over_content(ast) else "string"
+        # A template that never reads a message's tool_calls has no tool support (engine/inputs/tool_text.py).
+        self.knows_tools = _reads_tool_calls(ast)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                **kwargs: Any) -> str:
@@ -175,14 +177,20 @@ def _plain(value: Any) -> Any:
 def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
     """Whether the template iterates over some `x.content` / `x['content']` (then it understands content parts).
     The same idea as vLLM's chat-template content-format detection, reduced to the one pattern templates use."""
-    for loop in ast.find_all(jinja2.nodes.For):
-        it = loop.iter
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
-            return True
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
-                and it.arg.value == "content":
-            return True
-    return False
+    return any(_is_field(loop.iter, "content") for loop in ast.find_all(jinja2.nodes.For))
+
+
+def _reads_tool_calls(ast: jinja2.nodes.Template) -> bool:
+    """Whether the template reads some `x.tool_calls` / `x['tool_calls']`."""
+    return any(_is_field(node, "tool_calls") for node in ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)))
+
+
+def _is_field(node: jinja2.nodes.Node, name: str) -> bool:
+    """Whether `node` is `x.name` or `x['name']`."""
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == name
+    return isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+        and node.arg.value == name
 
 
 @functools.lru_cache(maxsize=16)

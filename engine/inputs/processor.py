@@ -6,7 +6,8 @@ each is expanded to the t*h*w / merge**2 tokens its image becomes after the visi
 Qwen3-VL processor does, and for Qwen3-VL the 3-axis rotary positions are computed over the expanded prompt.
 A video's <|vision_start|><|video_pad|><|vision_end|> is replaced in the rendered text, before tokenizing, by one
 `<t seconds><|vision_start|><|video_pad|><|vision_end|>` per frame group (the Qwen3-VL processor's text); each
-group's <|video_pad|> is then expanded like an image's, and each group is an item of its own (VideoIntake).
+group's <|video_pad|> is then expanded like an image's, and each group is an item of its own (VideoIntake). The
+expansion itself is engine/inputs/prompt_builder.py.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from engine.inputs.image_io import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_P
                                     decode_image, fetch_image_bytes, image_size)
 from engine.inputs.image_processor import ImageProcessor, image_hw
 from engine.inputs.mm_kwargs import check_mm_processor_kwargs, image_processor_for
-from engine.inputs.mrope import get_mrope_positions
+from engine.inputs.prompt_builder import build_prompt, keep_last, text_only_error
+from engine.inputs.tool_text import tools_as_text, uses_tools
 from engine.inputs.typed_specials import TypedSpecialTokens
-from engine.inputs.types import ImageItem, ProcessedImage, ProcessedPrompt, ProcessedVideo
+from engine.inputs.types import ProcessedImage, ProcessedPrompt, ProcessedVideo
 from engine.inputs.video_intake import MediaAccess, VideoIntake
 from engine.inputs.video_io import VideoLimits
 from engine.inputs.video_processor import VideoProcessor, placeholder_text
@@ -103,12 +105,16 @@ class InputProcessor:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- entry points ---------------------------------------------------------------------------------------
-    def process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
+    def process(self, prompt: str | dict[str, Any], truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """A completion prompt: a string (tokenized with the tokenizer's special tokens, e.g. BOS, as vLLM does),
-        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}."""
+        {"prompt_token_ids": [...]}, or {"prompt": str, "multi_modal_data": {"image": image | [images]}}.
+        truncate_prompt_tokens: only the prompt's last k tokens are kept (vLLM's)."""
+        return keep_last(self.model_config, self._process(prompt), truncate_prompt_tokens)
+
+    def _process(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
         if isinstance(prompt, str):
             with self._text_held(prompt, "prompt"):
-                return self._build(self._encode(prompt, add_special_tokens=True), [], prompt)
+                return build_prompt(self.model_config, self._encode(prompt, add_special_tokens=True), [], prompt)
         if not isinstance(prompt, dict):
             raise InvalidInputError(f"prompt must be a string or a dict, got {type(prompt).__name__}",
                                     param="prompt")
@@ -124,8 +130,8 @@ class InputProcessor:
             if not isinstance(text, str):
                 raise InvalidInputError("prompt must be a string", param="prompt")
             with self._text_held(text, "prompt"):
-                return self._build(self._encode(text, add_special_tokens=True), images, text)
-        return self._build(self._check_token_ids(prompt["prompt_token_ids"]), images, None)
+                return build_prompt(self.model_config, self._encode(text, add_special_tokens=True), images, text)
+        return build_prompt(self.model_config, self._check_token_ids(prompt["prompt_token_ids"]), images, None)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's token ids, as /tokenize gives them: under the prompt-text budgets of a prompt (413 past the
@@ -137,13 +143,14 @@ class InputProcessor:
     def process_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-                     continue_final_message: bool = False,
-                     mm_processor_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+                     continue_final_message: bool = False, mm_processor_kwargs: dict[str, Any] | None = None,
+                     truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """OpenAI-style chat messages, rendered with the model's chat template (or the request's own
         `chat_template`, in the same sandbox) and tokenized without added special tokens (the template writes
         them), as apply_chat_template does. continue_final_message: the prompt ends where the last message's
         text ends, for the model to continue that message. mm_processor_kwargs: the request's own image and
-        video processor settings (engine/inputs/mm_kwargs.py)."""
+        video processor settings (engine/inputs/mm_kwargs.py). truncate_prompt_tokens: only the rendered prompt's
+        last k tokens are kept (vLLM's)."""
         template = self.chat_template if chat_template is None else request_template(chat_template)
         if template is None:
             raise InvalidInputError("this model has no chat template; send a raw prompt to /v1/completions instead, "
@@ -157,9 +164,11 @@ class InputProcessor:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidInputError("tools must be a list of objects", param="tools")
         chat = parse_chat_messages(messages, template.content_format)
+        if not template.knows_tools and uses_tools(chat.messages, tools):
+            chat.messages, tools = tools_as_text(chat.messages, tools), None
         media = chat.images + chat.videos
         if media and not self.model_config.is_multimodal:
-            raise self._text_only_error(media[0].param)
+            raise text_only_error(self.model_config, media[0].param)
         self._check_image_count(len(chat.images), "messages")
         self._check_video_count(len(chat.videos), "messages")
         mm_kwargs = check_mm_processor_kwargs(mm_processor_kwargs)
@@ -189,7 +198,8 @@ class InputProcessor:
             finally:
                 for p in pending + pending_videos:
                     p.cancel()
-            return self._build(token_ids, images, text, param="messages", videos=videos)
+            prompt = build_prompt(self.model_config, token_ids, images, text, param="messages", videos=videos)
+            return keep_last(self.model_config, prompt, truncate_prompt_tokens)
 
     def _text_held(self, text: Any, param: str) -> contextlib.AbstractContextManager:
         """The prompt text's share of the in-flight text budget while it is rendered and tokenized, once it is
@@ -219,49 +229,6 @@ class InputProcessor:
         self._refuse_surely_too_long(rendered, "messages")
         return self.typed_specials.unmask(rendered, markers), self._check_token_ids(
             self.typed_specials.encode(rendered, markers))
-
-    # ---- building the prompt --------------------------------------------------------------------------------
-    def _build(self, token_ids: list[int], images: list[ProcessedImage], text: str | None,
-               param: str = "prompt", videos: list[ProcessedVideo] = ()) -> ProcessedPrompt:
-        mc = self.model_config
-        if not mc.is_multimodal:
-            if images:
-                raise self._text_only_error("multi_modal_data")
-            return ProcessedPrompt(prompt_token_ids=token_ids, prompt=text)
-        image_id, video_id = mc.image_token_id, mc.video_token_id
-        slots = [i for i, t in enumerate(token_ids) if t == image_id or t == video_id]
-        groups = [(g, grid, h) for v in videos for g, grid, h in zip(v.groups, [v.grid_thw] * len(v.groups),
-                                                                        v.content_hashes)]
-        num_image_slots = sum(token_ids[i] == image_id for i in slots)
-        if num_image_slots != len(images):
-            raise InvalidInputError(
-                f"the prompt has {num_image_slots} image placeholder(s) but {len(images)} image(s) were given; put "
-                f"one <|vision_start|><|image_pad|><|vision_end|> in the prompt per image", param=param)
-        if len(slots) - num_image_slots != len(groups):
-            raise InvalidInputError(f"the prompt has {len(slots) - num_image_slots} video placeholder(s) but the "
-                                    f"videos given make {len(groups)} frame group(s); send videos as video_url "
-                                    f"parts of chat messages", param=param)
-        merge = mc.vision.spatial_merge_size
-        ids: list[int] = []
-        items: list[ImageItem] = []
-        prev = 0
-        next_image, next_group = iter(images), iter(groups)
-        for slot in slots:
-            if token_ids[slot] == image_id:
-                image = next(next_image)
-                raw, grid, content_hash = image.raw, image.grid_thw, image.content_hash
-            else:
-                raw, grid, content_hash = next(next_group)
-            t, h, w = grid
-            length = t * h * w // merge ** 2
-            ids += token_ids[prev:slot]
-            items.append(ImageItem(raw=raw, grid_thw=grid, offset=len(ids), length=length, content_hash=content_hash))
-            ids += [token_ids[slot]] * length
-            prev = slot + 1
-        ids += token_ids[prev:]
-        positions, delta = get_mrope_positions(ids, [it.grid_thw for it in items], (image_id, video_id), merge)
-        return ProcessedPrompt(prompt_token_ids=ids, prompt=text, images=items, mrope_positions=positions,
-                               mrope_position_delta=delta)
 
     def _encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         if not text:
@@ -315,7 +282,7 @@ class InputProcessor:
         images = mm_data.get("image")
         images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
         if images and not self.model_config.is_multimodal:
-            raise self._text_only_error("multi_modal_data")
+            raise text_only_error(self.model_config, "multi_modal_data")
         self._check_image_count(len(images), "multi_modal_data")
         for i, image in enumerate(images):
             if not isinstance(image, Image.Image):
@@ -411,9 +378,6 @@ class InputProcessor:
         key = blake3(f"{tuple(raw.shape)}:{processor.cache_key}\0".encode())
         return key.update(raw.numpy().data).hexdigest()
 
-    def _text_only_error(self, param: str) -> InvalidInputError:
-        return InvalidInputError(f"this model ({self.model_config.architecture}) is text-only and does not "
-                                 f"accept images or videos", param=param)
 
 
 _VIDEO_PLACEHOLDER = re.compile(re.escape("<|vision_start|><|video_pad|><|vision_end|>") + "|"

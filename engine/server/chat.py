@@ -12,7 +12,7 @@ from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from engine.server.protocol import (Fields, chat_template_options, check_token_ids_in_vocab, choice_counts,
-                                    engine_logprobs, renamed_params, sampling_params)
+                                    engine_logprobs, renamed_params, sampling_params, truncate_prompt_tokens)
 from engine.server.reasoning import ReasoningStreams, after_reasoning, request_reasoning
 from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
 from engine.server.state import ServerState
@@ -38,6 +38,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     user_max = f.integer(max_field, None)
     template = chat_template_options(f)
     reasoning = request_reasoning(state.reasoning_parser, template["chat_template_kwargs"])
+    truncate = truncate_prompt_tokens(f, state.max_model_len)
+    echo = _echo_text(f) if f.boolean("echo", False) else None
     with renamed_params({"max_tokens": max_field, "logprobs": "top_logprobs", "prompt": "messages"}):
         max_tokens = user_max if user_max is not None else state.sampling_defaults.max_tokens
         params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs(top_logprobs, n, best_of),
@@ -49,10 +51,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              None if user_max is not None else state.fit_default_max_tokens,
                              past_queue_limit=options.past_queue_limit)
         prompt = await state.engine.process_chat(f.body.get("messages"), start=start, tools=tools.tools,
-                                                 **template)
+                                                 truncate_prompt_tokens=truncate, **template)
     gen = Generation(start.request_id, prompt, params, options, int(time.time()), n=n, best_of=best_of)
     return await serve_generation(request, state, gen, ChatFormat(gen, state, tools, top_logprobs,
-                                                                ReasoningStreams.of(reasoning, prompt)))
+                                                                ReasoningStreams.of(reasoning, prompt), echo))
 
 
 def _top_logprobs(f: Fields) -> int | None:
@@ -64,16 +66,32 @@ def _top_logprobs(f: Fields) -> int | None:
     return (top or 0) if logprobs else None
 
 
+def _echo_text(f: Fields) -> str:
+    """vLLM's chat echo: the last message's text goes before the answer when that message has the answer's role
+    (the assistant's, or with add_generation_prompt false the last message's own); otherwise nothing."""
+    messages = f.body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages and isinstance(messages[-1], dict) else {}
+    role = "assistant" if f.boolean("add_generation_prompt", True) else last.get("role")
+    content = last.get("content") if last.get("role") == role else None
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 class ChatFormat(ResponseFormat):
+    """Chat's shapes, as vLLM sends them: a stream opens each choice with `{"role": "assistant", "content": ""}`
+    alone (then the echoed text, if any); a plain text delta always carries `content` (an empty one in a final
+    chunk that adds no text)."""
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, gen: Generation, state: ServerState, tools: ToolConfig, logprobs: int | None,
-                 reasoning: ReasoningStreams | None = None):
+                 reasoning: ReasoningStreams | None = None, echo: str | None = None):
         super().__init__(gen, state, logprobs)
         self.tools = tools
         self.reasoning = reasoning
+        self.echo = echo or ""          # the text the answer continues (chat echo)
         self.tool_parsers: dict[int, StreamingToolParser] = {}
-        self.role_sent: set[int] = set()
+        self.opened: set[int] = set()   # the choices whose opening chunks were sent
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a named tool_choice ends with "stop".
@@ -82,7 +100,20 @@ class ChatFormat(ResponseFormat):
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
         if self.logprobs is None or not token_ids or not entries:
             return None
-        return chat_logprobs(token_ids, entries[-len(token_ids):], self.logprobs, self.state.token_text)
+        return chat_logprobs(token_ids, entries[-len(token_ids):], self.logprobs, self.token_text)
+
+    def events(self, out: RequestOutput, index: int) -> list[dict]:
+        opening = [] if index in self.opened else self._opening_chunks(out, index)
+        self.opened.add(index)
+        return opening + super().events(out, index)
+
+    def _opening_chunks(self, out: RequestOutput, index: int) -> list[dict]:
+        """The role alone (and with return_token_ids the prompt's ids), then the echoed text if any."""
+        extra = {"prompt_token_ids": out.prompt_token_ids} if self.gen.options.return_token_ids else {}
+        chunks = [self.chunk_of(out, _stream_choice(index, {"role": "assistant", "content": ""}), True, **extra)]
+        if self.echo:
+            chunks.append(self.chunk_of(out, _stream_choice(index, {"content": self.echo}), True))
+        return chunks
 
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
         c = out.outputs[0]
@@ -93,30 +124,32 @@ class ChatFormat(ResponseFormat):
         if self.tools.parse_calls:
             parser = self.tool_parsers.setdefault(index, StreamingToolParser())
             text_delta, calls = parser.feed(text, final=out.finished)
-        role_sent = index in self.role_sent
-        if role_sent and not text_delta and not reasoning_delta and not calls and c.finish_reason is None \
-                and logprobs is None:
+        token_ids = self.gen.options.return_token_ids and bool(c.token_ids_delta)
+        if not text_delta and not reasoning_delta and not calls and c.finish_reason is None and logprobs is None \
+                and not token_ids:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
-        delta: dict = {} if role_sent else {"role": "assistant"}
+        delta: dict = {}
         if reasoning_delta:
             delta["reasoning_content"] = reasoning_delta
-        if text_delta or not role_sent:
+        if text_delta or (parser is None and not reasoning_delta):
             delta["content"] = text_delta
         if calls:
             delta["tool_calls"] = calls
-        self.role_sent.add(index)
-        choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": self._finish_reason(c.finish_reason, parser is not None and parser.called)}
+        choice = _stream_choice(index, delta, logprobs,
+                                self._finish_reason(c.finish_reason, parser is not None and parser.called))
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason        # vLLM's extension: the stop string or token id
+        if self.gen.options.return_token_ids:
+            choice["token_ids"] = c.token_ids_delta
         return self.chunk_of(out, choice)
 
     def response(self, finals: list[RequestOutput]) -> dict:
-        extra = {}
+        prompt_logprobs = None
         if self.gen.params.prompt_logprobs is not None:
-            extra["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, self.state.token_text)
+            prompt_logprobs = prompt_logprobs_json(finals[0].prompt_logprobs, self.state.token_text)
+        extra = {"prompt_token_ids": finals[0].prompt_token_ids} if self.gen.options.return_token_ids else {}
         return self.envelope("chat.completion", [self._choice(i, f) for i, f in enumerate(finals)],
-                             usage=usage(finals), **extra)
+                             usage=usage(finals), prompt_logprobs=prompt_logprobs, **extra)
 
     def _choice(self, index: int, final: RequestOutput) -> dict:
         c = final.outputs[0]
@@ -127,6 +160,15 @@ class ChatFormat(ResponseFormat):
             message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning
-        return {"index": index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
-                "stop_reason": c.stop_reason}
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
+        choice = {"index": index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                  "finish_reason": self._finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
+                  "stop_reason": c.stop_reason}
+        if self.gen.options.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return choice
+
+
+def _stream_choice(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -53,6 +53,9 @@ class ServerArgs:
     stream_write_timeout: float = flag(60.0, help="seconds a streamed response may wait for a client that stopped "
                                                   "reading; then the request is aborted and its KV blocks freed "
                                                   "(default %(default)s)")
+    return_tokens_as_token_ids: bool = flag(False, help='logprobs name each token "token_id:N" (a request\'s '
+                                                        'return_tokens_as_token_ids overrides it), for tokens that '
+                                                        'are not valid text on their own')
     max_waiting_requests: int = flag(1024, help="requests queued for a running slot beyond which new ones get 503 "
                                                 "with Retry-After (requests with a priority below 0 that carry the "
                                                 "--api-key may exceed it; default %(default)s)")

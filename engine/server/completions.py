@@ -14,7 +14,7 @@ from engine.errors import InvalidInputError
 from engine.outputs import RequestOutput
 from engine.server.logprobs import completion_logprobs, prompt_logprobs_json
 from engine.server.protocol import (check_token_ids_in_vocab, choice_counts, engine_logprobs, renamed_params,
-                                    sampling_params)
+                                    sampling_params, truncate_prompt_tokens)
 from engine.server.serving import Generation, ResponseFormat, read_request, serve_generation, usage
 from engine.server.state import ServerState
 from engine.server.structured import parse_structured_outputs
@@ -31,6 +31,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     constraint, constraint_param = parse_structured_outputs(f)
     user_max = f.integer("max_tokens", None)
     logprobs = f.integer("logprobs", None)
+    truncate = truncate_prompt_tokens(f, state.max_model_len)
     with renamed_params({"messages": "prompt", "multi_modal_data": "prompt"}):
         max_tokens = user_max if user_max is not None else DEFAULT_MAX_TOKENS
         params = sampling_params(f, state.sampling_defaults, max_tokens, engine_logprobs(logprobs, n, best_of),
@@ -45,19 +46,22 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         # The first prompt starts as soon as it is processed; the others (own parameters: a default max_tokens
         # is fitted to each prompt) after.
         prompts = [(await state.engine.process_prompt(inputs[0], start=StartRequest(
-            request_id, params, options.priority, fit, past_queue_limit=options.past_queue_limit)),
-                    params)]
+            request_id, params, options.priority, fit, past_queue_limit=options.past_queue_limit),
+                                                      truncate_prompt_tokens=truncate), params)]
         for prompt_input in inputs[1:]:
-            prompt = await state.engine.process_prompt(prompt_input)
+            prompt = await state.engine.process_prompt(prompt_input, truncate_prompt_tokens=truncate)
             own = copy.copy(params)
             if fit is not None:
                 fit(prompt, own)
             prompts.append((prompt, own))
     gen = Generation(request_id, prompts[0][0], params, options, int(time.time()), n=n, best_of=best_of,
                      prompts=prompts)
-    # echo: each prompt's text; a prompt sent as token ids is decoded (off the event loop) to give it.
-    echoed = [p.prompt if p.prompt is not None else await state.engine.decode(p.prompt_token_ids)
-              for p, _ in prompts] if echo else None
+    # echo: each prompt's text; a prompt sent as token ids is decoded (off the event loop) to give it. With
+    # return_token_ids the prompt's ids stand for it and the echoed text is empty, as vLLM's.
+    echoed = None
+    if echo:
+        echoed = [("" if options.return_token_ids else p.prompt if p.prompt is not None
+                   else await state.engine.decode(p.prompt_token_ids)) for p, _ in prompts]
     return await serve_generation(request, state, gen, CompletionFormat(gen, state, logprobs, echoed))
 
 
@@ -107,7 +111,7 @@ class CompletionFormat(ResponseFormat):
             ids, rows = ids + token_ids, rows + entries[-len(token_ids):]
         if not ids:
             return None
-        result = completion_logprobs(ids, rows, self.logprobs, self.state.token_text, self.text_offset.get(index, 0))
+        result = completion_logprobs(ids, rows, self.logprobs, self.token_text, self.text_offset.get(index, 0))
         self.text_offset[index] = self.text_offset.get(index, 0) + sum(len(t) for t in result["tokens"])
         return result
 
@@ -115,6 +119,14 @@ class CompletionFormat(ResponseFormat):
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason          # vLLM's extension: the stop string or token id
+        return choice
+
+    def _token_ids(self, choice: dict, out: RequestOutput, token_ids: list[int], first: bool) -> dict:
+        """return_token_ids: the choice's token ids (a stream's new ones), and its prompt's in its first chunk."""
+        if self.gen.options.return_token_ids:
+            if first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choice["token_ids"] = list(token_ids)
         return choice
 
     def _prompt_text(self, index: int) -> str:
@@ -126,10 +138,12 @@ class CompletionFormat(ResponseFormat):
         echo = self.echo and first
         logprobs = self._logprobs(index, c.token_ids_delta, c.logprobs, out if echo else None)
         text = (self._prompt_text(index) if echo else "") + c.text_delta
-        if not text and c.finish_reason is None and logprobs is None:
+        token_ids = self.gen.options.return_token_ids and bool(c.token_ids_delta)
+        if not text and c.finish_reason is None and logprobs is None and not token_ids:
             return None     # a token whose text is held back (a possible stop string) or not yet decodable
         self.text_offset.setdefault(index, 0)
-        return self.chunk_of(out, self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
+        choice = self._choice(index, text, logprobs, c.finish_reason, c.stop_reason)
+        return self.chunk_of(out, self._token_ids(choice, out, c.token_ids_delta, first))
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
@@ -137,7 +151,8 @@ class CompletionFormat(ResponseFormat):
             c = final.outputs[0]
             logprobs = self._logprobs(index, c.token_ids, c.logprobs, final if self.echo else None)
             text = (self._prompt_text(index) if self.echo else "") + c.text
-            choices.append(self._choice(index, text, logprobs, c.finish_reason, c.stop_reason))
-            if self.gen.params.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, self.state.token_text)
+            choice = self._choice(index, text, logprobs, c.finish_reason, c.stop_reason)
+            choice["prompt_logprobs"] = None if self.gen.params.prompt_logprobs is None else \
+                prompt_logprobs_json(final.prompt_logprobs, self.state.token_text)
+            choices.append(self._token_ids(choice, final, c.token_ids, True))
         return self.envelope("text_completion", choices, usage=usage(finals, len(self.gen.prompts)))

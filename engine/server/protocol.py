@@ -165,9 +165,12 @@ class RequestOptions:
     priority: int
     continuous_usage_stats: bool = False   # stream_options.continuous_usage_stats: usage in every chunk
     past_queue_limit: bool = False         # a priority below 0 from a client with the API key
+    return_token_ids: bool = False         # vLLM's: prompt_token_ids and each choice's token_ids in the response
+    tokens_as_ids: bool = False            # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
-def parse_options(f: Fields) -> RequestOptions:
+def parse_options(f: Fields, tokens_as_ids: bool = False) -> RequestOptions:
+    """`tokens_as_ids`: the server's default for return_tokens_as_token_ids (--return-tokens-as-token-ids)."""
     stream = f.boolean("stream", False)
     stream_options = f.obj("stream_options") or {}
     if stream_options and not stream:
@@ -177,7 +180,25 @@ def parse_options(f: Fields) -> RequestOptions:
         include_usage = Fields(stream_options).boolean("include_usage", False)
         continuous = Fields(stream_options).boolean("continuous_usage_stats", False)
     return RequestOptions(model=f.string("model", None), stream=stream, include_usage=include_usage or continuous,
-                          priority=f.integer("priority", 0), continuous_usage_stats=continuous)
+                          priority=f.integer("priority", 0), continuous_usage_stats=continuous,
+                          return_token_ids=f.boolean("return_token_ids", False),
+                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", tokens_as_ids))
+
+
+def truncate_prompt_tokens(f: Fields, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens; -1 means max_model_len."""
+    k = f.integer("truncate_prompt_tokens", None)
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if k < 1:
+        raise InvalidInputError("truncate_prompt_tokens must be a positive number of tokens, or -1 for the model's "
+                                "maximum context length", param="truncate_prompt_tokens")
+    if k > max_model_len:
+        raise InvalidInputError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); ask "
+                                f"for a smaller truncation", param="truncate_prompt_tokens")
+    return k
 
 
 def chat_template_options(f: Fields) -> dict[str, Any]:

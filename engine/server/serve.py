@@ -54,7 +54,8 @@ def run(argv: list[str] | None = None) -> None:
                         allow_anonymous_priority=server_args.allow_anonymous_priority,
                         body_limits=BodyLimits(server_args.max_chat_messages, server_args.max_content_parts,
                                                engine.model_info.max_images_per_prompt,
-                                               engine.model_info.max_videos_per_prompt))
+                                               engine.model_info.max_videos_per_prompt),
+                        return_tokens_as_token_ids=server_args.return_tokens_as_token_ids)
     try:
         code = asyncio.run(_serve(build_app(state, server_args, keys), server_args))
     finally:

@@ -80,6 +80,7 @@ class ResponseFormat(abc.ABC):
         self.gen = gen
         self.state = state
         self.logprobs = logprobs        # what the client asked (best_of may ask the engine for more)
+        self.token_text = _token_id_text if gen.options.tokens_as_ids else state.token_text   # tokens in logprobs
 
     def chunk(self, out: RequestOutput, index: int) -> dict | None:
         """The chunk to stream for this output of choice `index`; None: nothing worth sending now. (An endpoint
@@ -92,14 +93,15 @@ class ResponseFormat(abc.ABC):
 
     def envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.gen.request_id, "object": obj, "created": self.gen.created,
-                "model": self.state.served_model_name, "choices": choices, **extra}
+                "model": self.state.served_model_name, "system_fingerprint": self.state.system_fingerprint,
+                "choices": choices, **extra}
 
-    def chunk_of(self, out: RequestOutput, choice: dict) -> dict:
+    def chunk_of(self, out: RequestOutput, choice: dict, opening: bool = False, **extra) -> dict:
         """A streamed chunk of one choice. stream_options.include_usage: usage null in each (the last chunk holds
-        it), or each choice's running counts with continuous_usage_stats."""
-        extra = {}
+        it), or each choice's running counts with continuous_usage_stats (none generated yet in an opening
+        chunk)."""
         if self.gen.options.include_usage:
-            extra["usage"] = running_usage(out) if self.gen.options.continuous_usage_stats else None
+            extra["usage"] = running_usage(out, opening) if self.gen.options.continuous_usage_stats else None
         return self.envelope(self.chunk_object, [choice], **extra)
 
     def usage_chunk(self, finals: list[RequestOutput]) -> dict:
@@ -128,7 +130,7 @@ async def read_request(request: web.Request) -> tuple[ServerState, Fields, Reque
     if not privileged:
         state.engine.check_room()
     f = Fields(await read_json_body(request, state.body_limits))
-    options = parse_options(f)
+    options = parse_options(f, state.return_tokens_as_token_ids)
     state.check_model(options.model)
     if options.priority < 0:
         options = dataclasses.replace(options, past_queue_limit=_priority_allowed(state, privileged))
@@ -148,20 +150,20 @@ def _priority_allowed(state: ServerState, privileged: bool) -> bool:
 
 
 def usage(outs: list[RequestOutput], num_prompts: int = 1) -> dict:
-    """Each prompt counted once (its n samples share it), every choice's tokens; cached_tokens: prompt tokens
-    served from the prefix cache."""
+    """Each prompt counted once (its n samples share it), every choice's tokens; prompt_tokens_details only when
+    the prefix cache served some of the prompt (null otherwise, as vLLM)."""
     per_prompt = len(outs) // max(num_prompts, 1)
     firsts = outs[::per_prompt] if per_prompt else []
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
     cached = sum(o.metrics.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached} if cached else None}
 
 
-def running_usage(out: RequestOutput) -> dict:
+def running_usage(out: RequestOutput, opening: bool = False) -> dict:
     """stream_options.continuous_usage_stats: one choice's counts so far, in every chunk (as vLLM sends them)."""
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt, completion = len(out.prompt_token_ids), 0 if opening else len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -350,6 +352,10 @@ async def _read_into(queue: asyncio.Queue, index: int, outputs: AsyncIterator[Re
             out = await _next_output(outputs)
     except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the stream with it
         queue.put_nowait((index, exc))
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _on_finished(state: ServerState, gen: Generation, final: RequestOutput) -> None:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.errors import EngineOverloadedError
 from engine.inputs.types import ProcessedPrompt
@@ -34,6 +37,7 @@ class ServerState:
     stream_buffer_bytes: int = 1 << 20             # output a stream may have waiting for a slow reader
     allow_anonymous_priority: bool = False         # --allow-anonymous-priority
     body_limits: BodyLimits = field(default_factory=BodyLimits)
+    return_tokens_as_token_ids: bool = False       # --return-tokens-as-token-ids: a request's default
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     generations: dict[asyncio.Task, str] = field(default_factory=dict)   # serve_generation's tasks -> request id
@@ -41,6 +45,14 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.max_model_len)     # token-count buckets up to max_model_len
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: this server's version and what it serves, as vLLM's
+        `vllm-<version>-<hash8>`; the same for every response of one server."""
+        info = self.engine.model_info
+        what = repr((self.model_path, info.name, info.max_model_len, info.vocab_size, info.multimodal))
+        return f"localchat-{__version__}-{hashlib.blake2b(what.encode(), digest_size=4).hexdigest()}"
 
     @property
     def max_model_len(self) -> int:
