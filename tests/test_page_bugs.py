@@ -240,6 +240,14 @@ def test_setting_placeholders_read_whole_and_keep_their_meaning(browser, page_pr
     assert not errors, errors
 
 
+STORED_TITLE = """async (title) => {
+    const db = await new Promise((ok) => { const r = indexedDB.open('localchat', 1); r.onsuccess = () => ok(r.result); });
+    const chats = await new Promise((ok) => { const q = db.transaction('chats').objectStore('chats').getAll(); q.onsuccess = () => ok(q.result); });
+    db.close();
+    return chats.some((c) => c.title === title);
+}"""
+
+
 def test_renaming_a_chat_keeps_its_place(chat):
     open_page(chat)
     exchange(chat, "older chat", "a")
@@ -249,6 +257,8 @@ def test_renaming_a_chat_keeps_its_place(chat):
     chat.fill(".chat-rename-input", "Renamed")
     chat.press(".chat-rename-input", "Enter")
     expect(chat.locator("#chat-list .chat-open")).to_have_text(["newer chat", "Renamed"])
+    # The list shows the new title at once; the reload waits until the browser has stored it.
+    chat.wait_for_function(STORED_TITLE, arg="Renamed")
     reload(chat)
     expect(chat.locator("#chat-list .chat-open")).to_have_text(["newer chat", "Renamed"])
 
