@@ -120,8 +120,14 @@ def new_page(browser, viewport=(1200, 820), color_scheme="light", fake_stream=Fa
     return context, pg, errors
 
 
+# The page polls the engine's health every 4 s once it is ready, so a change of state shows up to 4 s and a
+# request later; Playwright's 5 s default leaves too little room on a loaded 2-core CI machine.
+EXPECT_TIMEOUT_MS = 12_000
+
+
 def expect(locator):
     from playwright.sync_api import expect as pw_expect
+    pw_expect.set_options(timeout=EXPECT_TIMEOUT_MS)
     return pw_expect(locator)
 
 
