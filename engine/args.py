@@ -118,6 +118,9 @@ class EngineArgs:
              "the weights and KV heads (one GPU per rank, cuda:0..N-1; on CPU any N, over gloo)")
     seed: int = flag(0, help="seed of the engine's random state (vLLM's --seed): the same requests in the same "
                              "order sample the same tokens after a restart; a request's own seed still wins")
+    speculative_config: dict | None = flag(
+        None, help='JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min/max) '
+                   'or \'{"method": "eagle3", "num_speculative_tokens": 3, "model": "DIR"}\'; disable_by_batch_size')
     demo_model: bool = flag(False, help=argparse.SUPPRESS)   # the small text-only default model of run_app.sh
 
     def __post_init__(self) -> None:
@@ -158,6 +161,8 @@ class EngineArgs:
         if not 0 < self.max_prompt_text_mb <= self.max_prompt_text_mb_in_flight:
             raise ValueError(f"max_prompt_text_mb must be in (0, max_prompt_text_mb_in_flight = "
                              f"{self.max_prompt_text_mb_in_flight:g}], not {self.max_prompt_text_mb:g}")
+        from engine.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a whole number of ranks, at least 1, not "

@@ -61,7 +61,8 @@ class LLMEngine:
         self.input_processor.max_prompt_tokens = self.max_model_len
         self.max_num_batched_tokens = args.batched_tokens_budget
         self.kv = KVCacheManager(kv.num_gpu_blocks, kv.num_cpu_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy)
+        self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
+                                   args.speculative_config)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
@@ -207,16 +208,24 @@ class LLMEngine:
         result = step.result()
         self._store_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
-        updated = self.scheduler.update_from_output(step.so, result.sampled)
+        self._count_drafts(step, result.sampled)
+        updated = self.scheduler.update_from_output(step.so, result.sampled, result.spec_token_ids)
         outputs, stopped = [], []
-        for req in updated:
-            out = self.outputs.on_token(req, logprobs.get(req.request_id))
+        for req, num_new in updated:
+            out = self.outputs.on_tokens(req, num_new, logprobs.get(req.request_id))
             if out.finished and not req.is_finished:       # a stop string ended it
                 stopped.append(req)
             outputs.append(out)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.stats.on_tokens(len(updated))
+        self.stats.on_tokens(sum(n for _, n in updated))
         return outputs
+
+    def _count_drafts(self, step: InflightStep, sampled: dict[str, list[int]]) -> None:
+        """Speculative decoding's counters: per request that verified drafts, how many it drafted and kept."""
+        for s in step.so.sampled:
+            tokens = sampled.get(s.request_id)
+            if s.spec_token_ids and tokens is not None:
+                self.stats.on_spec_decode(len(s.spec_token_ids), len(tokens) - 1)
 
     def _store_prompt_logprobs(self, chunks: dict[str, tuple[int, list[dict[int, float]]]]) -> None:
         """Into each request's prompt_logprobs (None at position 0, which nothing predicts). A prompt computed

@@ -32,8 +32,10 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens)
         self.states[req.request_id] = _State(detok)
 
-    def on_token(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
-        """The request just got one more token (and may already be finished by a stop token or length)."""
+    def on_tokens(self, req: Request, num_new: int, logprobs: list[dict[int, float]] | None) -> RequestOutput:
+        """The request just got `num_new` more tokens (one, or a verify step's several; it may already be
+        finished by a stop token or length). A stop string inside them ends the request there: the tokens
+        after it are dropped, as one-token steps would never have made them."""
         st = self.states[req.request_id]
         now, m = time.time(), req.metrics
         if m.first_token_time is None:
@@ -41,26 +43,33 @@ class OutputProcessor:
         else:
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
-        st.detok.add(req.output_token_ids[-1:])
-        finished = req.is_finished
-        if finished:
-            st.detok.flush()
-        text = st.detok.output_text
+        new_ids = req.output_token_ids[len(req.output_token_ids) - num_new:]
         stops = req.sampling_params.stop_strings
-        if stops and len(req.output_token_ids) <= req.sampling_params.min_tokens:
-            st.stop_floor = len(text)
-        elif stops:
-            cut = self._find_stop(req, text, st.sent_chars, st.stop_floor)
-            if cut is not None:
-                text, finished = cut, True
-                st.stopped_text = text
+        finished, text, kept = req.is_finished, st.detok.output_text, 0
+        for i, token in enumerate(new_ids):
+            kept = i + 1
+            st.detok.add([token])
+            if finished and kept == num_new:
+                st.detok.flush()
+            text = st.detok.output_text
+            if stops and len(req.output_token_ids) - num_new + kept <= req.sampling_params.min_tokens:
+                st.stop_floor = len(text)
+            elif stops:
+                cut = self._find_stop(req, text, st.sent_chars, st.stop_floor)
+                if cut is not None:
+                    text, finished = cut, True
+                    st.stopped_text = text
+                    break
+        if kept < num_new:
+            del req.output_token_ids[kept - num_new:], req.all_token_ids[kept - num_new:]
+            new_ids = new_ids[:kept]
+        if logprobs is not None:
+            req.output_logprobs.extend(logprobs[:kept])
         hold = 0 if finished or not stops else max(len(s) for s in stops) - 1
         visible = max(st.sent_chars, len(text) - hold)
         delta = text[st.sent_chars:visible]
         st.sent_chars = visible
-        return self._output(req, text[:visible], delta, [req.output_token_ids[-1]], finished)
+        return self._output(req, text[:visible], delta, new_ids, finished)
 
     def finish(self, req: Request) -> RequestOutput:
         """An aborted request: report what it had."""

@@ -126,30 +126,46 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits: [B, V] fp32 for the rows that produce a token this step."""
+    logits = apply_logits_changes(logits, md)
+    logprobs = logprobs_fn(logits, md.max_logprobs)
+    greedy_ids = logits.argmax(dim=-1)
+    if md.all_greedy:
+        return SamplerOutput(greedy_ids, logprobs(greedy_ids) if logprobs else None)
+    random_ids = draw(sampling_probs(logits, md), md)
+    ids = torch.where(md.greedy, greedy_ids, random_ids)
+    return SamplerOutput(ids, logprobs(ids) if logprobs else None)
+
+
+def apply_logits_changes(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The request's changes to the model's logits (masks, banned ids, penalties): what greedy takes the argmax
+    of and logprobs report."""
     if md.masks is not None:
         logits = md.masks.apply(logits)
     for row, ids in md.banned:
         logits[row, ids] = float("-inf")
-    logits = apply_penalties(logits, md)
-    logprobs = _logprobs(logits, md.max_logprobs)
-    greedy_ids = logits.argmax(dim=-1)
-    if md.all_greedy:
-        return SamplerOutput(greedy_ids, logprobs(greedy_ids) if logprobs else None)
+    return apply_penalties(logits, md)
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: temperature, then top-k, top-p and min-p."""
     x = logits / md.temperature[:, None]
     if md.top_k is not None or md.top_p is not None:
         x = _top_k_top_p(x, md.top_k, md.top_p)
     probs = x.softmax(dim=-1)
     if md.min_p is not None:
         probs = probs.masked_fill(probs < md.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One id per row, drawn in proportion to `probs` (which need not be normalized)."""
     noise = torch.empty_like(probs).exponential_()
     for row, gen in md.generators.items():
         noise[row].exponential_(generator=gen)
-    random_ids = (probs / noise).argmax(dim=-1)
-    ids = torch.where(md.greedy, greedy_ids, random_ids)
-    return SamplerOutput(ids, logprobs(ids) if logprobs else None)
+    return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(logits: torch.Tensor, k: int | None):
+def logprobs_fn(logits: torch.Tensor, k: int | None):
     if k is None:
         return None
     lp = logits.log_softmax(dim=-1)

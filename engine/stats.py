@@ -75,6 +75,11 @@ class StatLogger:
         self.num_steps += 1
         self.iteration_tokens.observe(so.total_num_scheduled_tokens)
 
+    def on_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.spec_num_drafts = getattr(self, "spec_num_drafts", 0) + 1
+        self.spec_num_draft_tokens = getattr(self, "spec_num_draft_tokens", 0) + num_draft_tokens
+        self.spec_num_accepted_tokens = getattr(self, "spec_num_accepted_tokens", 0) + num_accepted_tokens
+
     def on_tokens(self, num_generated: int) -> None:
         self.num_generation_tokens += num_generated
         self._interval_gen += num_generated

@@ -95,6 +95,22 @@ class Grammar:
         v = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
+    def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, draft: list[int]) -> None:
+        """Rows first_row .. first_row + len(draft) of `bitmask`: the tokens allowed after each prefix of the
+        draft (speculative decoding's verify step), the matcher left as it was. Past a draft token the grammar
+        refuses, the rows repeat the last mask: that token is rejected there, so they are never used."""
+        valid = self.matcher.validate_tokens(draft) if draft else 0     # the draft's prefix the grammar takes
+        for j in range(len(draft) + 1):
+            row = first_row + j
+            if j > valid:
+                bitmask[row] = bitmask[row - 1]
+                continue
+            self.fill_bitmask(bitmask, row)
+            if j < valid:
+                self.matcher.consume_token(draft[j])
+        if valid:
+            self.matcher.rollback(valid)
+
 
 def _bit(i: int) -> int:
     return (1 << i) - (1 << 32) if i == 31 else 1 << i     # int32 two's complement

@@ -49,7 +49,7 @@ class StepLoop:
         """The step in flight finishes: its sampled tokens reach the host."""
         if self.inflight is not None:
             requests = self.scheduler.requests               # a request finished meanwhile samples a token too
-            sampled = {s.request_id: self.next_token(requests[s.request_id]) if s.request_id in requests else 0
+            sampled = {s.request_id: [self.next_token(requests[s.request_id]) if s.request_id in requests else 0]
                        for s in self.inflight.sampled}
             self.scheduler.update_from_output(self.inflight, sampled)
             self.inflight = None

@@ -22,14 +22,15 @@ class PendingTokens:
     - the step carries, per request, `pending_row` (its last input is pending: the runner takes it from the
       in-flight step's output on the device), `sample_row` and `num_output_tokens` (min_tokens counts pending
       outputs);
-    - a pending token lands through on_token() when the engine reads its step's result;
+    - a pending token lands through on_tokens() when the engine reads its step's result;
     - a preempted request is admitted again only once nothing is pending for it (its ids must be known);
     - a block ending in a pending token is hashed for the prefix cache only once the token lands;
     - a finished request's id is taken again only once no launched step holds a token for it
       (LLMEngine.add_request): a landing token finds its request by id;
     - penalties and multi-token bad words read every earlier token id, so a step that samples with them is read
       before the next step is scheduled (Request.needs_host_tokens -> SchedulerOutput.needs_host_tokens): then
-      nothing is pending at schedule time.
+      nothing is pending at schedule time. So does a speculating request (Request.speculating): its drafts
+      continue tokens the host must know.
     """
 
     def __init__(self) -> None:
@@ -55,7 +56,7 @@ class PendingTokens:
         for s in so.scheduled:
             rid = s.request_id
             req = requests[rid]
-            end, known, pending = s.num_computed_tokens + s.num_scheduled_tokens, req.num_tokens, count.get(rid, 0)
+            end, known, pending = s.end - len(s.spec_token_ids), req.num_tokens, count.get(rid, 0)
             if end > known:
                 s.pending_row = self._rows[rid]
             if end == known + pending:
@@ -63,13 +64,15 @@ class PendingTokens:
                 s.sample_row = rows[rid] = len(rows)
                 count[rid] = pending + 1
                 so.sampled.append(s)
-                if req.needs_host_tokens:
+                if req.needs_host_tokens or req.speculating:
                     so.needs_host_tokens = True
         self._rows = rows
 
-    def on_token(self, req: Request, token_id: int) -> None:
-        """A pending token of `req` reached the host."""
-        req.append_output_token(token_id)
+    def on_tokens(self, req: Request, token_ids: list[int]) -> None:
+        """A pending token of `req` reached the host: one id, or a verify step's accepted drafts and the token
+        after them."""
+        for token_id in token_ids:
+            req.append_output_token(token_id)
         self._count[req.request_id] -= 1
 
     def forget(self, req: Request) -> None:

@@ -54,6 +54,10 @@ class Request:
         # Its sampling reads every earlier token id (penalties, multi-token bad words): a step that samples it
         # is read before the next is scheduled (PendingTokens.on_scheduled). The engine adds bad words.
         self.needs_host_tokens = sampling_params.has_penalties
+        # Speculative decoding: whether it drafts this step (the scheduler's SpeculationPolicy decides), and the
+        # draft a drafter running on the device left for its next step (EAGLE-3; n-gram drafts at schedule time).
+        self.speculating = False
+        self.spec_token_ids: list[int] = []
 
     # ---- sizes ---------------------------------------------------------------------------------------------
     @property
@@ -73,7 +77,7 @@ class Request:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
-        """A token sampled by an earlier step has reached the host (through PendingTokens.on_token)."""
+        """A token sampled by an earlier step has reached the host (through PendingTokens.on_tokens)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

@@ -22,6 +22,9 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import QueueEntry, RequestQueue, create_request_queue
 from engine.core.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.logger import init_logger
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.policy import SpeculationPolicy
 
 logger = init_logger(__name__)
 
@@ -37,7 +40,8 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs"):
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
+                 speculative_config: SpeculativeConfig | None = None):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -50,6 +54,12 @@ class Scheduler:
         self.pending = PendingTokens()
         self.finished_req_ids: set[str] = set()      # since the last step, for the runner to forget
         self.counters = SchedulerCounters()
+        # Speculative decoding: who drafts when (policy); n-gram drafts are looked up here, on the host.
+        self.spec_policy = SpeculationPolicy(speculative_config) if speculative_config is not None else None
+        self.ngram = None
+        if speculative_config is not None and speculative_config.method == "ngram":
+            c = speculative_config
+            self.ngram = NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
 
     # ---- queues --------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -75,6 +85,8 @@ class Scheduler:
             req.metrics.finished_time = now
             self.kv.free(req)
             self.pending.forget(req)
+            if self.spec_policy is not None:
+                self.spec_policy.forget(req.request_id)
             self.requests.pop(req.request_id, None)
             self.finished_req_ids.add(req.request_id)
         if RequestStatus.RUNNING in held:
@@ -89,7 +101,9 @@ class Scheduler:
         self.running.sort(key=self._key)
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        self._schedule_running(out, self.max_num_batched_tokens)
+        self._set_speculating()
+        drafts: dict[str, list[int]] = {}
+        self._schedule_running(out, self.max_num_batched_tokens, drafts)
         if not out.preempted:
             self._admit(out)
         now = time.time()
@@ -101,12 +115,16 @@ class Scheduler:
                                                              req.eos_token_ids, req.bad_words_token_ids))
             start = req.num_computed_tokens
             req.num_computed_tokens = start + n
-            out.scheduled.append(ScheduledRequest(rid, n, start, req.all_token_ids[start:start + n],
-                                                  self.kv.block_ids(rid)))
+            draft = drafts.get(rid, ())
+            token_ids = req.all_token_ids[start:start + n - len(draft)]
+            if draft:
+                token_ids += draft
+            out.scheduled.append(ScheduledRequest(rid, n, start, token_ids, self.kv.block_ids(rid),
+                                                  spec_token_ids=draft))
         self.pending.on_scheduled(out, self.requests)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, drafts: dict[str, list[int]]) -> None:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -114,6 +132,8 @@ class Scheduler:
                 i += 1                                 # its last token is in flight: nothing more to compute
                 continue
             n = min(self.pending.num_tokens(req) - req.num_computed_tokens, budget)
+            draft = self._draft(req, budget - n) if req.speculating else ()
+            n += len(draft)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]          # least important; never one already scheduled this step
                 self._preempt(victim, out)
@@ -121,10 +141,32 @@ class Scheduler:
                     break
             else:
                 out.num_scheduled_tokens[req.request_id] = n
+                if draft:
+                    drafts[req.request_id] = draft
                 budget -= n
                 i += 1
                 continue
             break
+
+    # ---- speculative decoding ------------------------------------------------------------------------------
+    def _set_speculating(self) -> None:
+        """Which running requests speculate this step (SpeculationPolicy)."""
+        if self.spec_policy is None:
+            return
+        small = self.spec_policy.on_schedule(len(self.running))
+        for req in self.running:
+            req.speculating = small and self.spec_policy.allows(req.request_id)
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """The draft tokens `req` verifies this step: only in a decode step whose every token is on the host, at
+        most `room` (the step's token budget left) and never past max_tokens."""
+        draft, req.spec_token_ids = req.spec_token_ids, []
+        if self.pending.count(req) or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        limit = min(room, req.max_tokens - req.num_output_tokens - 1)
+        if self.ngram is not None:
+            return self.ngram.propose(req.all_token_ids, limit)
+        return draft[:max(limit, 0)]
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Bring in swapped-out and waiting requests in policy order, stopping at the first that does not fit
@@ -194,6 +236,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         out.num_scheduled_tokens.pop(req.request_id, None)   # un-schedule it from this step
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         out.preempted.append(req.request_id)
@@ -219,38 +262,66 @@ class Scheduler:
             req.request_id, mode, self.counters.num_preemptions)
 
     # ---- after the forward ---------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Step `out` finished: append its sampled tokens, cache the full blocks it computed, finish requests
-        on token-level stop conditions. Requests finished meanwhile (abort, stop string) are skipped.
-        Returns the requests that received a new token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           spec_token_ids: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:
+        """Step `out` finished: append its sampled tokens (a verify step's accepted drafts and the token after
+        them), give back the KV of rejected drafts, cache the full blocks it computed, finish requests on
+        token-level stop conditions. Requests finished meanwhile (abort, stop string) are skipped.
+        `spec_token_ids`: drafts a drafter on the device made for the next step. Returns (request, number of
+        new tokens) for the requests that received tokens."""
         updated = []
         finished: dict[RequestStatus, list[Request]] = {}
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:                            # finished meanwhile
                 continue
-            token = sampled.get(req.request_id)
-            if token is not None:
-                self.pending.on_token(req, token)
-                updated.append(req)
+            tokens = sampled.get(req.request_id)
+            if s.spec_token_ids:
+                self._roll_back(req, s, tokens)
+            status = None
+            if tokens is not None:
+                tokens, status = self._until_stop(req, tokens)
+                self.pending.on_tokens(req, tokens)
+                updated.append((req, len(tokens)))
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req)
-            if token is not None:
-                status = self._check_stop(req, token)
-                if status is not None:
-                    finished.setdefault(status, []).append(req)
+            if status is not None:
+                finished.setdefault(status, []).append(req)
+            elif spec_token_ids and req.request_id in spec_token_ids:
+                req.spec_token_ids = spec_token_ids[req.request_id]
         for status, reqs in finished.items():      # one pass over `running` for all that ended this step
             self.finish_requests(reqs, status)
         return updated
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def _roll_back(self, req: Request, s, tokens: list[int] | None) -> None:
+        """A verify step kept the KV of its accepted drafts only: the rest is forgotten, and blocks that hold
+        nothing but rejected drafts go back to the pool."""
+        accepted = len(tokens) - 1 if tokens is not None else 0
+        if self.spec_policy is not None:
+            self.spec_policy.record(req.request_id, len(s.spec_token_ids), accepted)
+        if req.status != RequestStatus.RUNNING or req.num_computed_tokens != s.end:
+            return                                 # preempted since: its KV is being rebuilt anyway
+        req.num_computed_tokens -= len(s.spec_token_ids) - accepted
+        self.kv.free_blocks_past(req, req.num_computed_tokens + 1)
+
+    def _until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """The tokens up to and including the first that ends the request, and how it ends (None: it goes on).
+        A verify step can yield several tokens: those after a stop token are never output."""
+        for i, token in enumerate(tokens):
+            status = self._check_stop(req, token, req.num_output_tokens + i + 1)
+            if status is not None:
+                return tokens[:i + 1], status
+        return tokens, None
+
+    def _check_stop(self, req: Request, token: int, num_outputs: int) -> RequestStatus | None:
+        """Whether `token`, the request's num_outputs-th output token, ends it."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
             if token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        if num_outputs >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -28,11 +28,13 @@ class ScheduledRequest:
     request_id: str
     num_scheduled_tokens: int
     num_computed_tokens: int           # tokens whose KV is cached (or being written) before this step
-    token_ids: list[int]               # the chunk's ids known on the host (all but a pending last one)
+    token_ids: list[int]               # the chunk's ids known on the host (all but a pending last one), drafts
+                                       # included
     block_ids: list[int]               # its block table, long enough for the chunk
     pending_row: int | None = None     # its last input is pending: this row of the in-flight step's sampled ids
     sample_row: int | None = None      # this step samples its next token into this row of its sampled ids
     num_output_tokens: int = 0         # when sampling: outputs before that token, pending ones included
+    spec_token_ids: list[int] | tuple = ()   # draft tokens: the chunk's last len(...) ids, verified this step
 
     @property
     def end(self) -> int:

@@ -16,11 +16,17 @@ class InflightStep:
 
     def __init__(self, so: SchedulerOutput, token_ids: torch.Tensor | None = None, logprobs: list | None = None,
                  sampled: list[CachedRequestState] = (), prompt_logprobs: list[PromptLogprobs] = (),
-                 to_host: bool = True):
+                 to_host: bool = True, verified: list[list[int]] | None = None,
+                 spec_token_ids: dict[str, list[int]] | None = None):
+        """A verify step (speculative decoding) passes its tokens on the host instead of token_ids:
+        `verified[i]` for so.sampled[i] (its accepted drafts and one more), `logprobs[i]` one entry per token,
+        and any drafts made for the next step (`spec_token_ids`)."""
         self.so = so
         self.token_ids = token_ids                # [S] on the device, row i for so.sampled[i] (pending inputs)
         self.prompt_logprobs = list(prompt_logprobs)   # chunks scored this step, on the device until result()
         self.logprobs = logprobs
+        self.verified = verified
+        self.spec_token_ids = spec_token_ids or {}
         self._sampled = sampled                   # the runner's records of those S requests
         self._result: StepResult | None = None
         self._host = None
@@ -37,24 +43,32 @@ class InflightStep:
         if self._result is None:
             self._result = StepResult(prompt_logprobs={c.request_id: c.to_host() for c in self.prompt_logprobs})
             self.prompt_logprobs = []
-            if self.token_ids is not None:
+            ids = [s.request_id for s in self.so.sampled]
+            if self.verified is not None:
+                tokens, logprobs = self.verified, self.logprobs
+                self._result.spec_token_ids = self.spec_token_ids
+            elif self.token_ids is not None:
                 if self._event is not None:
                     self._event.synchronize()
-                    tokens = self._host.tolist()
+                    tokens = [[t] for t in self._host.tolist()]
                 else:
-                    tokens = self.token_ids.tolist()
-                for state, token in zip(self._sampled, tokens):
-                    state.output_token_ids.append(token)
-                ids = [s.request_id for s in self.so.sampled]
-                self._result.sampled = dict(zip(ids, tokens))
-                self._result.logprobs = dict(zip(ids, self.logprobs)) if self.logprobs else {}
+                    tokens = [[t] for t in self.token_ids.tolist()]
+                logprobs = [[lp] for lp in self.logprobs] if self.logprobs else None
+            else:
+                return self._result
+            for state, new in zip(self._sampled, tokens):
+                state.output_token_ids.extend(new)
+            self._result.sampled = dict(zip(ids, tokens))
+            self._result.logprobs = dict(zip(ids, logprobs)) if logprobs else {}
         return self._result
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int] = field(default_factory=dict)                        # request id -> token id
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)          # request id -> {token: logprob}
+    sampled: dict[str, list[int]] = field(default_factory=dict)        # request id -> its new token ids (one,
+                                                                       # or a verify step's accepted drafts + 1)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)   # request id -> one per token
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # request id -> drafts for its next step
     # request id -> (first prompt position scored, one {token: logprob} per position from there)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 

@@ -75,6 +75,7 @@ class ModelInput:
     mm: MultimodalEmbeds | None
     # (request, its scheduled chunk, the chunk's first batch row) for chunks whose prompt tokens get scored
     prompt_logprob_chunks: list[tuple] = field(default_factory=list)
+    num_draft_tokens: int = 0        # speculative decoding: a request with k drafts has k + 1 logits rows
 
 
 class InputBatch:

@@ -13,6 +13,7 @@ from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.spec_decode.rejection_sampler import verify
 from engine.sizing import MAX_GRAPH_PATCHES
 from engine.structured_output import Grammar, catch_up_grammars
 from engine.transfer import to_device
@@ -80,6 +81,8 @@ class ModelRunner:
         if not inp.sampled:
             return InflightStep(so, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if inp.num_draft_tokens:
+            return self._verify(so, inp, logits, prompt_lps)
         if not self.is_driver:
             return InflightStep(so, self._receive_token_ids(len(inp.sampled)), to_host=False)
         if any(state.grammar is not None for state in inp.sampled):
@@ -90,6 +93,18 @@ class ModelRunner:
         if self.tp_size > 1:        # the next step's pending inputs must be the same ids on every rank
             broadcast_tensor(out.token_ids)
         return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
+
+    def _verify(self, so: SchedulerOutput, inp: ModelInput, logits: torch.Tensor, prompt_lps) -> InflightStep:
+        """A step that verifies drafts (speculative decoding): its tokens are read here, as the scheduler waits
+        for them anyway (it drafts from them). Other ranks need nothing: no input of the next step is pending."""
+        if not self.is_driver:
+            return InflightStep(so, prompt_logprobs=prompt_lps, to_host=False)
+        for state in inp.sampled:
+            if state.grammar is not None:
+                state.grammar.consume(state.output_token_ids)
+        out = verify(logits, inp.sampled, so.sampled, self.device)
+        return InflightStep(so, logprobs=out.logprobs, sampled=inp.sampled, prompt_logprobs=prompt_lps,
+                            verified=out.token_ids)
 
     def _receive_token_ids(self, num_sampled: int) -> torch.Tensor:
         """A worker rank's copy of the ids rank 0 sampled this step (on the device, like rank 0's)."""
@@ -128,7 +143,8 @@ class ModelRunner:
         pending_flat, pending_rows = [], []      # batch rows whose input token is still on the device
         ids: list[int] = []
         chunks, scored = [], []
-        logits_rows = [0] * len(so.sampled)
+        logits_rows: list = [0] * len(so.sampled)    # per sampled row: its logits row (a verify step: k + 1)
+        num_draft_tokens = 0
         flat = 0
         for i, s in enumerate(entries):
             req = self.requests[s.request_id]
@@ -144,7 +160,9 @@ class ModelRunner:
                 scored.append((req, s, flat))
             flat += s.num_scheduled_tokens
             if s.sample_row is not None:
-                logits_rows[s.sample_row] = flat - 1
+                k = len(s.spec_token_ids)
+                logits_rows[s.sample_row] = range(flat - 1 - k, flat) if k else flat - 1
+                num_draft_tokens += k
         seq_lens = starts + counts
         query_start = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=query_start[1:])
@@ -173,7 +191,8 @@ class ModelRunner:
         return ModelInput(
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
-            logits_indices=to_device(logits_rows, torch.int64, dev),
+            logits_indices=to_device(_flatten(logits_rows) if num_draft_tokens else logits_rows, torch.int64, dev),
+            num_draft_tokens=num_draft_tokens,
             sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images),
             prompt_logprob_chunks=scored)
 
@@ -287,3 +306,7 @@ class ModelRunner:
         self._staging_free = torch.cuda.Event()
         self._staging_free.record()
         return out
+
+
+def _flatten(rows: list) -> list[int]:
+    return [r for item in rows for r in (item if isinstance(item, range) else (item,))]

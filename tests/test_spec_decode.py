@@ -1,0 +1,226 @@
+"""Speculative decoding keeps the target's output: greedy output with n-gram drafts is token for token the output
+without them, in every engine mode (batched, chunked prefill, tiny pools that preempt by recompute or swap,
+prefix caching) and with every sampling feature that reads earlier tokens (penalties, bad words, min_tokens,
+stop strings, logprobs, a grammar); random output follows the target distribution; a verify step's rejected
+drafts give their KV blocks back; and speculation stops where it would cost (large batches, drafts that miss)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.policy import MISS_STREAK, SpeculationPolicy
+from engine.spec_decode.rejection_sampler import verify
+from engine_helpers import assert_pool_idle, make_llm
+from test_engine_equivalence import MODES, conversations
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+# ---- the n-gram proposer ------------------------------------------------------------------------------------------
+def test_ngram_drafts_what_followed_the_latest_longest_match():
+    p = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert p.propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]           # the 3-gram (1, 2, 3) seen before
+    assert p.propose([7, 1, 8, 5, 1, 9, 6, 1]) == [9, 6, 1]               # of two matches, the latest
+    assert p.propose([4, 5, 6, 4, 5, 7, 5, 6]) == [4, 5, 7]               # the 2-gram (5, 6) seen before
+    assert p.propose([1, 2, 3]) == []                                     # nothing repeats
+    assert p.propose([1, 2, 1, 2], max_tokens=1) == [1]                  # never past max_tokens
+
+
+def test_ngram_respects_the_minimum_length():
+    assert NgramProposer(4, 2, 3).propose([5, 1, 7, 1]) == []             # only a 1-gram repeats
+    assert NgramProposer(4, 1, 3).propose([5, 1, 7, 1]) == [7, 1]
+
+
+# ---- the configuration --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, says", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of ngram, eagle3"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a whole number >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 99}, "at most 16"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "must not exceed"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "unknown keys"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "model is required for eagle3"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "/nonexistent"}, "not a draft-head directory"),
+])
+def test_a_wrong_speculative_config_is_refused_with_what_to_fix(bad, says):
+    with pytest.raises(ValueError, match=says):
+        SpeculativeConfig.parse(bad)
+
+
+# ---- exactness -----------------------------------------------------------------------------------------------------
+def run_all(llm, params_list) -> list[list[int]]:
+    engine = llm.engine
+    prompts = [engine.input_processor.process_chat(c) for c in conversations()]
+    final = {}
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    assert_pool_idle(llm)
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def accepted(llm) -> int:
+    return llm.engine.stats.spec_num_accepted_tokens if hasattr(llm.engine.stats, "spec_num_accepted_tokens") \
+        else llm.engine.get_stats()["spec_decode"]["num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_vl_dir):
+    llm = make_llm(qwen3_vl_dir)
+    return [o.token_ids for o in run_all(llm, [GREEDY] * 5)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_output_with_ngram_drafts_is_the_output_without(qwen3_vl_dir, expected, mode):
+    llm = make_llm(qwen3_vl_dir, speculative_config=NGRAM, **MODES[mode])
+    assert [o.token_ids for o in run_all(llm, [GREEDY] * 5)] == expected
+    assert accepted(llm) > 0, "no draft was accepted: the test would not notice a wrong verify step"
+
+
+SAMPLING_FEATURES = {
+    "penalties": dict(repetition_penalty=1.02, presence_penalty=0.02, frequency_penalty=0.01),
+    "logprobs": dict(logprobs=3),
+    "min_tokens with eos": dict(min_tokens=12, ignore_eos=False),
+    "stop strings": dict(stop=["e", " the"]),
+    "bad words": dict(bad_words=["the", "ing"]),
+    "logit bias": dict(logit_bias={5: 2.0, 17: -3.0}),
+}
+
+
+@pytest.mark.parametrize("feature", list(SAMPLING_FEATURES))
+def test_sampling_features_see_the_drafts_as_sampled_tokens(qwen3_vl_dir, feature):
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True,
+                               **SAMPLING_FEATURES[feature]})
+    plain = run_all(make_llm(qwen3_vl_dir), [params] * 5)
+    spec_llm = make_llm(qwen3_vl_dir, speculative_config=NGRAM)
+    spec = run_all(spec_llm, [params] * 5)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.text for o in spec] == [o.text for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    if params.logprobs is not None:
+        for a, b in zip(spec, plain):
+            assert [sorted(e) for e in a.logprobs] == [sorted(e) for e in b.logprobs]
+            for ea, eb in zip(a.logprobs, b.logprobs):
+                assert all(abs(ea[t] - eb[t]) < 1e-4 for t in eb)
+    assert accepted(spec_llm) > 0
+
+
+def test_a_grammar_checks_the_drafts(qwen3_dir):
+    so = StructuredOutputsParams(regex=r"(ab|abc|b){3,12}c")
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)
+    prompt = [{"role": "user", "content": "abababab abcabc"}]
+    [plain] = make_llm(qwen3_dir).chat(prompt, params)
+    spec_llm = make_llm(qwen3_dir, speculative_config=NGRAM)
+    [spec] = spec_llm.chat(prompt, params)
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.outputs[0].text == plain.outputs[0].text
+    assert accepted(spec_llm) > 0
+
+
+# ---- the distribution of random output -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Row:
+    """The runner's record of a request (CachedRequestState), as verify() reads it."""
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+    eos_token_ids: set = dataclasses.field(default_factory=set)
+    output_token_ids: list = dataclasses.field(default_factory=list)
+    prompt_token_ids: list = dataclasses.field(default_factory=lambda: [0])
+    bad_words_token_ids: list = dataclasses.field(default_factory=list)
+    grammar: object = None
+    allowed_token_bits: object = None
+
+
+def row(temperature: float) -> _Row:
+    return _Row(SamplingParams(temperature=temperature, max_tokens=8))
+
+
+@dataclasses.dataclass
+class _Sched:
+    spec_token_ids: list
+    num_output_tokens: int = 0
+
+
+@pytest.mark.parametrize("draft", [[2, 0], [3, 3], [1, 2]])
+def test_rejection_sampling_follows_the_target_distribution(draft):
+    """Whatever is drafted, the first token is distributed as the target's p0 and, after it, the second as p1."""
+    torch.manual_seed(0)
+    n, vocab = 20000, 4
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.25, 0.15, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    logits = p.log().repeat(n, 1)                  # n requests, each with rows p0, p1, p2
+    rows = [row(1.0) for _ in range(n)]
+    out = verify(logits, rows, [_Sched(draft) for _ in range(n)], torch.device("cpu"))
+    first = torch.tensor([t[0] for t in out.token_ids])
+    freq = torch.bincount(first, minlength=vocab).float() / n
+    assert (freq - p[0]).abs().max() < 0.015, freq
+    # The second token, among requests whose first token was the draft's (so row p1 applies).
+    second = torch.tensor([t[1] for t in out.token_ids if t[0] == draft[0] and len(t) > 1])
+    freq2 = torch.bincount(second, minlength=vocab).float() / len(second)
+    assert (freq2 - p[1]).abs().max() < 0.03, freq2
+    assert max(len(t) for t in out.token_ids) == 3 and min(len(t) for t in out.token_ids) == 1
+
+
+def test_greedy_rows_accept_exactly_while_the_draft_is_the_argmax():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    rows = [row(0.0)]
+    out = verify(logits.clone(), rows, [_Sched([1, 0])], torch.device("cpu"))
+    assert out.token_ids == [[1, 0, 2]]                           # both accepted, then the bonus token
+    out = verify(logits.clone(), rows, [_Sched([1, 2])], torch.device("cpu"))
+    assert out.token_ids == [[1, 0]]                              # the second rejected: row 1's argmax instead
+
+
+# ---- the KV pool and when speculation runs ------------------------------------------------------------------------
+def test_rejected_drafts_give_their_blocks_back(qwen3_vl_dir):
+    llm = make_llm(qwen3_vl_dir, block_size=1, num_gpu_blocks_override=4096,
+                   speculative_config={**NGRAM, "num_speculative_tokens": 8})
+    engine = llm.engine
+    engine.add_request("a", engine.input_processor.process_chat(conversations()[0]), GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+        req = engine.scheduler.requests.get("a")
+        if req is not None and engine._inflight is None:
+            # One block per token (block size 1): exactly the tokens whose KV is kept, plus the newest one's slot.
+            assert len(engine.kv.block_ids("a")) <= req.num_tokens
+    assert engine.stats.spec_num_draft_tokens > engine.stats.spec_num_accepted_tokens    # some were rejected
+    assert_pool_idle(llm)
+
+
+def test_large_batches_do_not_speculate(qwen3_vl_dir):
+    llm = make_llm(qwen3_vl_dir, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    engine = llm.engine
+    prompts = [engine.input_processor.process_chat(c) for c in conversations()]
+    for i, prompt in enumerate(prompts):         # they finish one after the other: the batch shrinks
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10 + 10 * i, ignore_eos=True))
+    drafted_with = []
+    while engine.has_unfinished_requests():
+        running = len(engine.scheduler.running)
+        engine.step()
+        if engine._inflight is not None and any(s.spec_token_ids for s in engine._inflight.so.scheduled):
+            drafted_with.append(running)
+    assert drafted_with and max(drafted_with) < 3
+
+
+def test_a_request_whose_drafts_keep_missing_backs_off_and_retries():
+    policy = SpeculationPolicy(SpeculativeConfig.parse(NGRAM))
+    policy.on_schedule(1)
+    for _ in range(MISS_STREAK):
+        assert policy.allows("a")
+        policy.record("a", num_drafted=4, num_accepted=0)
+    assert not policy.allows("a")                       # backed off
+    for _ in range(8):
+        policy.on_schedule(1)
+    assert policy.allows("a")                           # and tries again
+    policy.record("a", 4, 2)
+    assert policy.allows("a")
+    assert policy.on_schedule(1) and not policy.on_schedule(8)     # disable_by_batch_size 8 by default
