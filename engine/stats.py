@@ -171,10 +171,10 @@ class StatLogger:
         if config is None:
             return None
         s = self.spec_decoding
-        k = getattr(config, "num_speculative_tokens", None)
+        method, k = getattr(config, "method", None), getattr(config, "num_speculative_tokens", None)
         per_pos = s.num_accepted_tokens_per_pos
-        per_pos = per_pos + [0] * ((k if isinstance(k, int) else 0) - len(per_pos))
-        return {"method": getattr(config, "method", None), "num_speculative_tokens": k,
+        per_pos = per_pos + [0] * ((k if isinstance(k, int) else 0) - len(per_pos))     # a copy, padded
+        return {"method": None if method is None else str(method), "num_speculative_tokens": k,
                 "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                 "num_accepted_tokens": s.num_accepted_tokens, "num_accepted_tokens_per_pos": per_pos,
                 "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}

@@ -132,10 +132,10 @@ export class KVMap {
       && spec.num_drafts > 0;
     $("kv-spec-label").hidden = !shown;
     $("kv-spec").hidden = !shown;
-    const method = typeof spec?.method === "string" ? `, ${spec.method}` : "";
-    $("kv-spec").textContent = shown
-      ? `${(100 * spec.acceptance_rate).toFixed(0)}% (mean ${spec.mean_acceptance_length.toFixed(1)} tokens/step${method})`
-      : "—";
+    if (!shown) { $("kv-spec").textContent = "—"; return; }
+    const method = typeof spec.method === "string" ? `, ${spec.method}` : "";
+    const mean = spec.mean_acceptance_length.toFixed(1);
+    $("kv-spec").textContent = `${(100 * spec.acceptance_rate).toFixed(0)}% (mean ${mean} tokens/step${method})`;
   }
 
   gpu(s, { total, held, cached, free }) {
