@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.kv_map import block_map
@@ -39,6 +39,48 @@ class Histogram:
         return out
 
 
+@dataclass
+class SpecDecodingStats:
+    """vLLM's speculative-decoding counters. A draft is one request's proposed tokens verified in one step; the
+    accepted ones are a prefix of it, so position i counts a draft whose first i + 1 tokens were accepted."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if not 0 <= num_accepted_tokens <= num_draft_tokens or num_draft_tokens < 1:
+            raise ValueError(f"a draft of {num_draft_tokens} tokens cannot have {num_accepted_tokens} accepted")
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens each verify step yields per draft: the accepted ones plus the one the target model samples
+        after them (vLLM's convention); 0 before any draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodingStats:
+        return replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts added after `earlier` (a copy of these counters taken before)."""
+        old = earlier.num_accepted_tokens_per_pos
+        per_pos = [n - (old[i] if i < len(old) else 0) for i, n in enumerate(self.num_accepted_tokens_per_pos)]
+        return SpecDecodingStats(self.num_drafts - earlier.num_drafts,
+                                 self.num_draft_tokens - earlier.num_draft_tokens,
+                                 self.num_accepted_tokens - earlier.num_accepted_tokens, per_pos)
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
     out, scale = [], 1
@@ -63,6 +105,8 @@ class StatLogger:
         self.last_prompt_throughput = 0.0
         self.last_generation_throughput = 0.0
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)   # tokens computed per engine step
+        self.spec_decoding = SpecDecodingStats()
+        self._spec_decoding_logged = SpecDecodingStats()    # the counters at the last log line
 
     def on_schedule(self, so: SchedulerOutput) -> None:
         """Prefill tokens are every scheduled token except single-token steps past the prompt (decodes)."""
@@ -76,9 +120,9 @@ class StatLogger:
         self.iteration_tokens.observe(so.total_num_scheduled_tokens)
 
     def on_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.spec_num_drafts = getattr(self, "spec_num_drafts", 0) + 1
-        self.spec_num_draft_tokens = getattr(self, "spec_num_draft_tokens", 0) + num_draft_tokens
-        self.spec_num_accepted_tokens = getattr(self, "spec_num_accepted_tokens", 0) + num_accepted_tokens
+        """One request's draft verified in one step: num_draft_tokens proposed, its first num_accepted_tokens
+        accepted."""
+        self.spec_decoding.observe_draft(num_draft_tokens, num_accepted_tokens)
 
     def on_tokens(self, num_generated: int) -> None:
         self.num_generation_tokens += num_generated
@@ -98,7 +142,42 @@ class StatLogger:
             "Prefix cache hit rate: %.1f%%", self.last_prompt_throughput, self.last_generation_throughput,
             s["num_running"], s["num_swapped"], s["num_waiting"], s["gpu_cache_usage"] * 100,
             s["cpu_cache_usage"] * 100, s["prefix_cache_hit_rate"] * 100)
+        self._log_spec_decoding(dt)
         self._last_log, self._interval_prompt, self._interval_gen = now, 0, 0
+
+    def _log_spec_decoding(self, dt: float) -> None:
+        """vLLM's "SpecDecoding metrics" line, over the drafts of the interval; none while nothing was drafted."""
+        interval = self.spec_decoding.since(self._spec_decoding_logged)
+        self._spec_decoding_logged = self.spec_decoding.copy()
+        if self.speculative_config is None or interval.num_drafts == 0:
+            return
+        rates = ", ".join(f"{n / interval.num_drafts:.3f}" for n in interval.num_accepted_tokens_per_pos)
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted "
+            "throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate: %s, "
+            "Avg Draft acceptance rate: %.1f%%", interval.mean_acceptance_length, interval.num_accepted_tokens / dt,
+            interval.num_draft_tokens / dt, interval.num_accepted_tokens, interval.num_draft_tokens, rates,
+            interval.acceptance_rate * 100)
+
+    @property
+    def speculative_config(self):
+        """The engine's speculative decoding config (`--speculative-config`), None when it has none."""
+        return getattr(self.engine.args, "speculative_config", None)
+
+    def spec_decode_snapshot(self) -> dict | None:
+        """/stats' `spec_decode`: the config's method and draft length with the counters; None with speculation
+        off. The per-position counts cover every position the config drafts, as vLLM's counters do."""
+        config = self.speculative_config
+        if config is None:
+            return None
+        s = self.spec_decoding
+        method, k = getattr(config, "method", None), getattr(config, "num_speculative_tokens", None)
+        per_pos = s.num_accepted_tokens_per_pos
+        per_pos = per_pos + [0] * ((k if isinstance(k, int) else 0) - len(per_pos))     # a copy, padded
+        return {"method": None if method is None else str(method), "num_speculative_tokens": k,
+                "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "num_accepted_tokens_per_pos": per_pos,
+                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length}
 
     def snapshot(self) -> dict:
         e = self.engine
@@ -150,6 +229,7 @@ class StatLogger:
             "demo_model": e.args.demo_model,
             "tensor_parallel_size": e.tensor_parallel_size,
             "ranks": [r.as_dict() for r in e.ranks],
+            "spec_decode": self.spec_decode_snapshot(),
         }
 
     def block_snapshot(self) -> dict:

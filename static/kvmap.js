@@ -83,6 +83,7 @@ export class KVMap {
                       "kv-queues", "kv-hit", "kv-preempt", "kv-throughput", "kv-map-summary"]) $(id).textContent = "—";
     for (const bar of document.querySelectorAll(".kv .bar .seg")) bar.style.width = "0";
     $("kv-requests").replaceChildren();
+    this.specDecode(null);
   }
 
   // One snapshot; true while the engine has work (the caller then polls again soon).
@@ -118,9 +119,23 @@ export class KVMap {
     const tput = $("kv-throughput");
     tput.textContent = rate ? `generation ${rate.generation.toFixed(1)} tok/s\nprompt ${rate.prompt.toFixed(1)} tok/s` : "—";
     tput.dataset.generation = rate ? rate.generation.toFixed(2) : "";
+    this.specDecode(s.spec_decode);
     this.grid.draw(s);
     this.legend(s);
     return running + swapped.length + (s.num_waiting || 0) > 0 || (rate !== null && rate.generation + rate.prompt > 0);
+  }
+
+  // Speculative decoding's draft acceptance since the engine started (/stats' spec_decode); the row shows only
+  // once the engine has verified a draft.
+  specDecode(spec) {
+    const shown = Number.isFinite(spec?.acceptance_rate) && Number.isFinite(spec?.mean_acceptance_length)
+      && spec.num_drafts > 0;
+    $("kv-spec-label").hidden = !shown;
+    $("kv-spec").hidden = !shown;
+    if (!shown) { $("kv-spec").textContent = "—"; return; }
+    const method = typeof spec.method === "string" ? `, ${spec.method}` : "";
+    const mean = spec.mean_acceptance_length.toFixed(1);
+    $("kv-spec").textContent = `${(100 * spec.acceptance_rate).toFixed(0)}% (mean ${mean} tokens/step${method})`;
   }
 
   gpu(s, { total, held, cached, free }) {

@@ -40,10 +40,11 @@ class FakeEngine:
         self.stats = engine_stats(multimodal=self.card["multimodal"])
         self.page_config = None
         self.blocks = {"num_blocks": 64, "bytes_per_block": 65536, "runs": [[-1, 64]], "requests": [], "shared": []}
+        self.spec_decode = None         # /stats' speculative decoding counters, as both /stats answers carry them
         page.route("**/api/status", lambda r: r.fulfill(json=self.status))
-        page.route("**/stats/blocks", lambda r: r.fulfill(json=self.blocks))
+        page.route("**/stats/blocks", lambda r: r.fulfill(json={**self.blocks, "spec_decode": self.spec_decode}))
         page.route("**/v1/models", lambda r: r.fulfill(json={"object": "list", "data": [self.card]}))
-        page.route("**/stats", lambda r: r.fulfill(json=self.stats))
+        page.route("**/stats", lambda r: r.fulfill(json={**self.stats, "spec_decode": self.spec_decode}))
         page.route("**/api/page-config", self._config)
 
     def _config(self, route):

@@ -232,6 +232,9 @@ def value(families, name, suffix="", **labels):
 def test_metrics_carry_vllm_v1_names_with_real_values(server):
     before = read_metrics(server)
     assert {n: before[n].type for n in V1_NAMES if n in before} == V1_NAMES
+    # Speculation off: /stats says so, and /metrics has no spec_decode counters.
+    assert stats(server)["spec_decode"] is None
+    assert not [name for name in before if name.startswith("vllm:spec_decode")]
     reply = post(server, "/v1/completions", {"prompt": "The cat sat", "max_tokens": 7, "temperature": 0,
                                              "ignore_eos": True, "n": 2})
     after = read_metrics(server)

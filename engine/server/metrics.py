@@ -114,6 +114,26 @@ _FROM_STATS = (
 )
 
 
+# (name, help, /stats spec_decode key): vLLM's speculative-decoding counters, present only with speculation on.
+_SPEC_DECODE = (
+    ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.", "num_accepted_tokens"),
+)
+_SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _spec_decode_lines(spec: dict, labels: str) -> list[str]:
+    lines: list[str] = []
+    for name, help_text, key in _SPEC_DECODE:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{labels}}} {spec[key]}"]
+    lines += [f"# HELP {_SPEC_DECODE_PER_POS} Accepted tokens per draft position.",
+              f"# TYPE {_SPEC_DECODE_PER_POS} counter"]
+    lines += [f'{_SPEC_DECODE_PER_POS}{{{labels},position="{i}"}} {n}'
+              for i, n in enumerate(spec["num_accepted_tokens_per_pos"])]
+    return lines
+
+
 def render_metrics(stats: dict, server: ServerMetrics, model_name: str, iteration_tokens: Histogram) -> str:
     labels = f'model_name="{_label_value(model_name)}"'
     lines: list[str] = []
@@ -136,4 +156,6 @@ def render_metrics(stats: dict, server: ServerMetrics, model_name: str, iteratio
     histograms += [(name, help_text, server.counts[name]) for name, help_text in _COUNTS.items()]
     for name, help_text, hist in histograms:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.lines(name, labels)]
+    if stats.get("spec_decode") is not None:
+        lines += _spec_decode_lines(stats["spec_decode"], labels)
     return "\n".join(lines) + "\n"
