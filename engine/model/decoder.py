@@ -75,7 +75,12 @@ class DenseMultimodalEmbeds:
 
 class TextDecoder(nn.Module):
     """`prefix`: the decoder's name in the checkpoint (`model`, or `model.language_model` in Qwen3-VL);
-    `host_embeddings`: the token-embedding table in host memory (--cpu-embeddings)."""
+    `host_embeddings`: the token-embedding table in host memory (--cpu-embeddings).
+
+    `aux_hidden_state_layers` (EAGLE-3; empty by default): for each listed layer i, forward records the residual
+    stream entering layer i, concatenated in layer order as `aux_hidden_states` [T, n * hidden]. It is the
+    attribute, not a second return value, so the forward signature and the CUDA graphs' outputs stay as they are
+    (a graph runner re-points the attribute at its static copy after a replay)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model", host_embeddings: bool = False):
         super().__init__()
@@ -84,6 +89,8 @@ class TextDecoder(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 md: AttentionMetadata, mm: MultimodalEmbeds | DenseMultimodalEmbeds | None = None) -> torch.Tensor:
@@ -92,11 +99,16 @@ class TextDecoder(nn.Module):
             h = mm.place(h)
         cos, sin = self.rotary(positions)
         residual = None
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(h if residual is None else h + residual)
             h, residual = layer(h, residual, cos, sin, kv_caches[i], md)
             if mm is not None:
                 # Qwen3-VL deepstack: the i-th vision tap is added to the image tokens after layer i.
                 h = mm.add_deepstack(h, i)
+        if aux:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
         h, _ = self.norm(h, residual)
         return h
 

@@ -81,6 +81,10 @@ class CUDAGraphRunner:
                    if model.config.is_multimodal and self.prefill else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # EAGLE-3: the decoder's captured hidden states, a static tensor per graph like `outputs`. Graphs record
+        # the capture layers set when they were captured; a step under other layers runs eagerly.
+        self.aux_layers = model.decoder.aux_hidden_state_layers
+        self.aux_outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = None
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
@@ -124,6 +128,8 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = forward()
+        if self.aux_layers:
+            self.aux_outputs[key] = self.model.decoder.aux_hidden_states
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
@@ -175,6 +181,8 @@ class CUDAGraphRunner:
         md = inp.md
         if md.block_tables.shape[1] > self.max_blocks:
             return False
+        if self.model.decoder.aux_hidden_state_layers != self.aux_layers:
+            return False
         if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
         n = inp.input_ids.shape[0]
@@ -201,6 +209,8 @@ class CUDAGraphRunner:
             self.graphs[key].replay()
         else:
             self._replay_with_images(key, inp.mm)
+        if self.aux_layers:
+            self.model.decoder.aux_hidden_states = self.aux_outputs[key][:n]
         return self.outputs[key][:n]
 
     def _replay_with_images(self, key, mm: MultimodalEmbeds) -> None:
