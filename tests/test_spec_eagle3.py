@@ -220,6 +220,64 @@ def test_own_embedding_draft_reads_its_table_not_the_targets(qwen3_dir, target, 
     assert run_step(p, [history.feed("r", 0, 9, True)])["r"] == fresh_drafts(own, target, history, 9)
 
 
+def reference_drafts(draft_dir: Path, embed_table: torch.Tensor, history: History, end: int, k: int) -> list[int]:
+    """vLLM's EAGLE-3 math written out from the checkpoint's own tensors, recomputing full causal attention over
+    every row for each draft step (no cache, no fused projections)."""
+    w = load_file(draft_dir / "model.safetensors")
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    heads, kv_heads, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 1e-6
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):   # x [T, heads, d]: rotate-half pairs (j, j + d/2)
+        angle = pos[:, None].float() * inv_freq[None, :]
+        cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    def layer(tokens, hidden, pos):
+        a = "midlayer.self_attn."
+        x = torch.cat([rms(embed_table[tokens], w["midlayer.input_layernorm.weight"]),
+                       rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
+        t = x.shape[0]
+        q = rope((x @ w[f"{a}q_proj.weight"].T).view(t, heads, d), pos)
+        kk = rope((x @ w[f"{a}k_proj.weight"].T).view(t, kv_heads, d), pos)
+        v = (x @ w[f"{a}v_proj.weight"].T).view(t, kv_heads, d)
+        out = torch.empty(t, heads, d)
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            scores = (q[:, head] @ kk[:, kv].T) / d ** 0.5
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            out[:, head] = scores.softmax(-1) @ v[:, kv]
+        stream = out.reshape(t, -1) @ w[f"{a}o_proj.weight"].T + hidden
+        y = rms(stream, w["midlayer.post_attention_layernorm.weight"])
+        m = "midlayer.mlp."
+        prenorm = (torch.nn.functional.silu(y @ w[f"{m}gate_proj.weight"].T) * (y @ w[f"{m}up_proj.weight"].T)) \
+            @ w[f"{m}down_proj.weight"].T + stream
+        draft = (rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T).argmax(-1)
+        return prenorm, draft + w["d2t"][draft]
+
+    tokens = torch.tensor(history.tokens[1:end + 1])
+    hidden = history.aux[:end] @ w["fc.weight"].T
+    pos = torch.arange(end)
+    drafts = []
+    for _ in range(k):
+        prenorm, target_ids = layer(tokens, hidden, pos)
+        drafts.append(int(target_ids[-1]))
+        tokens = torch.cat([tokens, target_ids[-1:]])
+        hidden = torch.cat([hidden, prenorm[-1:]])
+        pos = torch.cat([pos, pos[-1:] + 1])
+    return drafts
+
+
+def test_drafts_follow_the_eagle3_math_of_the_checkpoint(eagle3_dir, target, history):
+    embed_table = target.decoder.embed_tokens.weight.float()
+    for end in (1, 6, 17):
+        assert fresh_drafts(eagle3_dir, target, history, end, k=4) == \
+            reference_drafts(eagle3_dir, embed_table, history, end, k=4)
+
+
 # ---- capturing the target's hidden states ----------------------------------------------------------------------
 def _generate(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
