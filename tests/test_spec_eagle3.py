@@ -80,6 +80,7 @@ def _copy_without(src: Path, dst: Path, drop: str = "", reshape: str = "", confi
     ("missing_tensor", "lacks midlayer.hidden_norm.weight"),
     ("missing_d2t", "lacks d2t"),
     ("wrong_shape", "lm_head.weight has shape"),
+    ("bad_rope", "unsupported rope_type 'yarn'"),
 ])
 def test_loader_refuses_a_wrong_directory_naming_what_is_missing(eagle3_dir, qwen3_dir, tmp_path, case, message):
     path = {
@@ -90,6 +91,8 @@ def test_loader_refuses_a_wrong_directory_naming_what_is_missing(eagle3_dir, qwe
         "missing_tensor": lambda: _copy_without(eagle3_dir, tmp_path / "d", drop="midlayer.hidden_norm.weight"),
         "missing_d2t": lambda: _copy_without(eagle3_dir, tmp_path / "d", drop="d2t"),
         "wrong_shape": lambda: _copy_without(eagle3_dir, tmp_path / "d", reshape="lm_head.weight"),
+        "bad_rope": lambda: _copy_without(eagle3_dir, tmp_path / "d",
+                                          config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
     }[case]()
     with pytest.raises(ModelLoadError, match=message):
         load_eagle3(path, 256, torch.device("cpu"), torch.float32)
@@ -135,7 +138,8 @@ class History:
         self.tokens = torch.randint(0, vocab, (length + 1,), generator=gen).tolist()
         self.aux = torch.randn(length, aux_width, generator=gen)
 
-    def feed(self, rid: str, start: int, end: int, propose: bool, row_offset: int = 0) -> tuple[DraftFeed, torch.Tensor]:
+    def feed(self, rid: str, start: int, end: int, propose: bool,
+             row_offset: int = 0) -> tuple[DraftFeed, torch.Tensor]:
         """Positions [start, end) as one feed, with its aux rows (at row_offset in the step's aux tensor)."""
         return DraftFeed(rid, list(range(start, end)), torch.arange(row_offset, row_offset + end - start),
                          self.tokens[start + 1:end + 1], propose), self.aux[start:end]
@@ -220,10 +224,11 @@ def test_own_embedding_draft_reads_its_table_not_the_targets(qwen3_dir, target, 
     assert run_step(p, [history.feed("r", 0, 9, True)])["r"] == fresh_drafts(own, target, history, 9)
 
 
-def reference_drafts(draft_dir: Path, embed_table: torch.Tensor, history: History, end: int, k: int) -> list[int]:
+def reference_drafts(draft_dir: Path, target_table: torch.Tensor, history: History, end: int, k: int) -> list[int]:
     """vLLM's EAGLE-3 math written out from the checkpoint's own tensors, recomputing full causal attention over
     every row for each draft step (no cache, no fused projections)."""
     w = load_file(draft_dir / "model.safetensors")
+    embed_table = w.get("embed_tokens.weight", target_table)
     cfg = json.loads((draft_dir / "config.json").read_text())
     heads, kv_heads, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 1e-6
     inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
@@ -241,8 +246,11 @@ def reference_drafts(draft_dir: Path, embed_table: torch.Tensor, history: Histor
         x = torch.cat([rms(embed_table[tokens], w["midlayer.input_layernorm.weight"]),
                        rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
         t = x.shape[0]
-        q = rope((x @ w[f"{a}q_proj.weight"].T).view(t, heads, d), pos)
-        kk = rope((x @ w[f"{a}k_proj.weight"].T).view(t, kv_heads, d), pos)
+        q = (x @ w[f"{a}q_proj.weight"].T).view(t, heads, d)
+        kk = (x @ w[f"{a}k_proj.weight"].T).view(t, kv_heads, d)
+        if f"{a}q_norm.weight" in w:   # Qwen3: RMSNorm per head before the rotary
+            q, kk = rms(q, w[f"{a}q_norm.weight"]), rms(kk, w[f"{a}k_norm.weight"])
+        q, kk = rope(q, pos), rope(kk, pos)
         v = (x @ w[f"{a}v_proj.weight"].T).view(t, kv_heads, d)
         out = torch.empty(t, heads, d)
         for head in range(heads):
@@ -271,11 +279,14 @@ def reference_drafts(draft_dir: Path, embed_table: torch.Tensor, history: Histor
     return drafts
 
 
-def test_drafts_follow_the_eagle3_math_of_the_checkpoint(eagle3_dir, target, history):
-    embed_table = target.decoder.embed_tokens.weight.float()
+@pytest.mark.parametrize("own_embedding, qk_norm", [(False, False), (True, True)])
+def test_drafts_follow_the_eagle3_math_of_the_checkpoint(qwen3_dir, target, history, tmp_path, own_embedding,
+                                                         qk_norm):
+    draft = tiny_models.build_eagle3(qwen3_dir, tmp_path / "draft", own_embedding=own_embedding, qk_norm=qk_norm)
+    target_table = target.decoder.embed_tokens.weight.float()
     for end in (1, 6, 17):
-        assert fresh_drafts(eagle3_dir, target, history, end, k=4) == \
-            reference_drafts(eagle3_dir, embed_table, history, end, k=4)
+        assert fresh_drafts(draft, target, history, end, k=4) == \
+            reference_drafts(draft, target_table, history, end, k=4)
 
 
 # ---- capturing the target's hidden states ----------------------------------------------------------------------

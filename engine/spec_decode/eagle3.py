@@ -59,6 +59,9 @@ class Eagle3Config:
         theta, scaling = _rope_params(cfg, cfg.get("model_type", "llama"))
         eagle = cfg.get("eagle_config") or {}
         layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if scaling.get("rope_type", "default") not in ("default", "llama3"):
+            raise ModelLoadError(f"EAGLE-3 draft: unsupported rope_type {scaling['rope_type']!r} (supported: "
+                                 f"default, llama3)", code="bad_config")
         return cls(
             hidden_size=hidden, target_hidden_size=cfg.get("target_hidden_size") or hidden,
             num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -196,7 +199,8 @@ def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     n, groups = q.shape[0], q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(groups, dim=1)
     values = values.repeat_interleave(groups, dim=1)
-    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= cached + torch.arange(n, device=q.device)[:, None]
+    rows = torch.arange(n, device=q.device)[:, None]
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= cached + rows
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                          attn_mask=visible)
     return out.transpose(0, 1)
