@@ -294,8 +294,12 @@ def _generate(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("model_fixture", ["qwen3_dir", "llama_dir", "qwen3_vl_dir"])
-def test_aux_capture_leaves_outputs_identical_and_records_the_residual_stream(request, model_fixture):
+@pytest.mark.parametrize("model_fixture, buffer_rows", [
+    ("qwen3_dir", None), ("llama_dir", None), ("qwen3_vl_dir", None),
+    ("qwen3_dir", 4),   # a static buffer (CUDA graphs' form): decode steps fit it, the prompts' prefills do not
+])
+def test_aux_capture_leaves_outputs_identical_and_records_the_residual_stream(request, model_fixture,
+                                                                               buffer_rows):
     llm = make_llm(request.getfixturevalue(model_fixture))
     model = llm.engine.model_executor.driver_worker.model
     decoder = model.decoder
@@ -314,17 +318,24 @@ def test_aux_capture_leaves_outputs_identical_and_records_the_residual_stream(re
         return hook
 
     def post_hook(module, args, out):
-        steps.append((torch.cat([streams[i] for i in layers], dim=-1), decoder.aux_hidden_states))
+        got = decoder.aux_hidden_states   # copied now: a static buffer holds only the latest step's states
+        steps.append((torch.cat([streams[i] for i in layers], dim=-1), got.clone(), got.data_ptr()))
 
     handles = [decoder.layers[i].register_forward_pre_hook(pre_hook(i)) for i in layers]
     handles.append(decoder.register_forward_hook(post_hook))
     decoder.aux_hidden_state_layers = layers
+    width = 3 * model.config.hidden_size
+    buffer = torch.full((buffer_rows, width), float("nan")) if buffer_rows else None
+    decoder.aux_buffer = buffer
     try:
         on = _generate(llm, prompts, params)
     finally:
         for h in handles:
             h.remove()
-        decoder.aux_hidden_state_layers = ()
+        decoder.aux_hidden_state_layers, decoder.aux_buffer = (), None
     assert on == off, "capturing changes no token and no logprob"
-    assert steps and all(got.shape == (ref.shape[0], 3 * model.config.hidden_size) for ref, got in steps)
-    assert all(torch.equal(got, ref) for ref, got in steps)
+    assert steps and all(got.shape == (ref.shape[0], width) for ref, got, _ in steps)
+    assert all(torch.equal(got, ref) for ref, got, _ in steps)
+    if buffer is not None:
+        in_buffer = [ptr == buffer.data_ptr() for _, _, ptr in steps]
+        assert any(in_buffer) and not all(in_buffer), "decode steps write into the buffer, longer prefills do not"

@@ -81,10 +81,14 @@ class CUDAGraphRunner:
                    if model.config.is_multimodal and self.prefill else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
-        # EAGLE-3: the decoder's captured hidden states, a static tensor per graph like `outputs`. Graphs record
-        # the capture layers set when they were captured; a step under other layers runs eagerly.
+        # EAGLE-3: the decoder writes its captured hidden states into one static buffer that every graph shares
+        # (a buffer per graph would hold ~33k rows of 3 * hidden). Graphs record the capture layers set when they
+        # were captured; a step under other layers runs eagerly.
         self.aux_layers = model.decoder.aux_hidden_state_layers
-        self.aux_outputs: dict[tuple[str, int], torch.Tensor] = {}
+        if self.aux_layers:
+            width = len(set(self.aux_layers)) * model.config.hidden_size
+            model.decoder.aux_buffer = torch.empty(n, width, dtype=model.decoder.embed_tokens.weight.dtype,
+                                                   device=device)
         self.pool = None
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
@@ -128,8 +132,6 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = forward()
-        if self.aux_layers:
-            self.aux_outputs[key] = self.model.decoder.aux_hidden_states
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
@@ -210,7 +212,7 @@ class CUDAGraphRunner:
         else:
             self._replay_with_images(key, inp.mm)
         if self.aux_layers:
-            self.model.decoder.aux_hidden_states = self.aux_outputs[key][:n]
+            self.model.decoder.aux_hidden_states = self.model.decoder.aux_buffer[:n]
         return self.outputs[key][:n]
 
     def _replay_with_images(self, key, mm: MultimodalEmbeds) -> None:
