@@ -217,6 +217,20 @@ def test_a_gap_in_the_feed_still_drafts(eagle3_dir, target, history):
     assert p.kv["r"].positions == [8, 9, 10, 11, 12]
 
 
+def test_drafts_run_past_the_targets_last_position(eagle3_dir, target):
+    """The target's last position is max_positions - 1; the k - 1 draft steps after it still have rotary rows."""
+    last = target.decoder.rotary.cos_cache.shape[0] - 1
+    feed = DraftFeed("r", [last - 1, last], torch.arange(2), [5, 6], True)
+    aux = torch.randn(2, 3 * target.config.hidden_size)
+    assert len(proposer(eagle3_dir, target, k=4).propose([feed], aux)["r"]) == 4
+
+
+def test_a_feed_needs_one_row_and_one_next_token_per_position(eagle3_dir, target):
+    feed = DraftFeed("r", [0, 1, 2], torch.arange(3), [5, 6], True)
+    with pytest.raises(ValueError, match="3 positions, 3 hidden rows and 2 next tokens"):
+        proposer(eagle3_dir, target).propose([feed], torch.randn(3, 3 * target.config.hidden_size))
+
+
 def test_own_embedding_draft_reads_its_table_not_the_targets(qwen3_dir, target, history, tmp_path):
     own = tiny_models.build_eagle3(qwen3_dir, tmp_path / "own", own_embedding=True)
     p = proposer(own, target)

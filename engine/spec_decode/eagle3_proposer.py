@@ -35,7 +35,9 @@ class Eagle3Proposer:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
         decoder = target_model.decoder
-        self.model = load_eagle3(draft_dir, decoder.rotary.cos_cache.shape[0], torch.device(device), dtype)
+        # Drafts run up to k - 1 positions past the target's last one.
+        max_positions = decoder.rotary.cos_cache.shape[0] + num_speculative_tokens
+        self.model = load_eagle3(draft_dir, max_positions, torch.device(device), dtype)
         cfg, target_cfg = self.model.config, target_model.config
         if cfg.target_hidden_size != target_cfg.hidden_size:
             raise ModelLoadError(f"EAGLE-3 draft {draft_dir} expects a target of hidden size "
@@ -67,6 +69,10 @@ class Eagle3Proposer:
     def propose(self, feeds: list[DraftFeed], aux_hidden: torch.Tensor) -> dict[str, list[int]]:
         """`aux_hidden`: this step's captured target states [T, 3 * H_target] (the decoder's aux_hidden_states).
         Returns k draft token ids (target vocabulary) for each feed with propose=True."""
+        for f in feeds:
+            if not len(f.positions) == len(f.hidden_rows) == len(f.next_token_ids):
+                raise ValueError(f"feed {f.request_id}: {len(f.positions)} positions, {len(f.hidden_rows)} hidden "
+                                 f"rows and {len(f.next_token_ids)} next tokens; one of each per position")
         feeds = [f for f in feeds if f.positions]
         if not feeds:
             return {}
