@@ -35,7 +35,7 @@ def test_graph_replays_record_the_same_hidden_states_as_eager_steps(qwen3_vl_dir
         got = decoder.aux_hidden_states
         assert got.shape == eager_aux.shape == (inp.input_ids.shape[0], 3 * worker.model.config.hidden_size)
         compared.append(((got - eager_aux).norm() / eager_aux.norm()).item())
-        assert torch.allclose(out, eager, rtol=1e-3, atol=1e-3)
+        assert ((out - eager).norm() / eager.norm()).item() < 1e-3
         return out
 
     graphs.run = run_checked

@@ -154,9 +154,10 @@ class Eagle3DraftModel(nn.Module):
         """The target's captured states [T, 3*H_target] -> the draft's hidden [T, H]."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
                 segments: list[DraftSegment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds, hidden: [T, H]; positions: [T]; each segment's rows extend its request's cache.
+        """embeds, hidden: [T, H]; positions: T ints (the caches keep them); each segment's rows extend its
+        request's cache.
         Returns (the pre-norm stream to feed back [T, H], the final-normed hidden for lm_head [T, H])."""
         eps = self.config.rms_norm_eps
         normed_hidden = ops.rms_norm(hidden, self.hidden_norm, eps)
@@ -168,23 +169,22 @@ class Eagle3DraftModel(nn.Module):
         prenorm = x + residual
         return prenorm, ops.rms_norm(prenorm, self.norm, eps)
 
-    def _attention(self, x: torch.Tensor, positions: torch.Tensor, segments: list[DraftSegment]) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, positions: list[int], segments: list[DraftSegment]) -> torch.Tensor:
         c, t = self.config, x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, c.num_attention_heads, c.head_dim)
         k = k.view(t, c.num_key_value_heads, c.head_dim)
         v = v.view(t, c.num_key_value_heads, c.head_dim)
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(torch.tensor(positions, dtype=torch.int64, device=x.device))
         if self.q_norm is not None:
             q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, c.rms_norm_eps, cos, sin)
         else:
             q, k = ops.apply_rotary(q, k, cos, sin)
         out = torch.empty_like(q)
-        pos_list = positions.tolist()
         for seg in segments:
             rows = slice(seg.start, seg.end)
             cached = len(seg.kv)
-            keys, values = seg.kv.append(k[rows], v[rows], pos_list[rows])
+            keys, values = seg.kv.append(k[rows], v[rows], positions[rows])
             out[rows] = _causal_attention(q[rows], keys, values, cached)
         return out.view(t, self.q_size)
 

@@ -110,5 +110,4 @@ class Eagle3Proposer:
               segments: list[DraftSegment]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over rows (token_ids[j] embedded beside hidden[j], at positions[j])."""
         embeds = self.embed(token_ids.to(self.device)).to(self.dtype)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return self.model(embeds, hidden, pos, segments)
+        return self.model(embeds, hidden, positions, segments)
