@@ -87,6 +87,12 @@ def llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def eagle3_dir(qwen3_dir, tmp_path_factory) -> Path:
+    """A tiny EAGLE-3 draft for the tiny Qwen3 (sharing its token embedding, no q/k norms)."""
+    return tiny_models.build_eagle3(qwen3_dir, tmp_path_factory.mktemp("models") / "tiny-eagle3")
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     path = tiny_models.smollm2_gguf_path()
     if path is None:

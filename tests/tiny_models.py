@@ -240,3 +240,61 @@ def smollm2_gguf_path() -> Path | None:
         if hits:
             return hits[0]
     return None
+
+
+def build_eagle3(target_dir: Path, out_dir: Path, seed: int = 3, own_embedding: bool = False,
+                 qk_norm: bool = False, aux_layer_ids: list[int] | None = None) -> Path:
+    """A tiny EAGLE-3 draft for the tiny target at `target_dir`, in the public checkpoints' layout (config.json
+    with architectures LlamaForCausalLMEagle3, `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`): its hidden
+    size and vocabulary match the target's; the draft vocabulary is every third target id, so d2t is nontrivial.
+    own_embedding: with its own `embed_tokens` (else it shares the target's); qk_norm: Qwen3-style q/k norms;
+    aux_layer_ids: written as eagle_config.eagle_aux_hidden_state_layer_ids (default: the first, middle and last
+    target layers, which the tiny 3- and 4-layer targets have distinct)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    text = target.get("text_config") or target
+    hidden, vocab, layers = text["hidden_size"], text["vocab_size"], text["num_hidden_layers"]
+    heads, kv_heads, head_dim, inter = 4, 2, hidden // 4, 2 * hidden
+    draft_to_target = torch.arange(0, vocab, 3)
+    draft_vocab = draft_to_target.numel()
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": inter, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
+        "max_position_embeddings": 4096, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids or [0, layers // 2, layers - 1]},
+    }
+    gen = torch.Generator().manual_seed(seed)
+
+    def dense(*shape):
+        return torch.randn(*shape, generator=gen) * 0.15
+
+    def norm(size):
+        return torch.rand(size, generator=gen) + 0.5
+
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    tensors = {
+        "fc.weight": dense(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": norm(hidden), "midlayer.hidden_norm.weight": norm(hidden),
+        f"{attn}q_proj.weight": dense(heads * head_dim, 2 * hidden),
+        f"{attn}k_proj.weight": dense(kv_heads * head_dim, 2 * hidden),
+        f"{attn}v_proj.weight": dense(kv_heads * head_dim, 2 * hidden),
+        f"{attn}o_proj.weight": dense(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": norm(hidden),
+        f"{mlp}gate_proj.weight": dense(inter, hidden), f"{mlp}up_proj.weight": dense(inter, hidden),
+        f"{mlp}down_proj.weight": dense(hidden, inter),
+        "norm.weight": norm(hidden), "lm_head.weight": dense(draft_vocab, hidden),
+        "d2t": draft_to_target - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_to_target, True),
+    }
+    if qk_norm:
+        tensors[f"{attn}q_norm.weight"], tensors[f"{attn}k_norm.weight"] = norm(head_dim), norm(head_dim)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = dense(vocab, hidden)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir

@@ -75,7 +75,13 @@ class DenseMultimodalEmbeds:
 
 class TextDecoder(nn.Module):
     """`prefix`: the decoder's name in the checkpoint (`model`, or `model.language_model` in Qwen3-VL);
-    `host_embeddings`: the token-embedding table in host memory (--cpu-embeddings)."""
+    `host_embeddings`: the token-embedding table in host memory (--cpu-embeddings).
+
+    `aux_hidden_state_layers` (EAGLE-3; empty by default): for each listed layer i, forward records the residual
+    stream entering layer i, concatenated in layer order as `aux_hidden_states` [T, n * hidden]. It is an
+    attribute, not a second return value, so the forward signature and the CUDA graphs' outputs stay as they are.
+    `aux_buffer` (set by the CUDA-graph runner): a static [rows, n * hidden] tensor that forward writes the states
+    into when the step fits, so that a graph replay leaves them there; otherwise each forward allocates them."""
 
     def __init__(self, config: ModelConfig, max_positions: int, prefix: str = "model", host_embeddings: bool = False):
         super().__init__()
@@ -84,6 +90,9 @@ class TextDecoder(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
+        self.aux_buffer: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 md: AttentionMetadata, mm: MultimodalEmbeds | DenseMultimodalEmbeds | None = None) -> torch.Tensor:
@@ -92,13 +101,26 @@ class TextDecoder(nn.Module):
             h = mm.place(h)
         cos, sin = self.rotary(positions)
         residual = None
+        taps = sorted(set(self.aux_hidden_state_layers))
+        aux = self._aux_output(h, len(taps)) if taps else None
         for i, layer in enumerate(self.layers):
+            if i in taps:
+                j, width = taps.index(i), h.shape[-1]
+                aux[:, j * width:(j + 1) * width] = h if residual is None else h + residual
             h, residual = layer(h, residual, cos, sin, kv_caches[i], md)
             if mm is not None:
                 # Qwen3-VL deepstack: the i-th vision tap is added to the image tokens after layer i.
                 h = mm.add_deepstack(h, i)
         h, _ = self.norm(h, residual)
         return h
+
+    def _aux_output(self, h: torch.Tensor, n: int) -> torch.Tensor:
+        """Where this forward's captured states go: the static buffer's first rows when they fit, else new."""
+        rows, width, buf = h.shape[0], n * h.shape[-1], self.aux_buffer
+        fits = buf is not None and buf.shape[0] >= rows and buf.shape[1] == width
+        out = buf[:rows] if fits else h.new_empty(rows, width)
+        self.aux_hidden_states = out
+        return out
 
 
 class CausalLM(nn.Module):

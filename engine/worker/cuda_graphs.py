@@ -81,6 +81,14 @@ class CUDAGraphRunner:
                    if model.config.is_multimodal and self.prefill else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # EAGLE-3: the decoder writes its captured hidden states into one static buffer that every graph shares
+        # (a buffer per graph would hold ~33k rows of 3 * hidden). Graphs record the capture layers set when they
+        # were captured; a step under other layers runs eagerly.
+        self.aux_layers = model.decoder.aux_hidden_state_layers
+        if self.aux_layers:
+            width = len(set(self.aux_layers)) * model.config.hidden_size
+            model.decoder.aux_buffer = torch.empty(n, width, dtype=model.decoder.embed_tokens.weight.dtype,
+                                                   device=device)
         self.pool = None
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
@@ -175,6 +183,8 @@ class CUDAGraphRunner:
         md = inp.md
         if md.block_tables.shape[1] > self.max_blocks:
             return False
+        if self.model.decoder.aux_hidden_state_layers != self.aux_layers:
+            return False
         if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
         n = inp.input_ids.shape[0]
@@ -201,6 +211,8 @@ class CUDAGraphRunner:
             self.graphs[key].replay()
         else:
             self._replay_with_images(key, inp.mm)
+        if self.aux_layers:
+            self.model.decoder.aux_hidden_states = self.model.decoder.aux_buffer[:n]
         return self.outputs[key][:n]
 
     def _replay_with_images(self, key, mm: MultimodalEmbeds) -> None:
