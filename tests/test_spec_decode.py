@@ -180,17 +180,20 @@ def test_greedy_rows_accept_exactly_while_the_draft_is_the_argmax():
 
 
 # ---- the KV pool and when speculation runs ------------------------------------------------------------------------
-def test_rejected_drafts_give_their_blocks_back(qwen3_vl_dir):
+def test_rejected_drafts_are_forgotten_and_hold_no_more_than_the_next_draft(qwen3_vl_dir):
+    k = 8
     llm = make_llm(qwen3_vl_dir, block_size=1, num_gpu_blocks_override=4096,
-                   speculative_config={**NGRAM, "num_speculative_tokens": 8})
+                   speculative_config={**NGRAM, "num_speculative_tokens": k})
     engine = llm.engine
     engine.add_request("a", engine.input_processor.process_chat(conversations()[0]), GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
         req = engine.scheduler.requests.get("a")
         if req is not None and engine._inflight is None:
-            # One block per token (block size 1): exactly the tokens whose KV is kept, plus the newest one's slot.
-            assert len(engine.kv.block_ids("a")) <= req.num_tokens
+            # Only the KV of kept tokens counts as computed; with one block per token, the request holds at most
+            # the slots of its newest token and of one more draft.
+            assert req.num_computed_tokens == req.num_tokens - 1
+            assert len(engine.kv.block_ids("a")) <= req.num_tokens + k
     counts = engine.get_stats()["spec_decode"]
     assert counts["num_draft_tokens"] > counts["num_accepted_tokens"] > 0     # some kept, some rejected
     assert_pool_idle(llm)
@@ -224,3 +227,57 @@ def test_a_request_whose_drafts_keep_missing_backs_off_and_retries():
     policy.record("a", 4, 2)
     assert policy.allows("a")
     assert policy.on_schedule(1) and not policy.on_schedule(8)     # disable_by_batch_size 8 by default
+
+
+# ---- EAGLE-3 drafts through the engine ----------------------------------------------------------------------------
+TEXT_CONVERSATIONS = [c for c in conversations() if isinstance(c[-1]["content"], str)]
+
+
+def run_text(llm, params) -> list[list[int]]:
+    outs = llm.chat(TEXT_CONVERSATIONS, params)
+    assert_pool_idle(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def text_expected(qwen3_dir):
+    return run_text(make_llm(qwen3_dir), GREEDY)
+
+
+def eagle3(eagle3_dir, k: int = 3) -> dict:
+    return {"method": "eagle3", "num_speculative_tokens": k, "model": str(eagle3_dir)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_output_with_eagle3_drafts_is_the_output_without(qwen3_dir, eagle3_dir, text_expected, mode):
+    llm = make_llm(qwen3_dir, speculative_config=eagle3(eagle3_dir), **MODES[mode])
+    assert run_text(llm, GREEDY) == text_expected
+    assert llm.engine.get_stats()["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_eagle3_drafts_reach_the_verify_step_and_accepted_ones_are_kept(qwen3_dir, eagle3_dir, text_expected,
+                                                                         monkeypatch):
+    """The drafter runs on every step's kept positions; here its drafts are replaced by the true continuation
+    (known from a run without drafts), so a verify step that lost or misplaced them would show."""
+    from engine.spec_decode.eagle3_proposer import Eagle3Proposer
+    llm = make_llm(qwen3_dir, speculative_config=eagle3(eagle3_dir, k=4), max_num_seqs=1)
+    prompts = [llm.engine.input_processor.process_chat(c).prompt_token_ids for c in TEXT_CONVERSATIONS]
+    sequences = [p + out for p, out in zip(prompts, text_expected)]
+    original = Eagle3Proposer.propose
+
+    def oracle(self, feeds, aux_hidden):
+        drafts = original(self, feeds, aux_hidden)
+        for f in feeds:
+            if f.request_id in drafts:
+                [seq] = [s for s in sequences if s[:f.positions[-1] + 2] == prompt_and(f, s)]
+                nxt = f.positions[-1] + 2
+                drafts[f.request_id] = seq[nxt:nxt + 4] or [0]
+        return drafts
+
+    def prompt_and(f, s):
+        return s[:f.positions[-1] + 1] + [f.next_token_ids[-1]]
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", oracle)
+    assert run_text(llm, GREEDY) == text_expected
+    stats = llm.engine.get_stats()["spec_decode"]
+    assert stats["num_accepted_tokens"] > 0.8 * stats["num_draft_tokens"] > 0

@@ -122,16 +122,6 @@ class KVCacheManager:
             record.num_cached_blocks = len(record.blocks) - len(new_blocks)
         return True
 
-    def free_blocks_past(self, request: Request, num_tokens: int) -> None:
-        """Give back the blocks after the first `num_tokens` tokens' (a verify step's rejected drafts). They were
-        never full of known tokens, so none is in the prefix cache."""
-        record = self.requests.get(request.request_id)
-        keep = cdiv(num_tokens, self.block_size)
-        if record is None or len(record.blocks) <= keep:
-            return
-        self.pool.free_blocks(reversed(record.blocks[keep:]))
-        record.set_blocks(record.blocks[:keep])
-
     def free(self, request: Request) -> None:
         """Release every block (GPU and CPU) of a finished or recompute-preempted request. Tail blocks go to
         the free queue first so that shared prefixes are evicted last."""

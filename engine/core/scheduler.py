@@ -121,6 +121,8 @@ class Scheduler:
                 token_ids += draft
             out.scheduled.append(ScheduledRequest(rid, n, start, token_ids, self.kv.block_ids(rid),
                                                   spec_token_ids=draft))
+        # An EAGLE-3 drafter reads every step's tokens on the device's side (ModelRunner._draft): none is pending.
+        out.needs_host_tokens = self.spec_policy is not None and self.spec_policy.config.method == "eagle3"
         self.pending.on_scheduled(out, self.requests)
         return out
 
@@ -294,15 +296,14 @@ class Scheduler:
         return updated
 
     def _roll_back(self, req: Request, s, tokens: list[int] | None) -> None:
-        """A verify step kept the KV of its accepted drafts only: the rest is forgotten, and blocks that hold
-        nothing but rejected drafts go back to the pool."""
+        """A verify step keeps the KV of its accepted drafts only: the rest is forgotten. Their slots stay with the
+        request, as its next step writes them again (the runner's copy of its block table never shrinks)."""
         accepted = len(tokens) - 1 if tokens is not None else 0
         if self.spec_policy is not None:
             self.spec_policy.record(req.request_id, len(s.spec_token_ids), accepted)
         if req.status != RequestStatus.RUNNING or req.num_computed_tokens != s.end:
             return                                 # preempted since: its KV is being rebuilt anyway
         req.num_computed_tokens -= len(s.spec_token_ids) - accepted
-        self.kv.free_blocks_past(req, req.num_computed_tokens + 1)
 
     def _until_stop(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
         """The tokens up to and including the first that ends the request, and how it ends (None: it goes on).

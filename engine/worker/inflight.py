@@ -44,9 +44,9 @@ class InflightStep:
             self._result = StepResult(prompt_logprobs={c.request_id: c.to_host() for c in self.prompt_logprobs})
             self.prompt_logprobs = []
             ids = [s.request_id for s in self.so.sampled]
+            self._result.spec_token_ids = self.spec_token_ids
             if self.verified is not None:
                 tokens, logprobs = self.verified, self.logprobs
-                self._result.spec_token_ids = self.spec_token_ids
             elif self.token_ids is not None:
                 if self._event is not None:
                     self._event.synchronize()

@@ -76,6 +76,7 @@ class ModelInput:
     # (request, its scheduled chunk, the chunk's first batch row) for chunks whose prompt tokens get scored
     prompt_logprob_chunks: list[tuple] = field(default_factory=list)
     num_draft_tokens: int = 0        # speculative decoding: a request with k drafts has k + 1 logits rows
+    flat_starts: dict[str, int] = field(default_factory=dict)   # request id -> its chunk's first batch row
 
 
 class InputBatch:

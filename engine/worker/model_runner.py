@@ -13,6 +13,7 @@ from engine.logger import init_logger
 from engine.model.decoder import MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.sampler import SamplingMetadata, sample
+from engine.spec_decode.eagle3_proposer import DraftFeed
 from engine.spec_decode.rejection_sampler import verify
 from engine.sizing import MAX_GRAPH_PATCHES
 from engine.structured_output import Grammar, catch_up_grammars
@@ -32,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, cache: CacheEngine, block_size: int,
                  device: torch.device, encoder_cache_tokens: int = 16384, image_processor=None,
-                 grammars: dict[str, Grammar] | None = None):
+                 grammars: dict[str, Grammar] | None = None, drafter=None):
         self.model = model
         self.config = config
         self.cache = cache
@@ -42,6 +43,9 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self.image_processor = image_processor
         self.grammars = grammars
+        # EAGLE-3 (rank 0): drafts from this step's captured hidden states once its tokens are known; every step
+        # is then read before the next is scheduled (the scheduler knows), so the drafter sees every position.
+        self.drafter = drafter
         self.requests: dict[str, CachedRequestState] = {}   # from its first step until it finishes
         self.input_batch = InputBatch()
         self._last: InflightStep | None = None   # the step launched last: its device ids feed pending inputs
@@ -92,7 +96,10 @@ class ModelRunner:
         out = sample(logits, smd)
         if self.tp_size > 1:        # the next step's pending inputs must be the same ids on every rank
             broadcast_tensor(out.token_ids)
-        return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps)
+        drafts = None
+        if self.drafter is not None:
+            drafts = self._draft(so, inp, [[t] for t in out.token_ids.tolist()])
+        return InflightStep(so, out.token_ids, out.logprobs, inp.sampled, prompt_lps, spec_token_ids=drafts)
 
     def _verify(self, so: SchedulerOutput, inp: ModelInput, logits: torch.Tensor, prompt_lps) -> InflightStep:
         """A step that verifies drafts (speculative decoding): its tokens are read here, as the scheduler waits
@@ -103,8 +110,28 @@ class ModelRunner:
             if state.grammar is not None:
                 state.grammar.consume(state.output_token_ids)
         out = verify(logits, inp.sampled, so.sampled, self.device)
+        drafts = self._draft(so, inp, out.token_ids) if self.drafter is not None else None
         return InflightStep(so, logprobs=out.logprobs, sampled=inp.sampled, prompt_logprobs=prompt_lps,
-                            verified=out.token_ids)
+                            verified=out.token_ids, spec_token_ids=drafts)
+
+    def _draft(self, so: SchedulerOutput, inp: ModelInput, new_tokens: list[list[int]]) -> dict[str, list[int]]:
+        """EAGLE-3: feed the drafter every position this step computed and kept (a verify step keeps its input
+        token and accepted drafts), each beside the token after it; draft for the requests that sampled."""
+        sampled = {s.request_id: tokens for s, tokens in zip(so.sampled, new_tokens)}
+        feeds = []
+        for s in so.scheduled:
+            state = self.requests[s.request_id]
+            tokens = sampled.get(s.request_id)
+            if tokens is not None:        # kept: the known inputs and accepted drafts, each followed by the next
+                num_kept = s.num_scheduled_tokens - len(s.spec_token_ids) + len(tokens) - 1
+                after = s.token_ids[1:num_kept] + tokens[-1:]
+            else:                         # a prompt chunk that does not reach the end: the prompt continues it
+                num_kept = s.num_scheduled_tokens
+                after = s.token_ids[1:] + state.prompt_token_ids[s.end:s.end + 1]
+            flat = inp.flat_starts[s.request_id]
+            feeds.append(DraftFeed(s.request_id, list(range(s.num_computed_tokens, s.num_computed_tokens + num_kept)),
+                                   torch.arange(flat, flat + num_kept), after, propose=tokens is not None))
+        return self.drafter.propose(feeds, self.model.decoder.aux_hidden_states)
 
     def _receive_token_ids(self, num_sampled: int) -> torch.Tensor:
         """A worker rank's copy of the ids rank 0 sampled this step (on the device, like rank 0's)."""
@@ -118,9 +145,13 @@ class ModelRunner:
             state = self.requests.pop(rid, None)
             if state is not None:
                 self.input_batch.remove_request(state.row)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         for rid in so.preempted:
             if (state := self.requests.get(rid)) is not None:
                 self.input_batch.reset_blocks(state.row)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         sampling_device = self.device if self.is_driver else None
         for new in so.scheduled_new_reqs:
             grammar = self.grammars.pop(new.request_id, None) if self.grammars is not None else None
@@ -145,6 +176,7 @@ class ModelRunner:
         chunks, scored = [], []
         logits_rows: list = [0] * len(so.sampled)    # per sampled row: its logits row (a verify step: k + 1)
         num_draft_tokens = 0
+        flat_starts: dict[str, int] = {}
         flat = 0
         for i, s in enumerate(entries):
             req = self.requests[s.request_id]
@@ -156,6 +188,7 @@ class ModelRunner:
                 pending_rows.append(s.pending_row)
                 ids.append(0)
             chunks.append((req, flat, s.num_computed_tokens, s.end))
+            flat_starts[s.request_id] = flat
             if req.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < req.num_prompt_tokens - 1:
                 scored.append((req, s, flat))
             flat += s.num_scheduled_tokens
@@ -192,7 +225,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=to_device(pos, torch.int64, dev), md=md,
             logits_indices=to_device(_flatten(logits_rows) if num_draft_tokens else logits_rows, torch.int64, dev),
-            num_draft_tokens=num_draft_tokens,
+            num_draft_tokens=num_draft_tokens, flat_starts=flat_starts,
             sampled=[self.requests[s.request_id] for s in so.sampled], mm=self._multimodal_embeds(chunks, images),
             prompt_logprob_chunks=scored)
 

@@ -104,10 +104,22 @@ class Worker:
             load_weights(self.model, self.args.model, self.args.load_format, self.device,
                          fp8_kv_cache=self.args.kv_cache_dtype != "auto")
             self.model.decoder.embed_tokens.check_host_lookup(self.device)
+            self.drafter = self._load_drafter()
         except torch.cuda.OutOfMemoryError as err:
             if self.gpu_memory_limit is None:
                 raise
             raise weights_out_of_memory(self.gpu_memory_limit, self.device, err) from None
+
+    def _load_drafter(self):
+        """The EAGLE-3 draft head on the sampling rank (loaded before the KV pool is sized, so its weights are
+        counted), and the target's capture of the hidden states it reads; None without one."""
+        spec = self.args.speculative_config
+        if spec is None or spec.method != "eagle3" or self.rank != 0:
+            return None
+        from engine.spec_decode.eagle3_proposer import Eagle3Proposer
+        drafter = Eagle3Proposer(spec.model, self.model, self.device, self.dtype, spec.num_speculative_tokens)
+        self.model.decoder.aux_hidden_state_layers = drafter.aux_layer_ids
+        return drafter
 
     def init_kv_cache(self, max_len: int) -> None:
         """Size the pool (the same block counts on every rank), allocate it and build the runner."""
@@ -130,7 +142,8 @@ class Worker:
         self.cache = CacheEngine(self.model_config, self.num_gpu_blocks + num_scratch, self.num_cpu_blocks,
                                  args.block_size, self.kv_cache_dtype, self.device)
         self.model_runner = ModelRunner(self.model, self.model_config, self.cache, args.block_size, self.device,
-                                        args.encoder_cache_size, self.image_processor, self.grammars)
+                                        args.encoder_cache_size, self.image_processor, self.grammars,
+                                        drafter=getattr(self, "drafter", None))
         if self.rank == 0:          # the same pool on every rank: logged once
             plan.log(self)
 
