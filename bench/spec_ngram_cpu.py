@@ -25,6 +25,7 @@ DOCUMENT = (
 PROMPTS = {
     "document rewrite": [{"role": "user", "content": DOCUMENT + "\n\nRepeat the text above exactly, word for word."}],
     "plain chat": [{"role": "user", "content": "Write a short poem about autumn leaves."}],
+    "plain question": [{"role": "user", "content": "Why was Canberra chosen as the capital of Australia?"}],
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 

@@ -61,6 +61,9 @@ CASES = {
     # Each rank caches its KV heads in fp8; a K/V value rounds to the same e4m3 code as at TP=1.
     "qwen3-vl, TP=2, swap, fp8 KV cache": ("qwen3_vl_dir", 2, dict(SWAP, kv_cache_dtype="fp8")),
     "llama, TP=2, recompute": ("llama_dir", 2, RECOMPUTE),
+    # Verify steps: rank 0 samples and the workers never wait on token ids (no input of the next step is pending).
+    "qwen3-vl, TP=2, swap, n-gram speculative decoding": ("qwen3_vl_dir", 2, dict(SWAP, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})),
 }
 
 
@@ -124,6 +127,8 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank(case, request):
     assert stats["num_swap_outs" if preemption.get("swap_space") else "num_recompute_preemptions"] > 0
     assert stats["kv_cache_dtype"] == ("float8_e4m3fn" if "kv_cache_dtype" in preemption else "float32")
     assert stats["prefix_cache_hits"] > 0
+    if "speculative_config" in preemption:
+        assert stats["spec_decode"]["num_accepted_tokens"] > 0
     # Shut down cleanly: every worker left its loop and exited 0, none is left behind.
     assert [p.exitcode for p in workers] == [0] * (tp - 1)
     assert not multiprocessing.active_children()
