@@ -1,8 +1,9 @@
 """N-gram speculative decoding on real weights (the SmolLM2-135M-Instruct GGUF, CPU): decode tokens/s with and
 without `{"method": "ngram", "num_speculative_tokens": 4}` on a document-rewrite prompt (the answer repeats the
-context) and on a plain chat prompt (it repeats nothing); greedy, so both runs give the same tokens.
+context), on plain chat prompts, greedy (both runs give the same tokens), and on one sampled at temperature 0.8,
+where the answer repeats little.
 
-    python bench/spec_ngram_cpu.py [--new 160] [--repeats 3] [--json out.json]
+    python bench/spec_ngram_cpu.py [--new 160] [--repeats 3] [--cases NAME,...] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,18 +27,21 @@ PROMPTS = {
     "document rewrite": [{"role": "user", "content": DOCUMENT + "\n\nRepeat the text above exactly, word for word."}],
     "plain chat": [{"role": "user", "content": "Write a short poem about autumn leaves."}],
     "plain question": [{"role": "user", "content": "Why was Canberra chosen as the capital of Australia?"}],
+    # Sampled, the small model stops repeating itself: the case where drafts rarely match.
+    "sampled chat": [{"role": "user", "content": "Tell me about your favourite season and why."}],
 }
+SAMPLED = {"sampled chat": dict(temperature=0.8, top_p=0.95, seed=7)}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-def decode_rate(llm, prompt, new: int) -> tuple[float, list[int], dict | None]:
+def decode_rate(llm, prompt, new: int, sampling: dict) -> tuple[float, list[int], dict | None]:
     """(decode tokens/s after the first token, the tokens, the spec-decode counters of this run)."""
     from engine import SamplingParams
     before = llm.engine.get_stats()["spec_decode"]
     t0 = time.perf_counter()
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    llm.generate(prompt, SamplingParams(max_tokens=1, **sampling))
     t1 = time.perf_counter()
-    [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=new))
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=new, **sampling))
     t2 = time.perf_counter()
     tokens = out.outputs[0].token_ids
     after = llm.engine.get_stats()["spec_decode"]
@@ -52,20 +56,23 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cases", default=",".join(PROMPTS), help="comma-separated, of: " + ", ".join(PROMPTS))
     a = ap.parse_args()
     from engine import LLM
     path = smollm2_gguf_path()
     common = dict(max_model_len=2048, num_gpu_blocks_override=512, swap_space=0)
     llms = {"off": LLM(str(path), **common), "ngram k=4": LLM(str(path), speculative_config=NGRAM, **common)}
     results = {}
-    for name, messages in PROMPTS.items():
+    for name in a.cases.split(","):
+        messages = PROMPTS[name]
         prompts = {k: llm.engine.input_processor.process_chat(messages) for k, llm in llms.items()}
         rates = {k: [] for k in llms}
+        sampling = SAMPLED.get(name, {"temperature": 0.0})
         for k, llm in llms.items():
-            decode_rate(llm, prompts[k], 8)                                  # warm-up
+            decode_rate(llm, prompts[k], 8, sampling)                        # warm-up
         for _ in range(a.repeats):                                          # interleaved: drift hits both
             for k, llm in llms.items():
-                rate, tokens, spec = decode_rate(llm, prompts[k], a.new)
+                rate, tokens, spec = decode_rate(llm, prompts[k], a.new, sampling)
                 rates[k].append(rate)
                 results.setdefault(name, {}).setdefault(k, {})["tokens"] = len(tokens)
                 if spec:
@@ -73,7 +80,7 @@ def main() -> None:
                 results[name].setdefault("outputs", {})[k] = tokens
         same = results[name].pop("outputs")
         row = results[name]
-        row["same_tokens"] = same["off"] == same["ngram k=4"]
+        row["same_tokens"] = same["off"] == same["ngram k=4"]      # greedy: must be; sampled: need not
         for k in llms:
             row[k]["decode_tok_s"] = statistics.median(rates[k])
             row[k]["all_tok_s"] = [round(r, 1) for r in rates[k]]

@@ -280,6 +280,8 @@ class Scheduler:
             tokens = sampled.get(req.request_id)
             if s.spec_token_ids:
                 self._roll_back(req, s, tokens)
+            if req.speculating and tokens is not None:     # a step that drafted nothing is a miss too
+                self.spec_policy.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1)
             status = None
             if tokens is not None:
                 tokens, status = self._until_stop(req, tokens)
@@ -299,8 +301,6 @@ class Scheduler:
         """A verify step keeps the KV of its accepted drafts only: the rest is forgotten. Their slots stay with the
         request, as its next step writes them again (the runner's copy of its block table never shrinks)."""
         accepted = len(tokens) - 1 if tokens is not None else 0
-        if self.spec_policy is not None:
-            self.spec_policy.record(req.request_id, len(s.spec_token_ids), accepted)
         if req.status != RequestStatus.RUNNING or req.num_computed_tokens != s.end:
             return                                 # preempted since: its KV is being rebuilt anyway
         req.num_computed_tokens -= len(s.spec_token_ids) - accepted

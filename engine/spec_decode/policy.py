@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.spec_decode.config import SpeculativeConfig
 
-MISS_STREAK = 8          # steps in a row with no accepted draft token before a request backs off
+MISS_STREAK = 8          # steps in a row that kept no draft token (drafting none counts) before a request backs off
 MIN_BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 256
 
@@ -35,7 +35,8 @@ class SpeculationPolicy:
         return track is None or self.step >= track.resume_at
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        """A speculating request's step came back: it drafted num_drafted tokens (maybe none), accepted some."""
+        """A speculating request's step came back: it drafted num_drafted tokens (maybe none: nothing to look up)
+        and kept num_accepted of them."""
         track = self._tracks.setdefault(request_id, _Track())
         if num_accepted:
             track.misses, track.backoff = 0, MIN_BACKOFF_STEPS
