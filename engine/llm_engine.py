@@ -62,7 +62,7 @@ class LLMEngine:
         self.max_num_batched_tokens = args.batched_tokens_budget
         self.kv = KVCacheManager(kv.num_gpu_blocks, kv.num_cpu_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
-                                   args.speculative_config)
+                                   args.speculative_config, waiting_is_free=self.device.type == "cpu")
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)

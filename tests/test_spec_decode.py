@@ -229,6 +229,15 @@ def test_a_request_whose_drafts_keep_missing_backs_off_and_retries():
     assert policy.on_schedule(1) and not policy.on_schedule(8)     # disable_by_batch_size 8 by default
 
 
+@pytest.mark.parametrize("waiting_is_free", [False, True], ids=["gpu", "cpu"])
+def test_steps_with_nothing_to_draft_are_misses_only_where_waiting_costs(waiting_is_free):
+    policy = SpeculationPolicy(SpeculativeConfig.parse(NGRAM), waiting_is_free=waiting_is_free)
+    policy.on_schedule(1)
+    for _ in range(MISS_STREAK):
+        policy.record("a", num_drafted=0, num_accepted=0)
+    assert policy.allows("a") == waiting_is_free
+
+
 # ---- EAGLE-3 drafts through the engine ----------------------------------------------------------------------------
 TEXT_CONVERSATIONS = [c for c in conversations() if isinstance(c[-1]["content"], str)]
 

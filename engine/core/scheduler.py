@@ -41,7 +41,7 @@ class SchedulerCounters:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, waiting_is_free: bool = False):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -55,7 +55,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()      # since the last step, for the runner to forget
         self.counters = SchedulerCounters()
         # Speculative decoding: who drafts when (policy); n-gram drafts are looked up here, on the host.
-        self.spec_policy = SpeculationPolicy(speculative_config) if speculative_config is not None else None
+        self.spec_policy = None
+        if speculative_config is not None:
+            self.spec_policy = SpeculationPolicy(speculative_config, waiting_is_free)
         self.ngram = None
         if speculative_config is not None and speculative_config.method == "ngram":
             c = speculative_config
@@ -280,7 +282,7 @@ class Scheduler:
             tokens = sampled.get(req.request_id)
             if s.spec_token_ids:
                 self._roll_back(req, s, tokens)
-            if req.speculating and tokens is not None:     # a step that drafted nothing is a miss too
+            if req.speculating and tokens is not None:
                 self.spec_policy.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1)
             status = None
             if tokens is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.spec_decode.config import SpeculativeConfig
 
-MISS_STREAK = 8          # steps in a row that kept no draft token (drafting none counts) before a request backs off
+MISS_STREAK = 8          # steps in a row that kept no draft token (on a GPU drafting none counts) before backing off
 MIN_BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 256
 
@@ -20,8 +20,13 @@ class _Track:
 
 
 class SpeculationPolicy:
-    def __init__(self, config: SpeculativeConfig):
+    """`waiting_is_free`: the device runs each step on the calling thread (the CPU), so reading a step before
+    scheduling the next costs nothing and a step that drafted nothing is no miss; on a GPU it costs the overlap
+    of the host's work with the device's, so it is."""
+
+    def __init__(self, config: SpeculativeConfig, waiting_is_free: bool = False):
         self.config = config
+        self.waiting_is_free = waiting_is_free
         self.step = 0
         self._tracks: dict[str, _Track] = {}
 
@@ -37,6 +42,8 @@ class SpeculationPolicy:
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """A speculating request's step came back: it drafted num_drafted tokens (maybe none: nothing to look up)
         and kept num_accepted of them."""
+        if not num_drafted and self.waiting_is_free:
+            return
         track = self._tracks.setdefault(request_id, _Track())
         if num_accepted:
             track.misses, track.backoff = 0, MIN_BACKOFF_STEPS
