@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps emulated tp ab video); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps emulated tp ab video spec); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -207,6 +207,21 @@ for s in $STAGES; do
         --out "$OUT/tp_compare.json" > "$OUT/tp_compare.txt" 2>&1; echo "rc=$?"
       grep -E 'Tensor parallel size|Memory profile|Captured|Error|error' "$OUT/tp_compare.txt" | head
       grep -E '^\| ' "$OUT/tp_compare.txt" | tail -6 ;;
+    spec)
+      # Speculative decoding: the GPU exactness tests, then a k-token verify step against a one-token decode step
+      # at batch 1, per weight format (QUANTS), at the 8B shapes.
+      stage "speculative decoding: GPU tests"
+      timeout "${SPEC_TEST_T:-150}" python3 -m pytest -m gpu tests/test_gpu_spec_decode.py tests/test_gpu_spec_eagle3.py \
+        -q -p no:cacheprovider > "$OUT/spec_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/spec_tests.txt" | tail -6
+      for q in ${QUANTS:-none awq fp8}; do
+        stage "verify step against decode step, weights: $q"
+        dir=/tmp/q8-$q
+        if [ "$q" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
+        else python3 bench/synthetic_model.py $dir --quantization $q > /dev/null; fi
+        timeout "${SPEC_T:-150}" python3 bench/spec_verify_cost.py --model $dir --load-format dummy \
+          ${SPEC_ARGS:-} --json "$OUT/spec_verify_$q.json" > "$OUT/spec_verify_$q.txt" 2>&1
+        echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/spec_verify_$q.txt" | tail -9
+      done ;;
     video)
       # TTFT of a 10 s and a 60 s 1280x720 H.264 clip over HTTP, then its parts in-process against their floors.
       # Needs PyAV: carry its cp312 manylinux wheel in .whl/ (pip download av ...; installed above).
