@@ -92,7 +92,13 @@ def load_status_file(s: Settings) -> Path:
     return s.run_dir / "engine-load.json"
 
 
-def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[str]:
+# On the CPU each step runs on the engine's own thread, so reading a step's tokens before scheduling the next (what
+# drafting needs) costs nothing: n-gram drafts speed up answers that repeat their context and cost next to nothing
+# otherwise (BENCHMARKS.md, "Speculative decoding"). On a GPU speculation stays the user's choice.
+CPU_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def engine_command(s: Settings, model: ResolvedModel, extra: list[str], env=os.environ) -> list[str]:
     cmd = [s.python, "-m", "engine", "--model", str(model.path), "--host", s.engine_host,
            "--port", str(s.engine_port)]
     if not any(a.startswith("--served-model-name") for a in extra):
@@ -107,6 +113,8 @@ def engine_command(s: Settings, model: ResolvedModel, extra: list[str]) -> list[
     if not any(a.startswith("--tool-call-parser") for a in extra):
         # Agents send tools with tool_choice "auto" (their default); Qwen writes hermes-style calls.
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if not any(a.startswith("--speculative-config") for a in extra) and gpu_memory(env) is None:
+        cmd += ["--speculative-config", CPU_SPECULATIVE_CONFIG]
     return cmd + extra
 
 

@@ -115,6 +115,19 @@ def test_demo_model_is_the_default(clean_env, smollm2_gguf):
     assert "--enable-prefix-caching" not in off
 
 
+def test_without_a_gpu_the_app_drafts_with_ngram_lookup_unless_told_otherwise(clean_env, smollm2_gguf, monkeypatch):
+    import app.launcher
+    resolved = resolve_model(None, clean_env)
+    monkeypatch.setattr(app.launcher, "gpu_memory", lambda env: None)          # a machine without a GPU
+    cmd = engine_command(Settings.from_env(), resolved, [])
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "ngram", "num_speculative_tokens": 4}
+    own = engine_command(Settings.from_env(), resolved, ["--speculative-config", '{"method": "ngram", '
+                                                         '"num_speculative_tokens": 2}'])
+    assert own.count("--speculative-config") == 1 and own[-1].endswith('"num_speculative_tokens": 2}')
+    monkeypatch.setattr(app.launcher, "gpu_memory", lambda env: ("NVIDIA GeForce RTX 4090", 24 << 30))
+    assert "--speculative-config" not in engine_command(Settings.from_env(), resolved, [])
+
+
 def test_a_reasoning_parser_given_to_the_launcher_reaches_the_engine(tmp_path):
     """./run_app.sh --model DIR --reasoning-parser qwen3: the flag goes to the engine, whose parser takes it."""
     from app.models import ResolvedModel
