@@ -309,11 +309,11 @@ def test_boxes_and_points_in_an_answer_are_drawn_on_the_image(chat, tmp_path):
 
 def test_find_asks_for_boxes_on_an_image(chat, tmp_path):
     open_page(chat)
-    for name in ("first.png", "second.png"):
+    for i, name in enumerate(("first.png", "second.png")):
         chat.set_input_files("#file-input", [str(png_file(tmp_path, name))])
         script_replies(chat, {"chunks": ["Seen."]})
         send(chat, f"Look at {name}")
-        answer_done(chat)
+        answer_done(chat, i)                   # this answer's (the last one may still be the one before)
     images = chat.locator(".msg.user .msg-image")
     images.nth(1).hover()
     images.nth(1).locator(".find").click()                # the latest image: no need to send it again
@@ -328,7 +328,7 @@ def test_find_asks_for_boxes_on_an_image(chat, tmp_path):
     chat.keyboard.type("dog")
     script_replies(chat, {"chunks": ['{"bbox_2d": [0, 0, 1000, 1000], "label": "dog"}']})
     chat.press("#prompt", "Enter")
-    answer_done(chat)
+    answer_done(chat, 2)
     assert sent_requests(chat)[-1]["messages"][-1]["content"][-1]["text"] == (
         "Locate every dog in this image and output bbox_2d coordinates in JSON.")
     expect(last_answer(chat).locator(".ground-summary")).to_have_text("1 box on first.png")
