@@ -92,8 +92,9 @@ def answer_done(page, n=None):
 def exchange(page, text: str, reply: str) -> dict:
     """Send `text`, let the scripted server answer `reply`, and return the request the page sent."""
     script_replies(page, {"chunks": [reply]})
+    before = page.locator(".msg.assistant").count()
     send(page, text)
-    answer_done(page)
+    answer_done(page, before)        # its own answer: the last one may still be the one before, already done
     return sent_requests(page)[-1]
 
 
