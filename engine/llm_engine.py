@@ -208,7 +208,8 @@ class LLMEngine:
         result = step.result()
         self._store_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
-        self._count_drafts(step, result.sampled)
+        if self.args.speculative_config is not None:
+            self._count_drafts(step, result.sampled)
         updated = self.scheduler.update_from_output(step.so, result.sampled, result.spec_token_ids)
         outputs, stopped = [], []
         for req, num_new in updated:

@@ -278,13 +278,10 @@ def test_eagle3_drafts_reach_the_verify_step_and_accepted_ones_are_kept(qwen3_di
         drafts = original(self, feeds, aux_hidden)
         for f in feeds:
             if f.request_id in drafts:
-                [seq] = [s for s in sequences if s[:f.positions[-1] + 2] == prompt_and(f, s)]
-                nxt = f.positions[-1] + 2
-                drafts[f.request_id] = seq[nxt:nxt + 4] or [0]
+                last = f.positions[-1]          # the feed's last position; its next token is the newest one
+                [seq] = [s for s in sequences if len(s) > last + 1 and s[last + 1] == f.next_token_ids[-1]]
+                drafts[f.request_id] = seq[last + 2:last + 6] or [0]
         return drafts
-
-    def prompt_and(f, s):
-        return s[:f.positions[-1] + 1] + [f.next_token_ids[-1]]
 
     monkeypatch.setattr(Eagle3Proposer, "propose", oracle)
     assert run_text(llm, GREEDY) == text_expected

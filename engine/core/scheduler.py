@@ -59,6 +59,8 @@ class Scheduler:
         if speculative_config is not None:
             self.spec_policy = SpeculationPolicy(speculative_config, waiting_is_free)
         self.ngram = None
+        # An EAGLE-3 drafter reads every step's tokens on the device's side (ModelRunner._draft): none is pending.
+        self.drafts_from_device = speculative_config is not None and speculative_config.method == "eagle3"
         if speculative_config is not None and speculative_config.method == "ngram":
             c = speculative_config
             self.ngram = NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
@@ -123,8 +125,7 @@ class Scheduler:
                 token_ids += draft
             out.scheduled.append(ScheduledRequest(rid, n, start, token_ids, self.kv.block_ids(rid),
                                                   spec_token_ids=draft))
-        # An EAGLE-3 drafter reads every step's tokens on the device's side (ModelRunner._draft): none is pending.
-        out.needs_host_tokens = self.spec_policy is not None and self.spec_policy.config.method == "eagle3"
+        out.needs_host_tokens = self.drafts_from_device
         self.pending.on_scheduled(out, self.requests)
         return out
 

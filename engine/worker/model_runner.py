@@ -188,7 +188,8 @@ class ModelRunner:
                 pending_rows.append(s.pending_row)
                 ids.append(0)
             chunks.append((req, flat, s.num_computed_tokens, s.end))
-            flat_starts[s.request_id] = flat
+            if self.drafter is not None:
+                flat_starts[s.request_id] = flat
             if req.sampling_params.prompt_logprobs is not None and s.num_computed_tokens < req.num_prompt_tokens - 1:
                 scored.append((req, s, flat))
             flat += s.num_scheduled_tokens
