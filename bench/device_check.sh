@@ -124,7 +124,7 @@ for s in $STAGES; do
       stage "few-token GEMVs: GPU tests (GEMV_TEST_CARDS)"
       for card in ${GEMV_TEST_CARDS:-native}; do
         arch=""; [ "$card" != native ] && arch=${card#sm}
-        ENGINE_EMULATE_ARCH=$arch timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -x \
+        ENGINE_EMULATE_ARCH=$arch timeout "${GEMV_TEST_T:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -x \
           tests/test_ops_wna16.py tests/test_ops_quant.py -k "few_tokens or weight_only or gemv" \
           > "$OUT/gemv_tests_$card.txt" 2>&1; echo "$card rc=$?"; tail -3 "$OUT/gemv_tests_$card.txt"
       done
@@ -133,7 +133,7 @@ for s in $STAGES; do
         timeout "${SWEEP_T:-150}" python3 bench/few_token_sweep.py --formats w4 --tokens 2 4 8 \
           --json "$OUT/sweep_native.json" > "$OUT/sweep_native.txt" 2>&1; echo "rc=$?"; grep -v skip "$OUT/sweep_native.txt"
       fi
-      ENGINE_EMULATE_ARCH=86 timeout "${SWEEP_T:-150}" python3 bench/few_token_sweep.py --formats w4 fp8 \
+      ENGINE_EMULATE_ARCH=86 timeout "${SWEEP_T:-150}" python3 bench/few_token_sweep.py --formats w4 fp8 ${SWEEP_ARGS:-} \
         --json "$OUT/sweep_sm86.json" > "$OUT/sweep_sm86.txt" 2>&1; echo "rc=$?"; grep -v skip "$OUT/sweep_sm86.txt"
       for fmt in ${GEMV_FORMATS:-awq fp8}; do python3 bench/synthetic_model.py /tmp/q8-$fmt --quantization $fmt > /dev/null; done
       for card in ${GEMV_CARDS:-sm86}; do
