@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps emulated tp ab video spec gemv); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps emulated tp ab video spec gemv lmhead); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -114,6 +114,20 @@ for s in $STAGES; do
             --load-format dummy ${QBENCH_ARGS:-} --out "$OUT/ab_${q}_$side.json" > "$OUT/ab_${q}_$side.txt" 2>&1)
           echo "rc=$?"; grep -E 'Error|error' "$OUT/ab_${q}_$side.txt" | head -4
           grep -E '^\| ' "$OUT/ab_${q}_$side.txt" | tail -9
+        done
+      done ;;
+    lmhead)
+      # --quantize-lm-head (issue 37): batch-1 and batch-8 decode steps with and without it, in turns, per weight
+      # format in LMHEAD_FORMATS (none: bf16), on this GPU.
+      for fmt in ${LMHEAD_FORMATS:-awq none}; do
+        dir=/tmp/q8-$fmt
+        if [ "$fmt" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
+        else python3 bench/synthetic_model.py $dir --quantization $fmt > /dev/null; fi
+        for side in plain quantized; do
+          flag=""; [ $side = quantized ] && flag=--quantize-lm-head
+          timeout "${LMHEAD_T:-70}" python3 bench/offline.py --model $dir --load-format dummy --only decode1,decode8 \
+            --max-num-seqs 64 $flag --out "$OUT/lmhead_${fmt}_$side.json" > "$OUT/lmhead_${fmt}_$side.txt" 2>&1
+          echo "$fmt $side rc=$? $(grep -E '^\| ' "$OUT/lmhead_${fmt}_$side.txt" | tr '\n' ' ' | cut -c1-300)"
         done
       done ;;
     gemv)

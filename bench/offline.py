@@ -170,17 +170,19 @@ def main() -> None:
     ap.add_argument("--only", default=None, help=f"comma-separated measurements, of: {', '.join(METRICS)}")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="fewer decode graphs to capture (at least the "
                     "largest batch measured)")
+    ap.add_argument("--quantize-lm-head", action="store_true", help="the engine's --quantize-lm-head")
     args = ap.parse_args()
     only = parse_only(args.only)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=0.85, kv_cache_dtype=args.kv_cache_dtype,
+              quantize_lm_head=args.quantize_lm_head,
               **({"num_gpu_blocks_override": 512} if args.quick else {}))
     vocab = llm.get_tokenizer().vocab_size
     res = {"startup_s": time.perf_counter() - t0, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
            else "cpu", "num_gpu_blocks": llm.engine.kv_cache_config.num_gpu_blocks, "kv_cache_dtype": args.kv_cache_dtype,
-           "emulate_arch": kernel_config().emulate_arch}
+           "emulate_arch": kernel_config().emulate_arch, "quantize_lm_head": args.quantize_lm_head}
     small = args.quick
     timed_generate(llm, random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     if "ttft512" in only:

@@ -73,6 +73,10 @@ class EngineArgs:
                     "only its tokens' rows, over PCIe): frees its GPU memory for the KV cache, 1.24 GB for "
                     "Qwen3-VL-8B in bf16. No effect on the CPU, nor for a model whose lm_head shares the table "
                     "(tie_word_embeddings: a warning says so)")
+    quantize_lm_head: bool = flag(
+        False, help="the lm_head's weights in 8 bits (groups of 128 along the hidden size, weight-only): half the bytes "
+                    "a decode step reads for them (1.24 GB -> 0.66 GB for Qwen3-VL-8B). Logits move slightly; greedy "
+                    "tokens can change where two candidates nearly tie (BENCHMARKS.md measures how often)")
     load_format: str = flag("auto", choices=LOAD_FORMATS,
                             help="auto: a .gguf file or a directory of safetensors, as the path says; safetensors and "
                                  "gguf state it (a path of the other kind is refused); dummy: random weights")

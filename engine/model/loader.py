@@ -98,10 +98,11 @@ def embeddings_in_host_memory(cpu_embeddings: bool, config: ModelConfig, device:
 
 
 def load_weights(model: nn.Module, path: str | Path, load_format: str, device: torch.device,
-                 fp8_kv_cache: bool = False) -> None:
+                 fp8_kv_cache: bool = False, quantize_lm_head: bool = False) -> None:
     """Fill the model built by build_model on `device` (the device is never taken from a parameter: the first
     one may be a token-embedding table kept in host memory). `fp8_kv_cache` (--kv-cache-dtype fp8): a checkpoint
-    that carries KV cache scales is refused instead of run with scale 1.0."""
+    that carries KV cache scales is refused instead of run with scale 1.0. `quantize_lm_head`
+    (--quantize-lm-head): the lm_head's weights become 8-bit once loaded."""
     start = time.perf_counter()
     if load_format == "dummy":
         _init_dummy(model, device)
@@ -110,7 +111,7 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str, device: t
     else:
         _load_named(model, _counted(safetensors_weights(Path(path), device), model), fp8_kv_cache)
     load_progress.report("weights loaded", load_progress.WEIGHTS_END)
-    _process_weights_after_loading(model)
+    _process_weights_after_loading(model, quantize_lm_head)
     on_device = [p for p in model.parameters() if p.device.type == device.type]
     in_host = [p for p in model.parameters() if p.device.type != device.type]
     quant = model.config.quantization
@@ -122,14 +123,15 @@ def load_weights(model: nn.Module, path: str | Path, load_format: str, device: t
                     "reads the rows of each step's tokens over PCIe", _nbytes(in_host) / 1e9)
 
 
-def _process_weights_after_loading(model: nn.Module) -> None:
-    """The layers' last conversions, once every weight is in place (CPU bf16: oneDNN's blocked layout)."""
+def _process_weights_after_loading(model: nn.Module, quantize_lm_head: bool = False) -> None:
+    """The layers' last conversions, once every weight is in place (CPU bf16: oneDNN's blocked layout; the
+    lm_head's 8-bit weights)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)
     lm_head = getattr(model, "lm_head", None)
     if isinstance(lm_head, ParallelLMHead):
-        lm_head.process_weights_after_loading(tied=model.config.tie_word_embeddings)
+        lm_head.process_weights_after_loading(tied=model.config.tie_word_embeddings, quantize=quantize_lm_head)
 
 
 def _nbytes(params: list[torch.Tensor]) -> int:

@@ -20,4 +20,4 @@ class Qwen3VLForConditionalGeneration(CausalLM):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """Returns (embeds [n_tokens, hidden], deepstack [num_taps, n_tokens, hidden]) for the images in order."""
-        return self.visual(pixel_values.to(self.lm_head.weight.dtype), grid_thw)
+        return self.visual(pixel_values.to(self.decoder.embed_tokens.weight.dtype), grid_thw)

@@ -17,11 +17,15 @@ from torch import nn
 from engine.distributed.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                                tensor_model_parallel_all_reduce)
 from engine.errors import ModelLoadError
-from engine.ops import embedding, embedding_ref, linear, prepack_linear_weight
+from engine.ops import embedding, embedding_ref, linear, prepack_linear_weight, wna16_linear
+from engine.ops.quant import quantize_wna16
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: page-locked for every CUDA context, mapped into the GPUs'
 # address space (under unified addressing at the host pointer's own address).
 _HOST_REGISTER_FLAGS = 1 | 2
+# --quantize-lm-head: 8-bit weights in groups of 128 along the hidden size (fewer where 128 does not divide it),
+# float32 scales and zero points, quantized 8192 vocabulary rows at a time.
+QUANT_BITS, QUANT_GROUP, QUANT_ROWS = 8, 128, 8192
 
 
 def host_table(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
@@ -97,22 +101,54 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection over this rank's vocabulary rows (the embedding's own rows when tied)."""
+    """The output projection over this rank's vocabulary rows (the embedding's own rows when tied). With
+    --quantize-lm-head the logits come from 8-bit weights instead (`qweight`, `scales`, `zeros`: ops.wna16_linear's
+    layout, groups of `quant_group` along the hidden size): half the bytes a decode step reads for them."""
+    quant_group = QUANT_GROUP
+
+    @property
+    def quantized(self) -> bool:
+        return "qweight" in self._parameters
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits (compute_logits), it does not embed tokens")
 
-    def process_weights_after_loading(self, tied: bool) -> None:
+    def process_weights_after_loading(self, tied: bool, quantize: bool = False) -> None:
         """On the CPU an untied bf16 table is repacked as the linear layers are (ops.prepack_linear_weight); a tied
-        one stays plain: the token embedding reads the same tensor."""
+        one stays plain: the token embedding reads the same tensor. `quantize`: see quantize_weights."""
+        if quantize:
+            self.quantize_weights(tied)
+            return
         packed = None if tied else prepack_linear_weight(self.weight.data)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
 
+    def quantize_weights(self, tied: bool) -> None:
+        """The table as QUANT_BITS-bit weights, QUANT_ROWS vocabulary rows at a time (the float32 copy a chunk
+        needs stays small). A tied table stays for the token embedding; an untied one is freed."""
+        table = self.weight.data
+        hidden, pack = table.shape[1], 32 // QUANT_BITS
+        group = QUANT_GROUP
+        while hidden % group and group > pack:
+            group //= 2
+        if hidden % group:
+            raise ModelLoadError(f"--quantize-lm-head needs a hidden size divisible by {pack}, this model's is "
+                                 f"{hidden}; run without --quantize-lm-head", code="quantize_lm_head")
+        self.quant_group = group
+        parts = [quantize_wna16(table[i:i + QUANT_ROWS], QUANT_BITS, group)
+                 for i in range(0, table.shape[0], QUANT_ROWS)]
+        self.qweight, self.scales, self.zeros = (nn.Parameter(torch.cat(t, dim=1), requires_grad=False)
+                                                 for t in zip(*parts))
+        if not tied:
+            del self.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 [S, vocab]. Under tensor parallelism every rank must call it (it gathers
         every rank's vocabulary slice) and every rank gets the full logits."""
-        logits = linear(hidden, self.weight)
+        if self.quantized:
+            logits = wna16_linear(hidden, self.qweight, self.scales, self.zeros, self.quant_group, QUANT_BITS)
+        else:
+            logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :self.num_embeddings]
         return logits.float()

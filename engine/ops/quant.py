@@ -60,6 +60,23 @@ def dequantize_wna16(qweight, scales, zeros, group_size: int, bits: int, dtype=t
     return ((q - z) * s).to(dtype)
 
 
+def quantize_wna16(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """An [N, K] weight -> (qweight int32 [K // pack, N], float32 scales and zeros [K // group_size, N]) in this
+    module's layout: per group of K and column, the range [min, max] (widened to hold 0) in 2**bits - 1 steps,
+    with an integer zero point. Round to nearest: each weight is off by at most half a step."""
+    N, K = weight.shape
+    if K % group_size:
+        raise ValueError(f"group_size {group_size} must divide K={K}")
+    levels = (1 << bits) - 1
+    g = weight.to(torch.float32).t().reshape(K // group_size, group_size, N)
+    lo, hi = g.amin(dim=1).clamp(max=0.0), g.amax(dim=1).clamp(min=0.0)
+    scales = ((hi - lo) / levels).clamp(min=1e-12)
+    zeros = (-lo / scales).round().clamp(0, levels)
+    q = (g / scales.unsqueeze(1) + zeros.unsqueeze(1)).round().clamp(0, levels).to(torch.int32)
+    return pack_int32(q.reshape(K, N), bits), scales, zeros
+
+
 def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W + bias, W dequantized as the module docstring says. x: [..., K] -> [..., N] in x.dtype."""

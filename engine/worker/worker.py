@@ -101,8 +101,11 @@ class Worker:
     def load_model(self, max_len: int) -> None:
         try:
             self.model = build_model(self.model_config, max_len, self.dtype, self.device, self.args.cpu_embeddings)
+            if self.args.quantize_lm_head and self.device.type == "cpu":
+                logger.warning("--quantize-lm-head on the CPU: the logits are computed by dequantizing the lm_head "
+                               "at every step, slower than without the flag (it is meant for GPUs)")
             load_weights(self.model, self.args.model, self.args.load_format, self.device,
-                         fp8_kv_cache=self.args.kv_cache_dtype != "auto")
+                         fp8_kv_cache=self.args.kv_cache_dtype != "auto", quantize_lm_head=self.args.quantize_lm_head)
             self.model.decoder.embed_tokens.check_host_lookup(self.device)
             self.drafter = self._load_drafter()
         except torch.cuda.OutOfMemoryError as err:
