@@ -3,7 +3,7 @@
 # Every stage has its own time limit and writes its full log under $OUT; the tail of each is printed.
 #   bash bench/device_check.sh            (stages: ops engine offline; STAGES="..." to choose from
 #                                          ops engine opsbench offline profile imageprof imageparts imagetl intake quant wna16 dense kvfp8
-#                                          hf serve imageab memcaps emulated tp ab video spec gemv lmhead); every file it writes is packed into $OUT/logs.tgz at the end
+#                                          hf serve imageab memcaps emulated tp ab video spec lmhead); every file it writes is packed into $OUT/logs.tgz at the end
 #                                          (the device tool returns at most 8 files)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -128,39 +128,6 @@ for s in $STAGES; do
           timeout "${LMHEAD_T:-70}" python3 bench/offline.py --model $dir --load-format dummy --only decode1,decode8 \
             --max-num-seqs 64 $flag --out "$OUT/lmhead_${fmt}_$side.json" > "$OUT/lmhead_${fmt}_$side.txt" 2>&1
           echo "$fmt $side rc=$? $(grep -E '^\| ' "$OUT/lmhead_${fmt}_$side.txt" | tr '\n' ' ' | cut -c1-300)"
-        done
-      done ;;
-    gemv)
-      # The few-token GEMVs (issue 38): their GPU tests, the sweep against the table's kernels per 8B shape (this
-      # GPU for 4-bit, emulated sm86 for 4-bit and FP8 weight-only), then decode steps at batch 1 and 8 of the tree
-      # before (OLD_TREE, default .old: `git archive BASE engine bench | tar -x -C .old`) and this one, in turns,
-      # per card in GEMV_CARDS and weight format in GEMV_FORMATS.
-      stage "few-token GEMVs: GPU tests (GEMV_TEST_CARDS)"
-      for card in ${GEMV_TEST_CARDS:-native}; do
-        arch=""; [ "$card" != native ] && arch=${card#sm}
-        ENGINE_EMULATE_ARCH=$arch timeout "${GEMV_TEST_T:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -x \
-          tests/test_ops_wna16.py tests/test_ops_quant.py -k "few_tokens or without_fp8_tensor_cores or gemv_matches" \
-          > "$OUT/gemv_tests_$card.txt" 2>&1; echo "$card rc=$?"; tail -3 "$OUT/gemv_tests_$card.txt"
-      done
-      stage "few-token GEMV sweep"
-      if [ "${GEMV_SWEEP_NATIVE:-1}" = 1 ]; then
-        timeout "${SWEEP_T:-150}" python3 bench/few_token_sweep.py --formats w4 --tokens 2 4 8 \
-          --json "$OUT/sweep_native.json" > "$OUT/sweep_native.txt" 2>&1; echo "rc=$?"; grep -v skip "$OUT/sweep_native.txt"
-      fi
-      ENGINE_EMULATE_ARCH=86 timeout "${SWEEP_T:-150}" python3 bench/few_token_sweep.py --formats w4 fp8 ${SWEEP_ARGS:-} \
-        --json "$OUT/sweep_sm86.json" > "$OUT/sweep_sm86.txt" 2>&1; echo "rc=$?"; grep -v skip "$OUT/sweep_sm86.txt"
-      for fmt in ${GEMV_FORMATS:-awq fp8}; do python3 bench/synthetic_model.py /tmp/q8-$fmt --quantization $fmt > /dev/null; done
-      for card in ${GEMV_CARDS:-sm86}; do
-        for fmt in ${GEMV_FORMATS:-awq fp8}; do
-          [ "$card" = native ] && [ "$fmt" = fp8 ] && continue
-          for side in old new; do
-            tree=$PWD; [ $side = old ] && tree=${OLD_TREE:-.old}
-            arch=""; [ "$card" != native ] && arch=${card#sm}
-            (cd "$tree" && ENGINE_EMULATE_ARCH=$arch PYTHONPATH=$PWD timeout "${GEMV_T:-75}" python3 bench/offline.py \
-              --model /tmp/q8-$fmt --load-format dummy --only decode1,decode8 --max-num-seqs 64 \
-              --out "$OUT/gemv_${card}_${fmt}_$side.json" > "$OUT/gemv_${card}_${fmt}_$side.txt" 2>&1)
-            echo "$card $fmt $side rc=$? $(grep -E '^\| ' "$OUT/gemv_${card}_${fmt}_$side.txt" | tr '\n' ' ' | cut -c1-400)"
-          done
         done
       done ;;
     kvfp8)

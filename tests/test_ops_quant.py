@@ -327,7 +327,7 @@ def test_fp8_weight_only_without_fp8_tensor_cores(gen, kernel):
     # sm80/86: e4m3 bytes decoded with integer ops (emulated on this GPU).
     from engine.ops.triton.quant.table import KernelChoice
     with override_caps(DeviceCaps.for_arch(86)):
-        for M in ((1, 3, 8) if kernel == "fp8_gemv" else (5, 300)):
+        for M in ((1,) if kernel == "fp8_gemv" else (5, 300)):
             for K, N, block in ((4096, 1024, (128, 128)), (1000, 200, (128, 128)), (512, 96, (64, 128))):
                 tiles = KernelChoice(kernel, block_n=32, split_k=2)
                 wo, _ = _fp8_case(gen, M, K, N, BF16, block, tiles=tiles)
@@ -462,14 +462,13 @@ def test_fp8_weight_only_paths_in_the_interpreter(gen, kernel):
     # program (serial) or, without counters, a second kernel.
     from engine.ops.triton.quant import splitk
     from engine.ops.triton.quant.table import KernelChoice
-    # The GEMV also takes a few tokens on its token axis (3 pads it to 4; 8 fills it).
-    cases = ((1, 1, True, True), (3, 2, False, True), (8, 4, True, False)) if kernel == "fp8_gemv" else \
-        ((5, 1, True, True),)
-    for M, split, bias, serial in cases:
+    M = 1 if kernel == "fp8_gemv" else 5
+    cases = ((1, True, True), (2, False, True), (4, True, False)) if kernel == "fp8_gemv" else ((1, True, True),)
+    for split, bias, serial in cases:
         for K, N, block in ((256, 40, (32, 64)), (256, 40, (16, 16)), (200, 24, (8, 16))):
             tiles = KernelChoice(kernel, block_n=16, block_k=32, split_k=split, serial=serial)
             wo, _ = _fp8_case(gen, M, K, N, F16, block, bias=bias, tiles=tiles, device="cpu")
-            assert wo < TOL[F16], (M, split, bias, serial, K, N, block)
+            assert wo < TOL[F16], (split, bias, serial, K, N, block)
     locks = splitk._LOCKS.get(torch.device("cpu"))
     assert locks is None or int(locks.abs().sum()) == 0
 

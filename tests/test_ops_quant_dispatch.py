@@ -87,14 +87,12 @@ def test_overriding_the_configuration_turns_triton_and_pdl_off_for_a_block():
 
 @pytest.mark.parametrize("caps", [SM80, SM86, SM89, SM90, SM100, SM120], ids=lambda c: c.name)
 def test_4bit_kernels_by_token_count(caps):
-    # One token: the GEMV, and up to 8 where there is no wgmma; then to 64 the GEMM; more: dequantize + cuBLAS,
-    # except TUNED_W4G128's Hopper buckets.
+    # One token: the GEMV; 2-64: the GEMM; more: dequantize + cuBLAS, except TUNED_W4G128's Hopper buckets.
     for K, N in SHAPES_8B:
         for M in TOKENS:
             kernel = wna16(M, K, N, caps).kernel
             tuned = caps.wgmma and 64 < M < 1024 and (N, K, 1 << (M - 1).bit_length()) in TUNED_W4G128
-            gemv = M == 1 or (M <= 8 and not caps.wgmma)
-            want = "wna16_gemv" if gemv else "wna16_gemm" if M <= 64 or tuned else "wna16_dequant"
+            want = "wna16_gemv" if M == 1 else "wna16_gemm" if M <= 64 or tuned else "wna16_dequant"
             assert kernel == want, (caps.name, K, N, M, kernel)
 
 
@@ -118,10 +116,10 @@ def test_4bit_gemm_on_hopper_feeds_the_dequantized_weights_from_registers():
 
 
 def test_4bit_tiles_fit_ampere_ada_and_blackwell():
-    # No wgmma: past the GEMV's 8 tokens, swap-AB 128-column tiles up to 32 tokens, then 64-row tiles with 8 warps
-    # and 2 stages (shared memory, registers); Blackwell takes sm89's tiles until measured.
+    # No wgmma: swap-AB 128-column tiles up to 32 tokens, then 64-row tiles with 8 warps and 2 stages (shared
+    # memory, registers); Blackwell takes sm89's tiles until measured.
     for caps in (SM80, SM86, SM89, SM100, SM120):
-        for M in range(9, 65):
+        for M in range(2, 65):
             tiles = wna16(M, 4096, 4096, caps)
             assert tiles.block_m <= 64 and tiles.num_stages <= 4 and tiles.swap_ab == (M <= 32), (caps.name, M)
             if M > 32:
@@ -146,11 +144,11 @@ def test_4bit_small_groups_and_other_formats_fall_back_to_dequantize():
 
 @pytest.mark.parametrize("caps", [SM80, SM86], ids=lambda c: c.name)
 def test_fp8_without_fp8_tensor_cores_runs_weight_only(caps):
-    # 1-8 tokens: the GEMV (the tokens in registers); to 64: the GEMM that reads each weight tile once for all
-    # tokens; more: dequantize + cuBLAS (compute-bound there).
+    # One token: the GEMV; 2-64: the GEMM that reads each weight tile once for all tokens; more: dequantize +
+    # cuBLAS (compute-bound there).
     for K, N in SHAPES_8B:
         for M in TOKENS:
-            want = "fp8_gemv" if M <= 8 else "fp8_gemm" if M <= 64 else "fp8_dequant"
+            want = "fp8_gemv" if M == 1 else "fp8_gemm" if M <= 64 else "fp8_dequant"
             assert fp8(M, K, N, caps).kernel == want, (caps.name, K, N, M)
 
 
@@ -158,7 +156,7 @@ def test_fp8_weight_only_gemm_tiles_fit_ampere_and_fill_the_sms():
     # Swap-AB up to 32 tokens (the tokens on the dot's narrow side), then 64x64x64; one scale per tile (64 columns
     # and 128 or 64 along K inside a 128x128 block); split-K where the column tiles alone leave SMs idle.
     for K, N in SHAPES_8B:
-        for M in range(9, 65):
+        for M in range(2, 65):
             tiles = fp8(M, K, N, SM86)
             assert tiles.swap_ab == (M <= 32) and tiles.block_m >= min(M, 64) and tiles.block_n == 64, (M, tiles)
             assert 128 % tiles.block_k == 0 and tiles.num_stages <= 3 and tiles.num_warps == 4
@@ -166,10 +164,9 @@ def test_fp8_weight_only_gemm_tiles_fit_ampere_and_fill_the_sms():
             stage = tiles.block_n * tiles.block_k + tiles.block_m * tiles.block_k * 2
             assert stage * tiles.num_stages <= SM86.shared_memory_per_block // 2, (M, tiles)
             assert -(-N // 64) * tiles.split_k >= 2 * splitk.SMS or tiles.split_k == 8, (K, N, tiles)
-    assert fp8(16, 4096, 4096, SM80) == fp8(16, 4096, 4096, SM86)
-    # A K that is not a multiple of the scale block runs the same weight-only kernels on every GPU.
-    assert fp8(16, 4000, 4096, SM90).kernel == fp8(16, 4000, 4096, SM89).kernel == "fp8_gemm"
-    assert fp8(8, 4000, 4096, SM90).kernel == fp8(8, 4000, 4096, SM89).kernel == "fp8_gemv"
+    assert fp8(8, 4096, 4096, SM80) == fp8(8, 4096, 4096, SM86)
+    # A K that is not a multiple of the scale block runs the same weight-only GEMM on every GPU.
+    assert fp8(8, 4000, 4096, SM90).kernel == fp8(8, 4000, 4096, SM89).kernel == "fp8_gemm"
 
 
 def test_fp8_on_hopper_one_launch_up_to_16_tokens_then_cublas():
@@ -184,7 +181,7 @@ def test_fp8_on_hopper_one_launch_up_to_16_tokens_then_cublas():
     # Where cuBLAS takes no block scales (K-block counts not a multiple of 4, other blocks): Triton's GEMM.
     assert fp8(64, 1152, 4096, SM90).kernel == fp8(300, 4096, 4096, SM90, block=(64, 128)).kernel == "w8a8"
     # A K that is not a multiple of the scale block runs weight-only.
-    assert fp8(8, 1000, 4096, SM90).kernel == "fp8_gemv" and fp8(64, 1000, 4096, SM90).kernel == "fp8_gemm"
+    assert fp8(1, 1000, 4096, SM90).kernel == "fp8_gemv" and fp8(64, 1000, 4096, SM90).kernel == "fp8_gemm"
     assert fp8(65, 1000, 4096, SM90).kernel == "fp8_dequant"
 
 
@@ -228,9 +225,9 @@ def test_emulating_an_architecture_keeps_the_card_s_sms():
 # fp8 KV cache's e4m3 decode, PDL, wgmma (Hopper's tiles), cuDNN attention, the prefill attention tiles and the
 # shared memory one program gets (CUDA's per-block opt-in: 163 KB on A100, 99 KB on RTX 30/40, 227 KB on H100).
 EMULATED = {
-    80: dict(fp8=("fp8_gemv", "fp8_gemv", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
+    80: dict(fp8=("fp8_gemv", "fp8_gemm", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
              prefill_tiles=(128, 64, 8, 3), shared=163 * 1024),
-    86: dict(fp8=("fp8_gemv", "fp8_gemv", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
+    86: dict(fp8=("fp8_gemv", "fp8_gemm", "fp8_gemm", "fp8_dequant"), native_e4m3=False, pdl=False, wgmma=False,
              prefill_tiles=(128, 64, 8, 3), shared=99 * 1024),
     89: dict(fp8=("w8a8", "w8a8", "w8a8", "w8a8"), native_e4m3=True, pdl=False, wgmma=False,
              prefill_tiles=(128, 64, 8, 3), shared=99 * 1024),
@@ -249,9 +246,8 @@ def test_each_emulated_card_takes_that_card_s_paths_and_tiles(arch):
         caps = device_caps(cuda)
         assert [fp8(M, 4096, 6144, caps).kernel for M in EMULATED_TOKENS] == list(want["fp8"])
         assert [wna16(M, 4096, 6144, caps).kernel for M in EMULATED_TOKENS] == \
-            ["wna16_gemv", "wna16_gemm" if arch == 90 else "wna16_gemv", "wna16_gemm",
-             "wna16_gemm" if arch == 90 else "wna16_dequant"]
-        assert wna16(16, 4096, 6144, caps).swap_ab and (wna16(16, 4096, 6144, caps).block_n == 64) == want["wgmma"]
+            ["wna16_gemv", "wna16_gemm", "wna16_gemm", "wna16_gemm" if arch == 90 else "wna16_dequant"]
+        assert wna16(8, 4096, 6144, caps).swap_ab and (wna16(8, 4096, 6144, caps).block_n == 64) == want["wgmma"]
         assert attention.fp8_native(cuda) == want["native_e4m3"]
         assert (pdl.options(cuda, 1) == {"GDC": True, "launch_pdl": True}) == want["pdl"]
         assert caps.wgmma == want["wgmma"] and caps.shared_memory_per_block == want["shared"]

@@ -98,28 +98,6 @@ def test_gemv_matches_reference(device, bits, group):
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_gemv_takes_a_few_tokens(device, bits, group):
-    # 2-8 tokens through the GEMV's token axis: M = 3 and 5 pad it (masked rows read zeros and are not stored);
-    # split 1 and 2, the partials summed by the last program or by a second kernel; N = 40 again.
-    K = 256 if device == "cpu" else 2048
-    for M, split, bias, serial in ((2, 1, True, True), (3, 2, False, True), (5, 2, True, False), (8, 1, False, True)):
-        for dtype in ((F16,) if device == "cpu" else (F16, BF16)):
-            tiles = KernelChoice("wna16_gemv", block_n=32, block_k=16 * (32 // bits), split_k=split, num_warps=4,
-                                 serial=serial)
-            err = check(device, M, K, 40, group, bits, dtype, tiles, bias=bias)
-            assert err < TOL[dtype], (M, split, bias, serial, dtype, err)
-
-
-def test_gemv_refuses_more_tokens_than_its_axis():
-    qweight, scales, zeros = random_weights(256, 32, 128, 4, F16, "cpu")
-    x = torch.randn(9, 256, dtype=F16)
-    with pytest.raises(ValueError, match="1 to 8 tokens, got 9"):
-        wna16_gemv(x, qweight, scales, zeros, 128, 4, None, torch.empty(9, 32, dtype=F16), table.wna16_gemv_tiles(
-            Problem(1, 32, 256, F16)))
-
-
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
-@pytest.mark.parametrize("device", DEVICES)
 def test_gemm_matches_reference(device, bits, group):
     # Plain and swap-AB tiles, split-K summed by the last program or a second kernel, row tiles that hold the
     # tokens or not, grouped tile order or not; N = 80 is not a multiple of 64-column tiles.

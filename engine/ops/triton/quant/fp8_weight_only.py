@@ -5,8 +5,6 @@ converted in registers.
   the end; where a tile's rows share one scale row the block scales multiply the activations, so a weight costs
   one conversion and one FMA. The next tile's load is issued before this tile's arithmetic; split-K is summed by
   the tile's last program; a programmatic dependent launch where the device has PDL (pdl.py).
-- A few tokens (up to 8): `_fp8_gemv_tokens_kernel`, the GEMV's walk with a token axis in each thread's registers:
-  a weight is converted once and multiplied by each token's activation, no tensor cores.
 - 2-64 tokens: `_fp8_gemm_kernel` reads each weight tile once for all the tokens of its row tile, converts it to
   x.dtype in registers and multiplies it on the tensor cores (tl.dot: mma on sm80+), split-K to fill the SMs;
   swap-AB up to 32 tokens (the weight tile on the dot's M side, the tokens on its narrow N side). Dequantizing
@@ -23,27 +21,7 @@ import triton.language as tl
 
 from engine.ops.triton import pdl
 from engine.ops.triton.quant.splitk import fit_split, grouped_tile, split_targets, splitk_epilogue
-from engine.ops.triton.quant.table import GEMV_MAX_TOKENS, KernelChoice
-
-
-@triton.jit
-def _e4m3_to_f32_scaled(w, NATIVE: tl.constexpr):
-    """_e4m3_to_f32 without the integer decode's final * 2**8 (_e4m3_unit(NATIVE) gives it): the GEMVs fold it
-    into the activations, once per K element instead of once per weight."""
-    if NATIVE:
-        f = w.to(tl.float32)
-    else:
-        u = w.to(tl.uint16)
-        f = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32)
-    return f
-
-
-@triton.jit
-def _e4m3_unit(NATIVE: tl.constexpr):
-    """What _e4m3_to_f32_scaled's values are multiplied by to give the e4m3 values."""
-    if NATIVE:
-        return 1.0
-    return 256.0
+from engine.ops.triton.quant.table import KernelChoice
 
 
 @triton.jit
@@ -102,61 +80,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
         w_ptrs += BLOCK_K
         k_mask = offs_k < k_end
         w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32) * _e4m3_unit(NATIVE)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if ROW_UNIFORM:
             s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (offs_k // BK_BLK) * stride_sk,
                         mask=k_mask, other=0.0)
-            acc += _e4m3_to_f32_scaled(w, NATIVE) * (x * s)[None, :]
+            acc += _e4m3_to_f32(w, NATIVE) * (x * s)[None, :]
         else:
             s = tl.load(ws_ptr + (offs_n // BN_BLK)[:, None] * stride_sn + (offs_k // BK_BLK)[None, :] * stride_sk,
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += _e4m3_to_f32_scaled(w, NATIVE) * s * x[None, :]
+            acc += _e4m3_to_f32(w, NATIVE) * s * x[None, :]
         offs_k += BLOCK_K
     pdl.launch_dependents(GDC)
     one_row = tl.full([], 1, tl.int32)
     splitk_epilogue(tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N]), tl.arange(0, 1), offs_n, one_row, N, N,
                     bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
-
-
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
-def _fp8_gemv_tokens_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm,
-                            stride_wn, stride_sn, stride_sk, BN_BLK: tl.constexpr, BK_BLK: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            ROW_UNIFORM: tl.constexpr, NATIVE: tl.constexpr, SPLIT: tl.constexpr,
-                            SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # M <= BLOCK_M tokens, weight-only: _fp8_gemv_kernel's walk with a token axis in front, held in each thread's
-    # registers, so that a weight is converted once and multiplied by each token's activation (M FMAs).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    offs_k = k_begin + tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < k_end)[None, :], other=0.0)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for _ in range(k_begin, k_end, BLOCK_K):
-        w = w_next
-        w_ptrs += BLOCK_K
-        k_mask = offs_k < k_end
-        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k + BLOCK_K < k_end)[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x = x * _e4m3_unit(NATIVE)
-        if ROW_UNIFORM:
-            s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (offs_k // BK_BLK) * stride_sk,
-                        mask=k_mask, other=0.0)
-            acc += _e4m3_to_f32_scaled(w, NATIVE)[None, :, :] * (x * s[None, :])[:, None, :]
-        else:
-            s = tl.load(ws_ptr + (offs_n // BN_BLK)[:, None] * stride_sn + (offs_k // BK_BLK)[None, :] * stride_sk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += (_e4m3_to_f32_scaled(w, NATIVE) * s)[None, :, :] * x[:, None, :]
-        offs_k += BLOCK_K
-    splitk_epilogue(tl.sum(acc, axis=2), offs_m, offs_n, M, N, N, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n,
-                    pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "K_SPLIT"])
@@ -230,25 +167,14 @@ def _raw_bytes(weight: torch.Tensor, native: bool) -> torch.Tensor:
 
 def fp8_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int],
              bias: torch.Tensor | None, out: torch.Tensor, tiles: KernelChoice, native: bool) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ W^T (+ bias), weight-only, M <= GEMV_MAX_TOKENS."""
-    M = x2.shape[0]
-    if not 1 <= M <= GEMV_MAX_TOKENS:
-        raise ValueError(f"the FP8 GEMV takes 1 to {GEMV_MAX_TOKENS} tokens, got {M}")
+    """out [1, N] = x2 [1, K] @ W^T (+ bias), weight-only."""
+    if x2.shape[0] != 1:
+        raise ValueError(f"the FP8 GEMV takes one token, got {x2.shape[0]}")
     (N, K), (bn, bk) = weight.shape, block_size
     steps = triton.cdiv(K, tiles.block_k)
     split = fit_split(steps, tiles.split_k)
     grid = (triton.cdiv(N, tiles.block_n), split)
     to = split_targets(out, split, grid[0], tiles.serial)
-    if M > 1:
-        _fp8_gemv_tokens_kernel[grid](
-            x2, _raw_bytes(weight, native), weight_scale_inv, bias if bias is not None else out, out, to.ws,
-            to.locks, M, N, K, steps // split * tiles.block_k, x2.stride(0), weight.stride(0),
-            weight_scale_inv.stride(0), weight_scale_inv.stride(1), BN_BLK=bn, BK_BLK=bk,
-            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            ROW_UNIFORM=bn % tiles.block_n == 0, NATIVE=native, SPLIT=split, SERIAL=to.serial,
-            HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        to.finish(bias, out)
-        return out
     _fp8_gemv_kernel[grid](
         x2, _raw_bytes(weight, native), weight_scale_inv, bias if bias is not None else out, out, to.ws, to.locks,
         N, K, steps // split * tiles.block_k, weight.stride(0), weight_scale_inv.stride(0),

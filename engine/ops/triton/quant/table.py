@@ -7,15 +7,13 @@ without wgmma (RTX 40, and Blackwell until measured), "sm80" neither (A100, RTX 
 
     format  class  tokens    kernel            tiles
     wna16   any    1         wna16_gemv        32 columns x 64 packed rows, 8 warps, split-K 4/2/1 by N
-    wna16   sm80   2-8       wna16_gemv        the tokens in registers: 32/16 packed rows (to 4 / 8 tokens)
     wna16   any    2-64      wna16_gemm        sm90: swap-AB, 64 columns, split-K to fill the SMs;
                                                else swap-AB 128 columns to 32 tokens, then 8 warps, 2 stages
                                                (groups too small for a 16-deep dot: next rows)
     wna16   sm90   65-1023   wna16_gemm        only where TUNED_W4G128 holds the shape and token bucket
     wna16   any    all       wna16_dequant     dequantize to x.dtype, then cuBLAS
-    fp8     sm80   1-8       fp8_gemv          weight-only (also any K not a multiple of the scale block); 2-8
-                                               tokens in registers, 16 rows
-    fp8     sm80   9-64      fp8_gemm          weight-only: each weight tile converted once for all the tokens, tl.dot;
+    fp8     sm80   1         fp8_gemv          weight-only (also any K not a multiple of the scale block)
+    fp8     sm80   2-64      fp8_gemm          weight-only: each weight tile converted once for all the tokens, tl.dot;
                                                swap-AB 64 columns to 32 tokens, then 64x64; split-K to fill the SMs
     fp8     sm80   all       fp8_dequant       weight-only: dequantize, then cuBLAS
     fp8     sm90   1-16      w8a8_one_launch   x quantized in the K loop, swap-AB (an fp8 wgmma), split-K
@@ -41,7 +39,6 @@ from engine.ops.platform import DeviceCaps
 from engine.ops.triton.quant.splitk import split_for
 
 INF = 1 << 62
-GEMV_MAX_TOKENS = 8      # the GEMVs' token axis (registers per weight row grow with it)
 
 
 @dataclass(frozen=True)
@@ -98,12 +95,10 @@ def fit_block_k(block_k: int, group_size: int, pack: int) -> int:
 
 
 def wna16_gemv_tiles(p: Problem) -> KernelChoice:
-    # One token: 32-column strips of 64 packed rows per step, 8 warps, K split so that the narrow projections
-    # still fill the SMs: the fastest of a sweep at each 8B shape on an H100 (bench/tune_wna16.py --buckets 1).
-    # A few tokens: fewer packed rows per step, as each holds a row of sums per token.
+    # 32-column strips of 64 packed rows per step, 8 warps, K split so that the narrow projections still fill
+    # the SMs: the fastest of a sweep at each 8B shape on an H100 (bench/tune_wna16.py --buckets 1).
     split = 4 if p.N <= 4096 else 2 if p.N <= 8192 else 1
-    rows, warps = (64, 8) if p.M == 1 else (32, 8) if p.M <= 4 else (16, 4)
-    return KernelChoice("wna16_gemv", block_n=32, block_k=rows * (32 // p.bits), split_k=split, num_warps=warps)
+    return KernelChoice("wna16_gemv", block_n=32, block_k=64 * (32 // p.bits), split_k=split, num_warps=8)
 
 
 def _wna16_gemm_tiles(p: Problem, hopper: bool) -> KernelChoice | None:
@@ -170,7 +165,6 @@ TUNED_W4G128: dict[tuple[int, int, int], KernelChoice] = {
 
 WNA16_TABLE = (
     Row("any", 1, wna16_gemv_tiles),
-    Row("sm80", GEMV_MAX_TOKENS, wna16_gemv_tiles),
     Row("sm90", WNA16_DEQUANT_ABOVE, wna16_gemm_sm90),
     Row("any", WNA16_DEQUANT_ABOVE, wna16_gemm_mma),
     Row("sm90", WNA16_TUNED_BELOW - 1, wna16_tuned_tiles),
@@ -186,12 +180,10 @@ CUBLAS_REFUSED: set[torch.dtype] = set()   # activation dtypes this torch/cuBLAS
 
 
 def fp8_gemv_tiles(p: Problem) -> KernelChoice:
-    # One token: 32 rows x 128 columns per step, 4 warps, K in at least two ranges (more where the tiles are
-    # few): the fastest or second-fastest tiles of an H100 sweep at each 8B shape (bench/bench_quant.py --sweep).
-    # A few tokens: 16 rows, as each weight holds a sum per token.
-    rows = 32 if p.M == 1 else 16
-    split = max(2, split_for(triton.cdiv(p.N, rows), triton.cdiv(p.K, 128), cap=8))
-    return KernelChoice("fp8_gemv", block_n=rows, block_k=128, split_k=split, num_warps=4, num_stages=1)
+    # 32 rows x 128 columns per step, 4 warps, K in at least two ranges (more where the tiles are few): the
+    # fastest or second-fastest tiles of an H100 sweep at each 8B shape (bench/bench_quant.py --sweep).
+    split = max(2, split_for(triton.cdiv(p.N, 32), triton.cdiv(p.K, 128), cap=8))
+    return KernelChoice("fp8_gemv", block_n=32, block_k=128, split_k=split, num_warps=4, num_stages=1)
 
 
 def fp8_gemm_tiles(p: Problem) -> KernelChoice:
@@ -241,7 +233,7 @@ def w8a8_one_token_tiles(p: Problem) -> KernelChoice | None:
 
 
 FP8_TABLE = (
-    Row("sm80", GEMV_MAX_TOKENS, fp8_gemv_tiles),
+    Row("sm80", 1, fp8_gemv_tiles),
     Row("sm80", FP8_DEQUANT_ABOVE, fp8_gemm_tiles),
     Row("sm80", INF, fp8_dequant_tiles),
     Row("sm90", ONE_LAUNCH_MAX_M, one_launch_tiles),

@@ -1,4 +1,4 @@
-"""The 4-/8-bit GEMV for one token, and for a few (wna16_linear's one-token and few-token kernels, table.py).
+"""The 4-/8-bit GEMV for one token (wna16_linear's one-token kernel, table.py).
 
 Each program streams a column strip of the packed weight (docs/QUANT_LAYOUTS.md) over one K range, its rows spread
 over the warps and summed once at the end; the fields-as-floats arithmetic (wna16_fields.py) spends one LOP3 and one
@@ -6,9 +6,6 @@ FMA per weight. The next weight tile's load is issued before this tile's arithme
 in flight. Split-K ranges are summed by the tile's last program (splitk.splitk_epilogue), and where the device has
 PDL the kernel is a programmatic dependent launch (pdl.py): it loads its first weight tile, then waits for the
 kernel before, whose output x is.
-A few tokens (`_wna16_gemv_tokens_kernel`, up to 8): the same strip walk with a token axis in front, held in each
-thread's registers, so that one weight's field is unpacked once and multiplied by each token's activation: one
-LOP3 and M FMAs per weight, no tensor cores (the GEMM's dequantize-then-dot spends shared memory on every weight).
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import triton.language as tl
 
 from engine.ops.triton import pdl
 from engine.ops.triton.quant.splitk import fit_split, split_targets, splitk_epilogue
-from engine.ops.triton.quant.table import GEMV_MAX_TOKENS, KernelChoice
+from engine.ops.triton.quant.table import KernelChoice
 from engine.ops.triton.quant.wna16_fields import ONE_BITS, field_scaled, gemv_field, group_params
 
 
@@ -78,77 +75,18 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, l
                     ws_ptr, lock_ptr, pid_n, pid_k, SPLIT, SERIAL, HAS_BIAS)
 
 
-@triton.jit
-def _fields_step_tokens(acc, q, x_rows, m_mask, s, z, one, BITS: tl.constexpr):
-    """_fields_step for a [BM, BKP] block of activation rows (x_rows: each token's first activation of each packed
-    row): acc [BM, BKP, BN] + the BM tokens' sums over the PACK planes of q; masked tokens read zeros."""
-    PACK: tl.constexpr = 32 // BITS
-    xs = tl.zeros(x_rows.shape, dtype=tl.float32)
-    xc = tl.zeros(x_rows.shape, dtype=tl.float32)
-    for j in tl.static_range(PACK):
-        xj = tl.load(x_rows + j, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        xs += xj
-        xc += field_scaled(xj, j, BITS)
-    t = -xs[:, :, None] * z[None, :, :] - xc[:, :, None]
-    for j in tl.static_range(PACK):
-        cx = field_scaled(tl.load(x_rows + j, mask=m_mask[:, None], other=0.0).to(tl.float32), j, BITS)
-        t += gemv_field(q, j, BITS, one)[None, :, :] * cx[:, :, None]
-    return tl.fma(t, s[None, :, :], acc)
-
-
-@triton.jit(do_not_specialize=["M", "K_SPLIT", "one"])
-def _wna16_gemv_tokens_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K_SPLIT, one,
-                              stride_xm, stride_qk, stride_sg, BITS: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                              SPLIT: tl.constexpr, SERIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # M <= BLOCK_M tokens; otherwise _wna16_gemv_kernel's walk, one weight tile in flight.
-    PACK: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = BLOCK_KP * PACK
-    PER_ROW: tl.constexpr = BLOCK_K > GROUP
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_KP, BLOCK_N], dtype=tl.float32)
-    k_begin = pid_k * K_SPLIT
-    k_end = k_begin + K_SPLIT
-    q_ptrs = qw_ptr + (k_begin // PACK + tl.arange(0, BLOCK_KP))[:, None].to(tl.int64) * stride_qk + offs_n[None, :]
-    q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
-    x_base = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        q = q_next
-        q_ptrs += BLOCK_KP * stride_qk
-        q_next = tl.load(q_ptrs, mask=n_mask[None, :] & (k0 + BLOCK_K < k_end), other=0)
-        kp0 = k0 // PACK
-        kp = kp0 + tl.arange(0, BLOCK_KP)
-        s, z = group_params(s_ptr, z_ptr, kp0, kp, offs_n, n_mask, stride_sg, PACK, GROUP, PER_ROW)
-        acc = _fields_step_tokens(acc, q, x_base + (kp * PACK)[None, :], m_mask, s, z, one, BITS)
-    splitk_epilogue(tl.sum(acc, axis=1), offs_m, offs_n, M, N, N, bias_ptr, out_ptr, ws_ptr, lock_ptr, pid_n,
-                    pid_k, SPLIT, SERIAL, HAS_BIAS)
-
-
 def wna16_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                bits: int, bias: torch.Tensor | None, out: torch.Tensor, tiles: KernelChoice) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ W (+ bias) for M <= GEMV_MAX_TOKENS; the weights contiguous."""
-    (M, K), N, pack = x2.shape, qweight.shape[1], 32 // bits
-    if not 1 <= M <= GEMV_MAX_TOKENS:
-        raise ValueError(f"the 4-bit GEMV takes 1 to {GEMV_MAX_TOKENS} tokens, got {M}")
+    """out [1, N] = x2 [1, K] @ W (+ bias); the weights contiguous."""
+    if x2.shape[0] != 1:
+        raise ValueError(f"the 4-bit GEMV takes one token, got {x2.shape[0]}")
+    K, N, pack = x2.shape[1], qweight.shape[1], 32 // bits
     block_k = tiles.block_k
     while K % block_k:          # whole steps: no K step needs a mask
         block_k //= 2
     split = fit_split(K // block_k, tiles.split_k)
     grid = (triton.cdiv(N, tiles.block_n), split)
     to = split_targets(out, split, grid[0], tiles.serial)
-    if M > 1:
-        _wna16_gemv_tokens_kernel[grid](
-            x2, qweight, scales, zeros, bias if bias is not None else out, out, to.ws, to.locks, M, N, K // split,
-            ONE_BITS, x2.stride(0), qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size,
-            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=tiles.block_n, BLOCK_KP=block_k // pack, SPLIT=split,
-            SERIAL=to.serial, HAS_BIAS=bias is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        to.finish(bias, out)
-        return out
     _wna16_gemv_kernel[grid](
         x2, qweight, scales, zeros, bias if bias is not None else out, out, to.ws, to.locks, N, K // split,
         ONE_BITS, qweight.stride(0), scales.stride(0), BITS=bits, GROUP=group_size, BLOCK_N=tiles.block_n,
