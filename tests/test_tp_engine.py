@@ -61,6 +61,8 @@ CASES = {
     # Each rank caches its KV heads in fp8; a K/V value rounds to the same e4m3 code as at TP=1.
     "qwen3-vl, TP=2, swap, fp8 KV cache": ("qwen3_vl_dir", 2, dict(SWAP, kv_cache_dtype="fp8")),
     "llama, TP=2, recompute": ("llama_dir", 2, RECOMPUTE),
+    # Each rank quantizes its vocabulary rows; the groups run along the hidden size, so the codes are TP=1's.
+    "llama, TP=2, recompute, 8-bit lm_head": ("llama_dir", 2, dict(RECOMPUTE, quantize_lm_head=True)),
     # Verify steps: rank 0 samples and the workers never wait on token ids (no input of the next step is pending).
     "qwen3-vl, TP=2, swap, n-gram speculative decoding": ("qwen3_vl_dir", 2, dict(SWAP, speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})),
