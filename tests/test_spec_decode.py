@@ -115,6 +115,22 @@ def test_sampling_features_see_the_drafts_as_sampled_tokens(qwen3_vl_dir, featur
     assert accepted(spec_llm) > 0
 
 
+def test_prompt_logprobs_with_drafts(qwen3_vl_dir):
+    # The prompt's logprobs are scored by the prefill, before any draft: the same as without drafts, and so are
+    # the answers.
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    plain_llm, spec_llm = make_llm(qwen3_vl_dir), make_llm(qwen3_vl_dir, speculative_config=NGRAM)
+    prompts = [plain_llm.engine.input_processor.process_chat(c) for c in conversations()]
+    plain, spec = plain_llm.generate(prompts, params), spec_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(spec, plain):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert ea.keys() == eb.keys() and all(abs(ea[t] - eb[t]) < 1e-4 for t in eb)
+    assert accepted(spec_llm) > 0
+    assert_pool_idle(spec_llm)
+
+
 def test_a_grammar_checks_the_drafts(qwen3_dir):
     so = StructuredOutputsParams(regex=r"(ab|abc|b){3,12}c")
     params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)

@@ -54,6 +54,22 @@ def test_streamed_answer_with_drafts_is_the_answer_without(servers):
     assert stats(plain)["spec_decode"] is None
 
 
+def test_several_choices_per_request_with_drafts_are_the_choices_without(servers):
+    # n = 3: the server fans a request out into three engine requests, each drafting on its own; greedy, so the
+    # three answers are the same three without drafts.
+    def choices(server) -> list[str]:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model="m", messages=USER, max_tokens=30, temperature=0.0, n=3,
+                                             extra_body={"ignore_eos": True})
+        return [c.message.content for c in sorted(out.choices, key=lambda c: c.index)]
+
+    plain, spec = servers
+    before = stats(spec)["spec_decode"]["num_accepted_tokens"]
+    want, got = choices(plain), choices(spec)
+    assert got == want and len(got) == 3
+    assert stats(spec)["spec_decode"]["num_accepted_tokens"] > before
+
+
 def test_metrics_count_drafted_and_accepted_tokens(servers):
     _, spec = servers
     stream(spec)
