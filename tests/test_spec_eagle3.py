@@ -353,3 +353,20 @@ def test_aux_capture_leaves_outputs_identical_and_records_the_residual_stream(re
     if buffer is not None:
         in_buffer = [ptr == buffer.data_ptr() for _, _, ptr in steps]
         assert any(in_buffer) and not all(in_buffer), "decode steps write into the buffer, longer prefills do not"
+
+
+def test_the_kv_pool_leaves_room_for_the_drafts_own_kv(qwen3_dir, eagle3_dir):
+    # Each running request's draft KV holds at most twice its context (grown by doubling, from DraftKV.MIN_ROWS
+    # rows): the pool and those rows share the budget, so a full pool cannot run the drafter out of memory.
+    common = dict(num_gpu_blocks_override=None, cpu_kv_cache_space=0.001, max_num_seqs=4)
+    plain = make_llm(qwen3_dir, **common).engine.kv_cache_config
+    spec_llm = make_llm(qwen3_dir, speculative_config={"method": "eagle3", "num_speculative_tokens": 3,
+                                                       "model": str(eagle3_dir)}, **common)
+    spec = spec_llm.engine.kv_cache_config
+    drafter = spec_llm.engine.model_executor.driver_worker.model_runner.drafter
+    cfg, row, budget = drafter.model.config, drafter.kv_bytes_per_token(), int(0.001 * 2**30)
+    assert row == 2 * cfg.num_key_value_heads * cfg.head_dim * 4          # K and V, float32 on the CPU
+    assert plain.num_gpu_blocks == budget // plain.bytes_per_block
+    draft_rows = 2 * spec.num_gpu_blocks * 16 + drafter.kv_min_rows * 4   # block size 16, 4 running at most
+    assert spec.num_gpu_blocks * spec.bytes_per_block + draft_rows * row <= budget
+    assert (spec.num_gpu_blocks + 1) * spec.bytes_per_block + (draft_rows + 32) * row > budget   # and no less

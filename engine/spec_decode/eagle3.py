@@ -91,6 +91,8 @@ class DraftKV:
     """One request's draft KV cache: rows in position order (positions increase along the cache), grown by
     doubling. The proposer owns one per request; the model appends to it."""
 
+    MIN_ROWS = 16   # the first allocation
+
     def __init__(self, num_kv_heads: int, head_dim: int, device, dtype):
         self.k = torch.empty(0, num_kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
@@ -110,7 +112,7 @@ class DraftKV:
         """Store k/v [n, Hk, D] after the kept rows; returns every row's (K, V) up to them."""
         start, end = len(self.positions), len(self.positions) + k.shape[0]
         if end > self.k.shape[0]:
-            cap = max(end, 2 * self.k.shape[0], 16)
+            cap = max(end, 2 * self.k.shape[0], self.MIN_ROWS)
             grown_k = self.k.new_empty(cap, *self.k.shape[1:])
             grown_v = self.v.new_empty(cap, *self.v.shape[1:])
             grown_k[:start], grown_v[:start] = self.k[:start], self.v[:start]

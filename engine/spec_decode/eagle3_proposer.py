@@ -61,6 +61,13 @@ class Eagle3Proposer:
         self.k = num_speculative_tokens
         self.kv: dict[str, DraftKV] = {}
 
+    kv_min_rows = DraftKV.MIN_ROWS   # a request's draft KV is never smaller
+
+    def kv_bytes_per_token(self) -> int:
+        """One position's K and V in the draft layer."""
+        c = self.model.config
+        return 2 * c.num_key_value_heads * c.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted for recompute: its draft KV goes."""
         self.kv.pop(request_id, None)

@@ -72,11 +72,12 @@ def plan_kv_cache(worker: Worker, max_len: int) -> KVCachePlan:
         num_gpu, source = args.num_gpu_blocks_override, "num_gpu_blocks_override"
     elif worker.device.type == "cuda":
         profile = _profile(worker, max_len, per_block)
-        num_gpu = max(profile.kv_budget_bytes, 0) // per_block
+        num_gpu = blocks_beside_draft_kv(worker, profile.kv_budget_bytes, per_block)
         source = "gpu_memory_utilization" if profile.limit_bytes is None else "gpu_memory_limit"
     else:
         budget = cpu_kv_budget(args.cpu_kv_cache_space)
-        num_gpu, source = budget // per_block, f"cpu_kv_cache_space = {budget / GiB:.2f} GiB"
+        num_gpu = blocks_beside_draft_kv(worker, budget, per_block)
+        source = f"cpu_kv_cache_space = {budget / GiB:.2f} GiB"
     swap_gib = args.swap_space if args.swap_space is not None else (4.0 if worker.device.type == "cuda" else 1.0)
     swap_bytes = min(int(swap_gib * GiB), psutil.virtual_memory().available // 2)
     num_gpu, num_cpu = _smallest_over_ranks(int(num_gpu), swap_bytes // per_block)
@@ -88,6 +89,22 @@ def plan_kv_cache(worker: Worker, max_len: int) -> KVCachePlan:
         raise ModelLoadError(f"no memory left for the KV cache ({source}); lower max_num_batched_tokens, raise "
                              f"gpu_memory_utilization, or use a smaller model")
     return KVCachePlan(num_gpu, num_cpu, per_block, source, profile, worker.kv_cache_dtype)
+
+
+def blocks_beside_draft_kv(worker: Worker, budget: int, per_block: int) -> int:
+    """KV blocks that fit `budget` beside an EAGLE-3 drafter's own KV (engine/spec_decode/eagle3.py DraftKV):
+    only running requests hold one (a preempted request's is forgotten), and each holds at most twice its
+    context, grown by doubling from 16 rows, so the pool's tokens and the draft rows share the budget."""
+    drafter = getattr(worker, "drafter", None)
+    if drafter is None:
+        return max(budget, 0) // per_block
+    row = drafter.kv_bytes_per_token()
+    left = budget - drafter.kv_min_rows * row * worker.args.max_num_seqs
+    blocks = max(left, 0) // (per_block + 2 * row * worker.args.block_size)
+    logger.info("EAGLE-3 draft KV: %.2f GB of the KV budget set aside (%d bytes a row, two rows per pooled token "
+                "and %d per running request)", max(budget - blocks * per_block, 0) / 1e9, row,
+                drafter.kv_min_rows)
+    return blocks
 
 
 def _smallest_over_ranks(num_gpu: int, num_cpu: int) -> tuple[int, int]:
