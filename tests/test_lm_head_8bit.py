@@ -79,3 +79,22 @@ def test_a_hidden_size_no_group_divides_is_refused_with_the_flag_named():
     with pytest.raises(ModelLoadError, match="--quantize-lm-head needs a hidden size divisible by 4"):
         head.quantize_weights(tied=False)
     assert math.gcd(30, 4) != 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 100])
+def test_the_gpu_kernels_compute_the_references_logits(tokens):
+    # Qwen3-VL-8B's hidden size at a smaller vocabulary: the 8-bit GEMV (1 token), GEMM (8) and dequantize +
+    # cuBLAS (100) with float32 scales and zero points, against the torch reference on the same 8-bit weights.
+    torch.manual_seed(0)
+    head = ParallelLMHead(5000, 4096).to("cuda", torch.bfloat16)
+    head.weight.data.normal_(std=0.02)
+    head.quantize_weights(tied=False)
+    hidden = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    got = head.compute_logits(hidden)
+    from engine.ops import wna16_linear_ref
+    want = wna16_linear_ref(hidden.float().cpu(), head.qweight.cpu(), head.scales.cpu(), head.zeros.cpu(),
+                            head.quant_group, 8).float()
+    err = ((got.cpu() - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
