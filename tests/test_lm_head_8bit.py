@@ -98,3 +98,15 @@ def test_the_gpu_kernels_compute_the_references_logits(tokens):
                             head.quant_group, 8).float()
     err = ((got.cpu() - want).norm() / want.norm()).item()
     assert err < 1e-2, err
+
+
+def test_the_table_is_quantized_in_chunks_of_rows_as_if_whole(monkeypatch):
+    from engine.model import vocab_parallel_embedding
+    torch.manual_seed(1)
+    head = ParallelLMHead(100, 256)
+    head.weight.data.normal_(std=0.02)
+    whole = quantize_wna16(head.weight.data, 8, 128)
+    monkeypatch.setattr(vocab_parallel_embedding, "QUANT_ROWS", 32)     # 32 + 32 + 32 + 4 rows
+    head.quantize_weights(tied=False)
+    assert all(torch.equal(got, want) for got, want in zip((head.qweight, head.scales, head.zeros), whole))
+    assert not hasattr(head, "weight")

@@ -124,10 +124,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = nn.Parameter(packed, requires_grad=False)
 
     def quantize_weights(self, tied: bool) -> None:
-        """The table as QUANT_BITS-bit weights, QUANT_ROWS vocabulary rows at a time (the float32 copy a chunk
-        needs stays small). A tied table stays for the token embedding; an untied one is freed."""
+        """The table as QUANT_BITS-bit weights, QUANT_ROWS vocabulary rows at a time into tensors allocated once
+        (the float32 copy a chunk needs stays small, and no second copy of the result is made). A tied table stays
+        for the token embedding; an untied one is freed."""
         table = self.weight.data
-        hidden, pack = table.shape[1], 32 // QUANT_BITS
+        (vocab, hidden), pack = table.shape, 32 // QUANT_BITS
         group = QUANT_GROUP
         while hidden % group and group > pack:
             group //= 2
@@ -135,10 +136,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ModelLoadError(f"--quantize-lm-head needs a hidden size divisible by {pack}, this model's is "
                                  f"{hidden}; run without --quantize-lm-head", code="quantize_lm_head")
         self.quant_group = group
-        parts = [quantize_wna16(table[i:i + QUANT_ROWS], QUANT_BITS, group)
-                 for i in range(0, table.shape[0], QUANT_ROWS)]
-        self.qweight, self.scales, self.zeros = (nn.Parameter(torch.cat(t, dim=1), requires_grad=False)
-                                                 for t in zip(*parts))
+        qweight = torch.empty(hidden // pack, vocab, dtype=torch.int32, device=table.device)
+        scales = torch.empty(hidden // group, vocab, dtype=torch.float32, device=table.device)
+        zeros = torch.empty_like(scales)
+        for i in range(0, vocab, QUANT_ROWS):
+            rows = slice(i, min(i + QUANT_ROWS, vocab))
+            qweight[:, rows], scales[:, rows], zeros[:, rows] = quantize_wna16(table[rows], QUANT_BITS, group)
+        self.qweight, self.scales, self.zeros = (nn.Parameter(t, requires_grad=False) for t in (qweight, scales, zeros))
         if not tied:
             del self.weight
 
