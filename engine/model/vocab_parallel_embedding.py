@@ -26,6 +26,9 @@ _HOST_REGISTER_FLAGS = 1 | 2
 # --quantize-lm-head: 8-bit weights in groups of 128 along the hidden size (fewer where 128 does not divide it),
 # float32 scales and zero points, quantized 8192 vocabulary rows at a time.
 QUANT_BITS, QUANT_GROUP, QUANT_ROWS = 8, 128, 8192
+# A tied table this large or smaller gets a oneDNN-packed copy for the logits on the CPU (ops.linear): SmolLM2's is
+# 113 MB in fp32.
+TIED_PACKED_COPY_BYTES = 512 * 2**20
 
 
 def host_table(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
@@ -114,14 +117,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise RuntimeError("ParallelLMHead computes logits (compute_logits), it does not embed tokens")
 
     def process_weights_after_loading(self, tied: bool, quantize: bool = False) -> None:
-        """On the CPU an untied bf16 table is repacked as the linear layers are (ops.prepack_linear_weight); a tied
-        one stays plain: the token embedding reads the same tensor. `quantize`: see quantize_weights."""
+        """On the CPU the table is repacked as the linear layers are (ops.prepack_linear_weight). A tied table stays
+        plain for the token embedding's lookup, and up to TIED_PACKED_COPY_BYTES the logits get a packed copy of
+        their own (`packed_weight`). `quantize`: see quantize_weights."""
         if quantize:
             self.quantize_weights(tied)
             return
-        packed = None if tied else prepack_linear_weight(self.weight.data)
+        table = self.weight.data
+        if tied and table.numel() * table.element_size() > TIED_PACKED_COPY_BYTES:
+            return
+        packed = prepack_linear_weight(table)
         if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
+            setattr(self, "packed_weight" if tied else "weight", nn.Parameter(packed, requires_grad=False))
 
     def quantize_weights(self, tied: bool) -> None:
         """The table as QUANT_BITS-bit weights, QUANT_ROWS vocabulary rows at a time into tensors allocated once
@@ -152,7 +159,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quantized:
             logits = wna16_linear(hidden, self.qweight, self.scales, self.zeros, self.quant_group, QUANT_BITS)
         else:
-            logits = linear(hidden, self.weight)
+            logits = linear(hidden, self._parameters.get("packed_weight", self.weight))
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., :self.num_embeddings]
         return logits.float()
