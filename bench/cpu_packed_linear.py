@@ -1,5 +1,6 @@
-"""The CPU's bf16 linear layers with and without oneDNN prepacking (ops.prepack_linear_weight), in one process:
-the embedded default model (SmolLM2-135M-Instruct GGUF) loaded twice, 64 greedy tokens from each in turns.
+"""The CPU's linear layers with and without oneDNN prepacking (ops.prepack_linear_weight), in one process, in the
+engine's default dtype on this CPU (bf16 where it has AVX512-BF16, else fp32): the embedded default model
+(SmolLM2-135M-Instruct GGUF) loaded twice, 64 greedy tokens from each in turns.
 
     python bench/cpu_packed_linear.py [--rounds 5] [--json out.json]
 """
@@ -52,12 +53,13 @@ def main() -> None:
             start = time.perf_counter()
             tokens[name] = llm.generate(prompt, params)[0].outputs[0].token_ids
             times[name].append(time.perf_counter() - start)
-    res = {"threads": torch.get_num_threads(), "new_tokens": args.new, "same_tokens": tokens["plain"] == tokens["packed"]}
+    res = {"threads": torch.get_num_threads(), "new_tokens": args.new, "dtype": str(llms["plain"].engine.dtype),
+           "same_tokens": tokens["plain"] == tokens["packed"]}
     for name, t in times.items():
         res[name] = {"seconds": t, "median_tok_s": args.new / statistics.median(t)}
         print(f"{name}: {res[name]['median_tok_s']:.1f} tok/s (median of {args.rounds}; "
               f"{', '.join(f'{x:.2f}' for x in t)} s)")
-    print(f"same tokens: {res['same_tokens']}")
+    print(f"dtype {res['dtype']}; same tokens: {res['same_tokens']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 
