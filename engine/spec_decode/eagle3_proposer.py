@@ -66,7 +66,7 @@ class Eagle3Proposer:
     def kv_bytes_per_token(self) -> int:
         """One position's K and V in the draft layer."""
         c = self.model.config
-        return 2 * c.num_key_value_heads * c.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted for recompute: its draft KV goes."""
