@@ -223,7 +223,8 @@ for s in $STAGES; do
       grep -E '^\| ' "$OUT/tp_compare.txt" | tail -6 ;;
     spec)
       # Speculative decoding: the GPU exactness tests, then a k-token verify step against a one-token decode step
-      # at batch 1, per weight format (QUANTS), at the 8B shapes.
+      # at each batch of SPEC_BATCHES, per weight format (QUANTS), at the 8B shapes. With OLD_TREE (e.g. .old from
+      # `git archive BASE engine`), that tree's verify steps too, timed by this tree's script in turns.
       stage "speculative decoding: GPU tests"
       timeout "${SPEC_TEST_T:-150}" python3 -m pytest -m gpu tests/test_gpu_spec_decode.py tests/test_gpu_spec_eagle3.py \
         -q -p no:cacheprovider > "$OUT/spec_tests.txt" 2>&1; echo "rc=$?"; grep -v '^INFO' "$OUT/spec_tests.txt" | tail -6
@@ -233,8 +234,16 @@ for s in $STAGES; do
         if [ "$q" = none ]; then python3 bench/synthetic_model.py $dir > /dev/null
         else python3 bench/synthetic_model.py $dir --quantization $q > /dev/null; fi
         timeout "${SPEC_T:-150}" python3 bench/spec_verify_cost.py --model $dir --load-format dummy \
-          ${SPEC_ARGS:-} --json "$OUT/spec_verify_$q.json" > "$OUT/spec_verify_$q.txt" 2>&1
-        echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/spec_verify_$q.txt" | tail -9
+          --batches ${SPEC_BATCHES:-1 4} ${SPEC_ARGS:-} --json "$OUT/spec_verify_$q.json" > "$OUT/spec_verify_$q.txt" 2>&1
+        echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/spec_verify_$q.txt" | tail -12
+        if [ -n "${OLD_TREE:-}" ]; then
+          stage "verify step of the tree before ($OLD_TREE), weights: $q"
+          script=$PWD/bench/spec_verify_cost.py
+          (cd "$OLD_TREE" && PYTHONPATH=$PWD timeout "${SPEC_T:-150}" python3 "$script" --model $dir --load-format dummy \
+            --sides spec --batches ${SPEC_BATCHES:-1 4} ${SPEC_ARGS:-} --json "$OUT/spec_verify_${q}_old.json" \
+            > "$OUT/spec_verify_${q}_old.txt" 2>&1)
+          echo "rc=$?"; grep -v -E '^(INFO|WARNING)' "$OUT/spec_verify_${q}_old.txt" | tail -9
+        fi
       done ;;
     video)
       # TTFT of a 10 s and a 60 s 1280x720 H.264 clip over HTTP, then its parts in-process against their floors.

@@ -4,10 +4,16 @@ launcher size the same graphs and the same slack; nothing here may import torch 
 """
 from __future__ import annotations
 
-# Prefill CUDA graphs: one per token bucket, every 64 tokens up to 2048. Padding (computed, then dropped) stays
-# under 64 rows, 6% of a 1024-token prefill. A 1024x1024 image is 1024 tokens plus its question; with 128-token
-# steps past 1024 it would run in the 1152 bucket: 10% wasted GEMM work.
-PREFILL_BUCKETS = tuple(range(64, 2049, 64))
+# Prefill CUDA graphs: one per token bucket, 8, 16 and 32 tokens, then every 64 up to 2048. The small buckets hold
+# speculative verify steps (a few sequences of k + 1 tokens), which in a 64-token bucket would run the quantized
+# linears at 64 rows. Padding (computed, then dropped) stays under 64 rows, 6% of a 1024-token prefill. A
+# 1024x1024 image is 1024 tokens plus its question; with 128-token steps past 1024 it would run in the 1152
+# bucket: 10% wasted GEMM work.
+PREFILL_BUCKETS = (8, 16, 32) + tuple(range(64, 2049, 64))
+# Sequences one prefill graph holds (the rest of its slots stay empty: no query rows, no context): a verify step
+# of up to SpeculativeConfig.disable_by_batch_size - 1 requests (its default, 8), or a prefill chunk beside a few
+# decodes, replays instead of paying ~400 eager launches.
+GRAPH_SEQ_SLOTS = 8
 # Vision CUDA graphs take images of up to this many patches: a 2048x2048 image (4096 tokens); larger ones run
 # eagerly.
 MAX_GRAPH_PATCHES = 16384

@@ -1,5 +1,5 @@
 """On a CUDA GPU (the device machine: pytest -m gpu): speculative decoding with the GPU's kernels and CUDA graphs
-(a batch-1 verify step replays the single-sequence prefill graph) gives the greedy tokens of the GPU engine
+(a verify step of up to GRAPH_SEQ_SLOTS requests replays a prefill graph) gives the greedy tokens of the GPU engine
 without it, for n-gram and EAGLE-3 drafts, in fp32 (where a verify step's attention and the one-token decode
 kernel agree to rounding)."""
 from __future__ import annotations
@@ -38,3 +38,23 @@ def test_gpu_speculation_keeps_the_greedy_tokens(qwen3_dir, eagle3_dir, expected
     llm = make_llm(qwen3_dir, speculative_config=spec, **COMMON)
     assert tokens(llm) == expected
     assert llm.engine.get_stats()["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_gpu_verify_steps_of_several_requests_replay_a_graph_and_keep_the_tokens(qwen3_dir, expected, monkeypatch):
+    """Both prompts at once: their verify steps (two sequences of up to k + 1 tokens) replay a small prefill
+    bucket's graph instead of running ~400 launches eagerly, and the tokens are those without drafts."""
+    llm = make_llm(qwen3_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                  "prompt_lookup_min": 1}, **COMMON)
+    graphs = llm.engine.model_executor.driver_worker.model_runner.graphs
+    replayed, run = [], graphs.run
+
+    def counted(inp):
+        replayed.append((inp.md.num_seqs, inp.md.max_query_len, inp.input_ids.shape[0]))
+        return run(inp)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    outs = llm.chat(PROMPTS, GREEDY)
+    assert_pool_idle(llm)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    verify_steps = [r for r in replayed if r[0] == 2 and r[1] > 1 and r[2] <= 10]
+    assert verify_steps, f"no two-request verify step replayed a graph: {replayed}"

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from engine.ops.attention import paged_attention_ref  # noqa: E402
 from engine.ops.kv_cache import FP8_KV_DTYPE, store_kvcache_ref, to_kv_cache_dtype  # noqa: E402
+from engine.ops.triton.kv_cache import fp8e4m3_to_float  # noqa: E402
 from paged_batches import make_batch, randn  # noqa: E402
 from test_ops_triton import (ATTN_TOL, BF16, F16, F32, as_kv_cache, assert_close, device_cases,  # noqa: E402
                              fused_qkv, rope_cos_sin)
@@ -124,3 +127,34 @@ def test_native_fp8_decode_gives_the_integer_decodes_bits(device, dtype, gen, mo
     native = attn.paged_attention(q, k_cache, v_cache, md, scale)
     monkeypatch.setattr(attn, "fp8_native", lambda device: False)
     assert torch.equal(native, attn.paged_attention(q, k_cache, v_cache, md, scale))
+
+
+@triton.jit
+def _decode_all_kernel(b_ptr, out_ptr, NATIVE: tl.constexpr, PACKED: tl.constexpr):
+    offs = tl.arange(0, 256)
+    b = tl.load(b_ptr + offs)
+    if NATIVE:
+        b = b.to(tl.float8e4nv, bitcast=True).to(tl.uint8, bitcast=True)
+    tl.store(out_ptr + offs, fp8e4m3_to_float(b, out_ptr.dtype.element_ty, NATIVE, PACKED))
+
+
+@pytest.mark.parametrize("device,dtype", device_cases([F32, BF16, F16], [F32, BF16, F16]))
+def test_every_e4m3_byte_decodes_to_its_exact_value(device, dtype):
+    """All 256 bytes through each decode this device runs (integer ops; on a GPU also the PTX four bytes at a
+    time, and the GPU's own conversion where it has one) give torch's e4m3 values exactly, signed zeros and
+    subnormals included; the two NaN bytes, which no encoder writes, give +-480 from the bits."""
+    from engine.ops.triton.attention import fp8_native
+    b = torch.arange(256, dtype=torch.uint8, device=device)
+    want = b.view(torch.float8_e4m3fn).float()
+    want[[0x7F, 0xFF]] = torch.tensor([480.0, -480.0], device=device)
+    modes = [(False, False)] + ([(False, True)] if device == "cuda" else []) + \
+        ([(True, False)] if fp8_native(torch.device(device)) else [])
+    for native, packed in modes:
+        out = torch.empty(256, dtype=dtype, device=device)
+        _decode_all_kernel[(1,)](b, out, NATIVE=native, PACKED=packed, num_warps=1)
+        got, ref = out.float(), want.to(dtype).float()
+        nan = [0x7F, 0xFF] if native else []
+        keep = torch.ones(256, dtype=torch.bool, device=device)
+        keep[nan] = False
+        assert torch.equal(got[keep], ref[keep]), (native, packed, (got != ref).nonzero().flatten().tolist())
+        assert torch.equal(torch.signbit(got[keep]), torch.signbit(ref[keep])), (native, packed)

@@ -12,7 +12,7 @@ Device classes, by what the kernels use:
   where Hopper's tiles need more). Nothing is measured on Blackwell yet; the Hopper-tuned paths would need a
   measurement there before they move.
 The Triton interpreter (CPU tensors, tests) gets INTERPRETER: Hopper's tiles (what the GPU runs by default), no
-FP8 conversions, no PDL.
+FP8 conversions, no PDL, no inline PTX.
 
 Overriding, for tests and benchmarks: `with override_caps(DeviceCaps.for_arch(86)): ...` makes every dispatch
 see an RTX 30 card; ENGINE_EMULATE_ARCH (kernel_config.py) does the same for a whole process, keeping the real
@@ -43,6 +43,7 @@ class DeviceCaps:
     fp8_tensor_cores: bool         # e4m3 dots and conversions (sm89+)
     wgmma: bool                    # Hopper's warpgroup MMA (sm90 only): the Hopper-tuned paths and tiles
     pdl: bool                      # programmatic dependent launch (griddepcontrol, sm90+)
+    ptx: bool = True               # inline PTX (tl.inline_asm_elementwise): every CUDA target, not the interpreter
 
     @classmethod
     def for_capability(cls, capability: tuple[int, int], sm_count: int, shared_memory_per_block: int,
@@ -61,7 +62,7 @@ class DeviceCaps:
 
 
 INTERPRETER = DeviceCaps(name="Triton interpreter", capability=(9, 0), sm_count=4, shared_memory_per_block=1 << 30,
-                         fp8_tensor_cores=False, wgmma=True, pdl=False)
+                         fp8_tensor_cores=False, wgmma=True, pdl=False, ptx=False)
 
 _probed: dict[tuple[int, int | None], DeviceCaps] = {}
 _override: DeviceCaps | None = None

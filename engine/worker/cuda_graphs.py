@@ -3,10 +3,12 @@ launch instead of hundreds (on the device machine's CPU a Triton launch costs ~5
 
 - Decode steps (every sequence has one query token): one graph per batch size of a ladder. Padded rows have
   seq_len 0 and slot -1: they write no KV and read none.
-- Single-sequence prefill chunks (the time to first token of one prompt): one graph per token-count bucket.
-  The bucket's unused tail rows form a second, dummy sequence whose K/V go to scratch blocks outside the
-  pool, so the attention kernel's launch grid (fixed by the bucket) is valid for any real length. A pool too
-  small to spare those blocks (small cards) gets the decode graphs alone.
+- Other steps of up to GRAPH_SEQ_SLOTS sequences (a prefill chunk, the time to first token of one prompt; a
+  speculative verify step of a few requests; a chunk beside a few decodes): one graph per token-count bucket.
+  Every sequence runs through the prefill attention kernel, whose launch grid depends only on the token count
+  and the number of sequences: the real ones take the first slots, the slots after them stay empty (no query
+  rows, no context), and the bucket's unused tail rows form a last, dummy sequence whose K/V go to scratch
+  blocks outside the pool. A pool too small to spare those blocks (small cards) gets the decode graphs alone.
   For a multimodal model the prefill graphs also take image rows, in the dense form (a row mask, embeds and
   deepstack rows per token; all-false / zero for text), so a chunk holding an image replays too.
 All run on static buffers that each step's inputs are copied into.
@@ -23,7 +25,7 @@ from engine.logger import init_logger
 from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
-from engine.sizing import PREFILL_BUCKETS, batch_size_ladder
+from engine.sizing import GRAPH_SEQ_SLOTS, PREFILL_BUCKETS, batch_size_ladder
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -67,14 +69,16 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
-        # prefill: row 0 the real sequence, row 1 the dummy one
-        self.pf_seq_lens = torch.zeros(2, dtype=torch.int32, device=device)
-        self.pf_qsl = torch.zeros(3, dtype=torch.int32, device=device)
+        # prefill: rows [0, seq_slots) the real sequences (then empty ones), row seq_slots the dummy one
+        self.seq_slots = min(GRAPH_SEQ_SLOTS, max_num_seqs)
+        self.pf_seq_lens = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=device)
+        self.pf_qsl = torch.zeros(self.seq_slots + 2, dtype=torch.int32, device=device)
         self.prefill = bool(scratch_blocks)      # no scratch blocks: decode graphs only
-        self.pf_tables = torch.zeros(2, max(self.max_blocks, len(scratch_blocks)), dtype=torch.int32, device=device)
+        self.pf_tables = torch.zeros(self.seq_slots + 1, max(self.max_blocks, len(scratch_blocks)),
+                                     dtype=torch.int32, device=device)
         half = len(scratch_blocks) // 2
         self.dummy_blocks, self.check_blocks = scratch_blocks[:half], scratch_blocks[half:]
-        self.pf_tables[1, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
+        self.pf_tables[self.seq_slots, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
         self.dummy_slots = self._slots(self.dummy_blocks)
         self.check_slots = self._slots(self.check_blocks)
         self.mm = (DenseMultimodalEmbeds.zeros(model, PREFILL_BUCKETS[-1], device)
@@ -107,23 +111,37 @@ class CUDAGraphRunner:
 
     def _prefill_forward(self, bucket: int) -> torch.Tensor:
         # Host-side lengths are placeholders: the kernels read the device copies; the grid depends only on
-        # query_start_loc_cpu[-1] (the bucket) and the number of sequences (2).
+        # query_start_loc_cpu[-1] (the bucket) and the number of sequences (seq_slots + 1).
+        half = bucket // 2
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.pf_qsl, seq_lens=self.pf_seq_lens,
             block_tables=self.pf_tables, num_decodes=0, num_decode_tokens=0, max_query_len=bucket,
             max_seq_len=self.pf_tables.shape[1] * self.block_size,
-            query_start_loc_cpu=[0, bucket // 2, bucket], seq_lens_cpu=[bucket // 2, bucket - bucket // 2])
+            query_start_loc_cpu=[0] + [half] * self.seq_slots + [bucket],
+            seq_lens_cpu=[half] + [0] * (self.seq_slots - 1) + [bucket - half])
         mm = None if self.mm is None else DenseMultimodalEmbeds(
             self.mm.mask[:bucket], self.mm.embeds[:bucket], self.mm.deepstack[:, :bucket])
         return self.model(self.input_ids[:bucket], self._positions(bucket), self.kv_caches, md, mm)
 
-    def _set_prefill(self, n: int, bucket: int, ctx: int, table: torch.Tensor, slots: torch.Tensor) -> None:
-        """Real sequence: n query tokens ending a context of ctx; the dummy fills the bucket's other rows."""
+    def _set_prefill(self, bucket: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                     block_tables: torch.Tensor, slots: torch.Tensor) -> None:
+        """The real sequences (device tensors: query_start_loc [r + 1], seq_lens [r], block_tables [r, w], slots
+        [n] for their n query tokens) in the first r slots; the empty slots after them get no rows and no context,
+        and the dummy fills the bucket's other rows."""
+        n, r, empty = slots.shape[0], seq_lens.shape[0], self.seq_slots - seq_lens.shape[0]
         self.slot_mapping[:n].copy_(slots, non_blocking=True)
         self.slot_mapping[n:bucket].copy_(self.dummy_slots[:bucket - n], non_blocking=True)
-        self.pf_seq_lens.copy_(to_device([ctx, bucket - n], torch.int32, self.device), non_blocking=True)
-        self.pf_qsl.copy_(to_device([0, n, bucket], torch.int32, self.device), non_blocking=True)
-        self.pf_tables[0, :table.shape[0]].copy_(table, non_blocking=True)
+        self.pf_qsl[:r + 1].copy_(query_start_loc, non_blocking=True)
+        self.pf_seq_lens[:r].copy_(seq_lens, non_blocking=True)
+        tail = to_device([n] * empty + [bucket] + [0] * empty + [bucket - n], torch.int32, self.device)
+        self.pf_qsl[r + 1:].copy_(tail[:empty + 1], non_blocking=True)
+        self.pf_seq_lens[r:].copy_(tail[empty + 1:], non_blocking=True)
+        self.pf_tables[:r, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+
+    def _set_one_prefill(self, n: int, bucket: int, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """One real sequence of n fresh tokens (capture and its check)."""
+        self._set_prefill(bucket, to_device([0, n], torch.int32, self.device),
+                          to_device([n], torch.int32, self.device), table[None], slots)
 
     # ---- capture -------------------------------------------------------------------------------------------
     def _capture(self, key: tuple[str, int], forward) -> None:
@@ -143,7 +161,7 @@ class CUDAGraphRunner:
         check_table = torch.tensor(self.check_blocks, dtype=torch.int32, device=self.device)
         for bucket in reversed(PREFILL_BUCKETS if self.prefill else ()):   # largest first: the rest fit its pool
             n = bucket // 2
-            self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
+            self._set_one_prefill(n, bucket, check_table, self.check_slots[:n])
             self._capture(("prefill", bucket), lambda b=bucket: self._prefill_forward(b))
         for bs in reversed(self.sizes):
             self._capture(("decode", bs), lambda b=bs: self._decode_forward(b))
@@ -151,7 +169,7 @@ class CUDAGraphRunner:
         if self.prefill:
             self._check_prefill(check_table)
             prefill = f"{sum(1 for k in self.graphs if k[0] == 'prefill')} prefill sizes (up to " \
-                      f"{PREFILL_BUCKETS[-1]} tokens)"
+                      f"{PREFILL_BUCKETS[-1]} tokens of up to {self.seq_slots} sequences)"
         else:
             prefill = "no prefill sizes (the KV pool cannot spare their scratch blocks: prefill chunks run eagerly)"
         logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) and %s in %.1f s, using %.2f GiB",
@@ -167,7 +185,7 @@ class CUDAGraphRunner:
         self.input_ids[:n].copy_(ids)
         positions = torch.arange(n, device=self.device)
         self._positions(n).copy_(positions.expand(3, -1) if self.mrope else positions)
-        self._set_prefill(n, bucket, n, check_table, self.check_slots[:n])
+        self._set_one_prefill(n, bucket, check_table, self.check_slots[:n])
         eager = self._prefill_forward(bucket)[:n].float()
         self.graphs[("prefill", bucket)].replay()
         graph = self.outputs[("prefill", bucket)][:n].float()
@@ -188,7 +206,7 @@ class CUDAGraphRunner:
         if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
         n = inp.input_ids.shape[0]
-        return md.num_seqs == 1 and md.num_decodes == 0 and ("prefill", _bucket(n)) in self.graphs
+        return md.num_seqs <= self.seq_slots and ("prefill", _bucket(n)) in self.graphs
 
     def run(self, inp) -> torch.Tensor:
         md = inp.md
@@ -205,7 +223,7 @@ class CUDAGraphRunner:
             key = ("decode", bs)
         else:
             bucket = _bucket(n)
-            self._set_prefill(n, bucket, md.seq_lens_cpu[0], md.block_tables[0], md.slot_mapping)
+            self._set_prefill(bucket, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping)
             key = ("prefill", bucket)
         if inp.mm is None:
             self.graphs[key].replay()

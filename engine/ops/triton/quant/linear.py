@@ -56,8 +56,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
             return y.reshape(*lead, N)
         tiles = choose_fp8(problem, caps)   # refused: table.CUBLAS_REFUSED now holds this dtype
     if tiles.kernel == "fp8_dequant":
-        y = fp8_weight_only.fp8_dequant_linear(x2, weight, weight_scale_inv, block_size, bias, tiles,
-                                               caps.fp8_tensor_cores)
+        y = fp8_weight_only.fp8_dequant_linear(x2, weight, weight_scale_inv, block_size, bias, tiles, caps)
         return y.reshape(*lead, N)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if tiles.kernel == "w8a8_one_launch":
@@ -65,9 +64,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     elif tiles.kernel == "w8a8":
         fp8_w8a8.w8a8_gemm(x2, weight, weight_scale_inv, block_size, bias, out, tiles)
     elif tiles.kernel == "fp8_gemv":
-        fp8_weight_only.fp8_gemv(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps.fp8_tensor_cores)
+        fp8_weight_only.fp8_gemv(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps)
     elif tiles.kernel == "fp8_gemm":
-        fp8_weight_only.fp8_gemm(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps.fp8_tensor_cores)
+        fp8_weight_only.fp8_gemm(x2, weight, weight_scale_inv, block_size, bias, out, tiles, caps)
     else:
         raise ValueError(f"{tiles.kernel} is not an FP8 block kernel")
     return out.reshape(*lead, N)
