@@ -248,7 +248,7 @@ def test_each_emulated_card_takes_that_card_s_paths_and_tiles(arch):
         assert [wna16(M, 4096, 6144, caps).kernel for M in EMULATED_TOKENS] == \
             ["wna16_gemv", "wna16_gemm", "wna16_gemm", "wna16_gemm" if arch == 90 else "wna16_dequant"]
         assert wna16(8, 4096, 6144, caps).swap_ab and (wna16(8, 4096, 6144, caps).block_n == 64) == want["wgmma"]
-        assert attention.fp8_native(cuda) == want["native_e4m3"]
+        assert attention.fp8_native(cuda) == want["native_e4m3"] and attention.fp8_packed(cuda) != want["native_e4m3"]
         assert (pdl.options(cuda, 1) == {"GDC": True, "launch_pdl": True}) == want["pdl"]
         assert caps.wgmma == want["wgmma"] and caps.shared_memory_per_block == want["shared"]
         assert attention.tile_config(128, BF16, cuda, num_query_tokens=8192) == want["prefill_tiles"]

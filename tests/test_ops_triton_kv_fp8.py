@@ -115,18 +115,22 @@ def test_paged_decode_splits_fp8(device, dtype, splits, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("device,dtype", device_cases([], [BF16, F16, F32]))
-def test_native_fp8_decode_gives_the_integer_decodes_bits(device, dtype, gen, monkeypatch):
-    """sm89+ decodes e4m3 with the GPU's conversion, older GPUs with integer operations: both yield the exact
-    e4m3 values, so attention gives the same bits either way (decodes with splits, and prefill chunks)."""
+def test_every_fp8_decode_gives_attention_the_same_bits(device, dtype, gen, monkeypatch):
+    """sm89+ decodes e4m3 with the GPU's conversion, sm80/86 with integer operations four bytes at a time in PTX,
+    the interpreter element by element: all yield the exact e4m3 values, so attention gives the same bits each
+    way this GPU can run (decodes with splits, and prefill chunks)."""
     import engine.ops.triton.attention as attn
-    if not attn.fp8_native(torch.device(device)):
-        pytest.skip("this GPU has no e4m3 conversion (sm89+)")
     decodes = [1, 65, 600, int(torch.randint(1, 600, (1,), generator=gen))]
     q, k_cache, v_cache, md = fp8_batch(gen, decodes, [(129, 600), (64, 127)], 8, 2, 128, 16, dtype, device)
     scale = q.shape[-1] ** -0.5
-    native = attn.paged_attention(q, k_cache, v_cache, md, scale)
+    first = attn.paged_attention(q, k_cache, v_cache, md, scale)
+    if attn.fp8_native(torch.device(device)):
+        monkeypatch.setattr(attn, "fp8_native", lambda device: False)
+        monkeypatch.setattr(attn, "fp8_packed", lambda device: True)
+        assert torch.equal(first, attn.paged_attention(q, k_cache, v_cache, md, scale)), "packed PTX decode"
     monkeypatch.setattr(attn, "fp8_native", lambda device: False)
-    assert torch.equal(native, attn.paged_attention(q, k_cache, v_cache, md, scale))
+    monkeypatch.setattr(attn, "fp8_packed", lambda device: False)
+    assert torch.equal(first, attn.paged_attention(q, k_cache, v_cache, md, scale)), "element-wise decode"
 
 
 @triton.jit

@@ -18,8 +18,9 @@ softmax runs as on a model-dtype cache and only the bytes read change. fp16 hold
 bf16's values up to 65504 (q is clamped there); its dots keep more of p's bits than bf16's. The decode's
 instructions are what an fp8 tile costs beyond its bytes: the kernels are memory-bound on a model-dtype cache,
 and the integer decode (kv_cache.fp8e4m3_to_float, for sm80/86) makes them instruction-bound (BENCHMARKS.md,
-"fp8 KV cache attention"), so FP8_NATIVE (sm89+) decodes with the GPU's conversion instead. Both are constexprs:
-the model-dtype kernels compile exactly as without them.
+"fp8 KV cache attention"), so FP8_NATIVE (sm89+) decodes with the GPU's conversion instead, and FP8_PACKED
+(sm80/86) decodes four bytes per PTX sequence. All are constexprs: the model-dtype kernels compile exactly as
+without them.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ DENSE_PREFILL_MIN_TOKENS = 3072
 def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, stride_b, stride_s,
             offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
-            FP8_NATIVE: tl.constexpr):
+            FP8_NATIVE: tl.constexpr, FP8_PACKED: tl.constexpr):
     """Online softmax of q ([M, BLOCK_D]) against keys n_lo..n_hi-1. k_ptr/v_ptr already point at the kv
     head (and, unpaged, at the segment's first token). MASKED: mask keys >= n_hi (the range's ragged end);
     CAUSAL: also keys after each row's position q_pos. Unmasked ranges must hold whole tiles only. KV_FP8: K and
@@ -69,7 +70,7 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = fp8e4m3_to_float(k, q.dtype, FP8_NATIVE)
+            k = fp8e4m3_to_float(k, q.dtype, FP8_NATIVE, FP8_PACKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if CAUSAL:
             s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -78,7 +79,7 @@ def attend(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, n_lo, n_hi, q_pos, qk_scale, 
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
-            v = fp8e4m3_to_float(v, q.dtype, FP8_NATIVE)
+            v = fp8e4m3_to_float(v, q.dtype, FP8_NATIVE, FP8_PACKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_i, l_i
 
@@ -103,7 +104,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                    stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, GDC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                   FP8_PACKED: tl.constexpr, GDC: tl.constexpr):
     # Grid (decode seq, kv head, split). Decodes come first with one token each, so decode i's query is
     # row i. All GROUP query heads of a kv head share the program, so each K/V tile is read from memory
     # once; they form the M side of tl.dot, padded to BLOCK_G >= 16 rows (masked).
@@ -134,7 +136,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_pt
                             bt_ptr + seq.to(tl.int64) * stride_bt, n_lo, n_hi, offs_g, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
-                            FP8_NATIVE=FP8_NATIVE)
+                            FP8_NATIVE=FP8_NATIVE, FP8_PACKED=FP8_PACKED)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -178,7 +180,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     stride_qt, stride_qh, stride_b, stride_s, stride_h, stride_bt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
-                    FP8_NATIVE: tl.constexpr):
+                    FP8_NATIVE: tl.constexpr, FP8_PACKED: tl.constexpr):
     # Grid (q head, query block); the head varies fastest, so the heads sharing a kv head run side by side
     # and reuse its K/V from L2. Query block b of prefill sequence i has the global id
     # qsl[i] // BLOCK_M + i + b: ids increase with i and each sequence owns at least cdiv(q_len, BLOCK_M)
@@ -222,14 +224,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, 0, full_hi, q_pos, qk_scale,
                             stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
-                            FP8_NATIVE=FP8_NATIVE)
+                            FP8_NATIVE=FP8_NATIVE, FP8_PACKED=FP8_PACKED)
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_head, v_ptr + kv_head, bt, full_hi, kv_hi, q_pos,
                             qk_scale, stride_b, stride_s, offs_d, d_mask, BLOCK_SIZE, BLOCK_N,
                             PAGED=True, MASKED=True, CAUSAL=True, DOT_PREC=DOT_PREC, KV_FP8=KV_FP8,
-                            FP8_NATIVE=FP8_NATIVE)
+                            FP8_NATIVE=FP8_NATIVE, FP8_PACKED=FP8_PACKED)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows with no keys (seq_len 0) stay 0, like the reference
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def fp8_packed(device: torch.device) -> bool:
+    """Whether the integer decode runs four bytes at a time in PTX: CUDA without e4m3 conversions (sm80/86)."""
+    caps = device_caps(device)
+    return caps.ptx and not caps.fp8_tensor_cores
 
 
 def fp8_native(device: torch.device) -> bool:
@@ -337,6 +345,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     qsl = md.query_start_loc_cpu
     native = kv_fp8 and fp8_native(q.device)
+    packed = kv_fp8 and fp8_packed(q.device)
 
     num_decodes = md.num_decodes
     if num_decodes > 0:
@@ -353,7 +362,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PREC=prec, KV_FP8=kv_fp8,
-            FP8_NATIVE=native, num_warps=warps, num_stages=stages, **gdc)
+            FP8_NATIVE=native, FP8_PACKED=packed, num_warps=warps, num_stages=stages, **gdc)
         if splits > 1:
             _decode_reduce_kernel[(num_decodes, num_q_heads)](
                 part_o, part_lse, out, out.stride(0), out.stride(1),
@@ -369,8 +378,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, bt, md.seq_lens, md.query_start_loc, out, qk_scale, num_decodes, num_seqs,
             q.stride(0), q.stride(1), *cache_strides, bt.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, KV_FP8=kv_fp8, FP8_NATIVE=native, num_warps=warps,
-            num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=prec, KV_FP8=kv_fp8, FP8_NATIVE=native, FP8_PACKED=packed,
+            num_warps=warps, num_stages=stages)
     if qsl[num_seqs] < num_tokens:  # tokens outside every sequence: zeros, as the reference leaves them
         out[qsl[num_seqs]:].zero_()
     return out

@@ -67,11 +67,11 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, qk_scale,
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, 0, full_hi, offs_m,
                             qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
                             PAGED=False, MASKED=False, CAUSAL=False, DOT_PREC=DOT_PREC,
-                            KV_FP8=False, FP8_NATIVE=False)
+                            KV_FP8=False, FP8_NATIVE=False, FP8_PACKED=False)
     acc, m_i, l_i = attend(acc, m_i, l_i, q, k_ptr + kv_off, v_ptr + kv_off, k_ptr, full_hi, kv_hi, offs_m,
                             qk_scale, 0, stride_kt, offs_d, d_mask, 1, BLOCK_N,
                             PAGED=False, MASKED=True, CAUSAL=False, DOT_PREC=DOT_PREC,
-                            KV_FP8=False, FP8_NATIVE=False)
+                            KV_FP8=False, FP8_NATIVE=False, FP8_PACKED=False)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + o_head + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
