@@ -26,11 +26,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine.ops.dispatch import triton_available  # noqa: E402
 from engine.ops.platform import DeviceCaps, set_caps_override  # noqa: E402
 from engine.ops.quant import fp8_block_linear_w8a8_ref, pack_int32  # noqa: E402
 from engine.ops.triton.quant import linear, table  # noqa: E402
 from engine.ops.triton.quant.fp8_w8a8 import per_token_group_quant  # noqa: E402
 from engine.ops.triton.quant.table import KernelChoice as KC  # noqa: E402
+
+# With ENGINE_EMULATE_ARCH set, Triton compiles for that card from here on (as the engine's first kernel launch would
+# arrange), here and in bench/tune_wna16.py and its compile workers, which import this module.
+triton_available()
 
 # (name, K, N) of one decoder layer's projections; fused qkv is 4096 + 2*1024 wide, gate_up 2*12288.
 LAYER = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096)]
