@@ -39,46 +39,38 @@ def fp8e4m3_to_float(b, DTYPE: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.co
     return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
 
 
+# e4m3 bytes -> 16-bit floats, four per sequence (inline_asm_elementwise, pack=4: the bytes arrive in one 32-bit
+# register, $2; the values leave in two, $0 and $1). prmt spreads bytes 0/1 (then 2/3) to the high bytes of two
+# 16-bit lanes; each lane keeps its sign bit and shifts the 7 exponent-and-mantissa bits right into the float's low
+# exponent bits ({shift}); one fma per pair then multiplies by the power of two that the shift leaves out ({scale}:
+# exact, subnormals included).
+_E4M3_PTX = """{{
+.reg .b32 a<2>, m<2>, scale, negzero;
+mov.b32 scale, {scale};
+mov.b32 negzero, 0x80008000;
+prmt.b32 a0, 0, $2, 0x5140;
+prmt.b32 a1, 0, $2, 0x7362;
+and.b32 m0, a0, 0x7f007f00;
+and.b32 m1, a1, 0x7f007f00;
+shr.b32 m0, m0, {shift};
+shr.b32 m1, m1, {shift};
+lop3.b32 m0, m0, 0x80008000, a0, 0xf8;
+lop3.b32 m1, m1, 0x80008000, a1, 0xf8;
+fma.rn.{type}x2 $0, m0, scale, negzero;
+fma.rn.{type}x2 $1, m1, scale, negzero;
+}}"""
+# bf16: the bits shifted by 4 are the value times 2^-120 (bias 127 against 7); fp16: by 1, times 2^-8 (15 against 7).
+E4M3_TO_BF16_PTX = tl.constexpr(_E4M3_PTX.format(shift=4, scale="0x7b807b80", type="bf16"))   # 2^120 twice
+E4M3_TO_F16_PTX = tl.constexpr(_E4M3_PTX.format(shift=1, scale="0x5c005c00", type="f16"))     # 2^8 twice
+
+
 @triton.jit
 def e4m3_bits_ptx(b, DTYPE: tl.constexpr):
-    """e4m3fn bytes -> exact values, four per PTX sequence (pack=4: the bytes arrive in one 32-bit register, the
-    values leave in two). prmt spreads bytes 0/1 (then 2/3) to the high bytes of two 16-bit lanes; each lane
-    keeps its sign bit and shifts the 7 exponent-and-mantissa bits right, into a bf16's low exponent bits (by 4:
-    the value times 2^-120) or an fp16's (by 1: times 2^-8); one fma per pair undoes the power of two (exact,
-    subnormals included). bf16 for bf16, else fp16 (which holds every e4m3 value) converted to DTYPE."""
+    """e4m3fn bytes -> exact values through _E4M3_PTX: bf16 for bf16, else fp16 (which holds every e4m3 value)
+    converted to DTYPE."""
     if DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a<2>, m<2>, scale, negzero;
-            mov.b32 scale, 0x7b807b80;
-            mov.b32 negzero, 0x80008000;
-            prmt.b32 a0, 0, $2, 0x5140;
-            prmt.b32 a1, 0, $2, 0x7362;
-            and.b32 m0, a0, 0x7f007f00;
-            and.b32 m1, a1, 0x7f007f00;
-            shr.b32 m0, m0, 4;
-            shr.b32 m1, m1, 4;
-            lop3.b32 m0, m0, 0x80008000, a0, 0xf8;
-            lop3.b32 m1, m1, 0x80008000, a1, 0xf8;
-            fma.rn.bf16x2 $0, m0, scale, negzero;
-            fma.rn.bf16x2 $1, m1, scale, negzero;
-            }""", "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-    h = tl.inline_asm_elementwise(
-        """{
-        .reg .b32 a<2>, m<2>, scale, negzero;
-        mov.b32 scale, 0x5c005c00;
-        mov.b32 negzero, 0x80008000;
-        prmt.b32 a0, 0, $2, 0x5140;
-        prmt.b32 a1, 0, $2, 0x7362;
-        and.b32 m0, a0, 0x7f007f00;
-        and.b32 m1, a1, 0x7f007f00;
-        shr.b32 m0, m0, 1;
-        shr.b32 m1, m1, 1;
-        lop3.b32 m0, m0, 0x80008000, a0, 0xf8;
-        lop3.b32 m1, m1, 0x80008000, a1, 0xf8;
-        fma.rn.f16x2 $0, m0, scale, negzero;
-        fma.rn.f16x2 $1, m1, scale, negzero;
-        }""", "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(E4M3_TO_BF16_PTX, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    h = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
     return h.to(DTYPE)
 
 
