@@ -31,12 +31,14 @@ def fp8e4m3_to_float(b, DTYPE: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.co
     value instead of ~7 element by element; the interpreter runs the same bits in Triton's integer ops. The NaN
     bytes (0x7f/0xff), which no encoder here writes, decode as NaN natively and as 480 from the bits."""
     if NATIVE:
-        return b.to(tl.float8e4nv, bitcast=True).to(DTYPE)
-    if PACKED:
-        return e4m3_bits_ptx(b, DTYPE)
-    h = b.to(tl.uint16)
-    bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
-    return (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
+        f = b.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    elif PACKED:
+        f = e4m3_bits_ptx(b, DTYPE)
+    else:
+        h = b.to(tl.uint16)
+        bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+        f = (bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
+    return f
 
 
 # e4m3 bytes -> 16-bit floats, four per sequence (inline_asm_elementwise, pack=4: the bytes arrive in one 32-bit
@@ -69,9 +71,11 @@ def e4m3_bits_ptx(b, DTYPE: tl.constexpr):
     """e4m3fn bytes -> exact values through _E4M3_PTX: bf16 for bf16, else fp16 (which holds every e4m3 value)
     converted to DTYPE."""
     if DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(E4M3_TO_BF16_PTX, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
-    h = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-    return h.to(DTYPE)
+        f = tl.inline_asm_elementwise(E4M3_TO_BF16_PTX, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        f = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [b], dtype=tl.float16, is_pure=True,
+                                      pack=4).to(DTYPE)
+    return f
 
 
 @triton.jit

@@ -33,8 +33,10 @@ from engine.ops.triton.quant.table import KernelChoice
 def _e4m3_to_f32(w, NATIVE: tl.constexpr, PACKED: tl.constexpr):
     """e4m3 values as float32 (exact). NATIVE: w is fp8e4nv (sm89+); else w holds the raw bytes (uint8)."""
     if NATIVE:
-        return w.to(tl.float32)
-    return fp8e4m3_to_float(w, tl.float32, False, PACKED)
+        f = w.to(tl.float32)
+    else:
+        f = fp8e4m3_to_float(w, tl.float32, False, PACKED)
+    return f
 
 
 @triton.jit
