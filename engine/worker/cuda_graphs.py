@@ -138,10 +138,18 @@ class CUDAGraphRunner:
         self.pf_seq_lens[r:].copy_(tail[empty + 1:], non_blocking=True)
         self.pf_tables[:r, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
 
-    def _set_one_prefill(self, n: int, bucket: int, table: torch.Tensor, slots: torch.Tensor) -> None:
-        """One real sequence of n fresh tokens (capture and its check)."""
-        self._set_prefill(bucket, to_device([0, n], torch.int32, self.device),
-                          to_device([n], torch.int32, self.device), table[None], slots)
+    def _set_fresh_prefills(self, lengths: list[int], bucket: int, blocks: torch.Tensor) -> None:
+        """Real sequences of `lengths` fresh tokens each, their K/V in consecutive runs of `blocks` (capture and
+        its check)."""
+        starts, tables, slots, first = [0], [], [], 0
+        width = -(-max(lengths) // self.block_size)
+        for length in lengths:
+            starts.append(starts[-1] + length)
+            tables.append(blocks[first:first + width])
+            slots.append(self.check_slots[first * self.block_size:first * self.block_size + length])
+            first += -(-length // self.block_size)
+        self._set_prefill(bucket, to_device(starts, torch.int32, self.device),
+                          to_device(lengths, torch.int32, self.device), torch.stack(tables), torch.cat(slots))
 
     # ---- capture -------------------------------------------------------------------------------------------
     def _capture(self, key: tuple[str, int], forward) -> None:
@@ -160,8 +168,7 @@ class CUDAGraphRunner:
         before = torch.cuda.mem_get_info()[0]
         check_table = torch.tensor(self.check_blocks, dtype=torch.int32, device=self.device)
         for bucket in reversed(PREFILL_BUCKETS if self.prefill else ()):   # largest first: the rest fit its pool
-            n = bucket // 2
-            self._set_one_prefill(n, bucket, check_table, self.check_slots[:n])
+            self._set_fresh_prefills([bucket // 2], bucket, check_table)
             self._capture(("prefill", bucket), lambda b=bucket: self._prefill_forward(b))
         for bs in reversed(self.sizes):
             self._capture(("decode", bs), lambda b=bs: self._decode_forward(b))
@@ -177,15 +184,18 @@ class CUDAGraphRunner:
                     (before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def _check_prefill(self, check_table: torch.Tensor) -> None:
-        """Replay one prefill graph and run the same padded batch eagerly (same shapes, so the same kernels):
+        """Replay one prefill graph and run the same padded batch (two sequences where the graphs hold several)
+        eagerly (same shapes, so the same kernels):
         they must agree. On a mismatch, drop the prefill graphs rather than serve wrong answers."""
         n, bucket = 40, 64
         # The same ids on every tensor-parallel rank: the check's forward passes are collectives.
         ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         self.input_ids[:n].copy_(ids)
-        positions = torch.arange(n, device=self.device)
+        # Two fresh sequences where the graphs hold several (a verify step's shape), else one.
+        lengths = [24, n - 24] if self.seq_slots > 1 else [n]
+        positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         self._positions(n).copy_(positions.expand(3, -1) if self.mrope else positions)
-        self._set_one_prefill(n, bucket, check_table, self.check_slots[:n])
+        self._set_fresh_prefills(lengths, bucket, check_table)
         eager = self._prefill_forward(bucket)[:n].float()
         self.graphs[("prefill", bucket)].replay()
         graph = self.outputs[("prefill", bucket)][:n].float()
