@@ -1,6 +1,6 @@
 """The model runner: turns a SchedulerOutput into one flat varlen batch, runs the model over the paged KV cache
-(eagerly, or by replaying a captured CUDA graph for decode steps and single-sequence prefill chunks), and samples
-the next tokens on the device."""
+(eagerly, or by replaying a captured CUDA graph for decode steps and for other steps of a few sequences: prefill
+chunks, verify steps), and samples the next tokens on the device."""
 from __future__ import annotations
 
 import numpy as np
