@@ -5,10 +5,9 @@ launch instead of hundreds (on the device machine's CPU a Triton launch costs ~5
   seq_len 0 and slot -1: they write no KV and read none.
 - Other steps of up to GRAPH_SEQ_SLOTS sequences (a prefill chunk, the time to first token of one prompt; a
   speculative verify step of a few requests; a chunk beside a few decodes): one graph per token-count bucket.
-  Every sequence runs through the prefill attention kernel, whose launch grid depends only on the token count
-  and the number of sequences: the real ones take the first slots, the slots after them stay empty (no query
-  rows, no context), and the bucket's unused tail rows form a last, dummy sequence whose K/V go to scratch
-  blocks outside the pool. A pool too small to spare those blocks (small cards) gets the decode graphs alone.
+  Every sequence runs through the prefill attention kernel, in a fixed number of sequence slots with a dummy
+  sequence for the bucket's unused rows (prefill_slots.py). A pool too small to spare the dummy's scratch blocks
+  (small cards) gets the decode graphs alone.
   For a multimodal model the prefill graphs also take image rows, in the dense form (a row mask, embeds and
   deepstack rows per token; all-false / zero for text), so a chunk holding an image replays too.
 All run on static buffers that each step's inputs are copied into.
@@ -26,6 +25,7 @@ from engine.model.decoder import DenseMultimodalEmbeds, MultimodalEmbeds
 from engine.ops import AttentionMetadata
 from engine.ops.dispatch import triton_available
 from engine.sizing import GRAPH_SEQ_SLOTS, PREFILL_BUCKETS, batch_size_ladder
+from engine.worker.prefill_slots import PrefillSlots, block_slots
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -69,18 +69,13 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
-        # prefill: rows [0, seq_slots) the real sequences (then empty ones), row seq_slots the dummy one
-        self.seq_slots = min(GRAPH_SEQ_SLOTS, max_num_seqs)
-        self.pf_seq_lens = torch.zeros(self.seq_slots + 1, dtype=torch.int32, device=device)
-        self.pf_qsl = torch.zeros(self.seq_slots + 2, dtype=torch.int32, device=device)
+        # prefill (prefill_slots.py): GRAPH_SEQ_SLOTS sequences and a dummy one
         self.prefill = bool(scratch_blocks)      # no scratch blocks: decode graphs only
-        self.pf_tables = torch.zeros(self.seq_slots + 1, max(self.max_blocks, len(scratch_blocks)),
-                                     dtype=torch.int32, device=device)
         half = len(scratch_blocks) // 2
         self.dummy_blocks, self.check_blocks = scratch_blocks[:half], scratch_blocks[half:]
-        self.pf_tables[self.seq_slots, :half] = torch.tensor(self.dummy_blocks, dtype=torch.int32)
-        self.dummy_slots = self._slots(self.dummy_blocks)
-        self.check_slots = self._slots(self.check_blocks)
+        self.slots = PrefillSlots(min(GRAPH_SEQ_SLOTS, max_num_seqs), max(self.max_blocks, len(scratch_blocks)),
+                                  self.dummy_blocks, block_size, self.slot_mapping, device)
+        self.check_slots = block_slots(self.check_blocks, block_size, device)
         self.mm = (DenseMultimodalEmbeds.zeros(model, PREFILL_BUCKETS[-1], device)
                    if model.config.is_multimodal and self.prefill else None)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
@@ -95,11 +90,6 @@ class CUDAGraphRunner:
                                                    device=device)
         self.pool = None
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        j = torch.arange(len(blocks) * self.block_size)
-        return (torch.tensor(blocks, dtype=torch.int64)[j // self.block_size] * self.block_size
-                + j % self.block_size).to(self.device)
-
     def _positions(self, n: int) -> torch.Tensor:
         return self.positions[:, :n] if self.mrope else self.positions[:n]
 
@@ -110,33 +100,10 @@ class CUDAGraphRunner:
         return self.model(self.input_ids[:bs], self._positions(bs), self.kv_caches, md)
 
     def _prefill_forward(self, bucket: int) -> torch.Tensor:
-        # Host-side lengths are placeholders: the kernels read the device copies; the grid depends only on
-        # query_start_loc_cpu[-1] (the bucket) and the number of sequences (seq_slots + 1).
-        half = bucket // 2
-        md = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.pf_qsl, seq_lens=self.pf_seq_lens,
-            block_tables=self.pf_tables, num_decodes=0, num_decode_tokens=0, max_query_len=bucket,
-            max_seq_len=self.pf_tables.shape[1] * self.block_size,
-            query_start_loc_cpu=[0] + [half] * self.seq_slots + [bucket],
-            seq_lens_cpu=[half] + [0] * (self.seq_slots - 1) + [bucket - half])
+        md = self.slots.metadata(bucket)
         mm = None if self.mm is None else DenseMultimodalEmbeds(
             self.mm.mask[:bucket], self.mm.embeds[:bucket], self.mm.deepstack[:, :bucket])
         return self.model(self.input_ids[:bucket], self._positions(bucket), self.kv_caches, md, mm)
-
-    def _set_prefill(self, bucket: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     block_tables: torch.Tensor, slots: torch.Tensor) -> None:
-        """The real sequences (device tensors: query_start_loc [r + 1], seq_lens [r], block_tables [r, w], slots
-        [n] for their n query tokens) in the first r slots; the empty slots after them get no rows and no context,
-        and the dummy fills the bucket's other rows."""
-        n, r, empty = slots.shape[0], seq_lens.shape[0], self.seq_slots - seq_lens.shape[0]
-        self.slot_mapping[:n].copy_(slots, non_blocking=True)
-        self.slot_mapping[n:bucket].copy_(self.dummy_slots[:bucket - n], non_blocking=True)
-        self.pf_qsl[:r + 1].copy_(query_start_loc, non_blocking=True)
-        self.pf_seq_lens[:r].copy_(seq_lens, non_blocking=True)
-        tail = to_device([n] * empty + [bucket] + [0] * empty + [bucket - n], torch.int32, self.device)
-        self.pf_qsl[r + 1:].copy_(tail[:empty + 1], non_blocking=True)
-        self.pf_seq_lens[r:].copy_(tail[empty + 1:], non_blocking=True)
-        self.pf_tables[:r, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
 
     def _set_fresh_prefills(self, lengths: list[int], bucket: int, blocks: torch.Tensor) -> None:
         """Real sequences of `lengths` fresh tokens each, their K/V in consecutive runs of `blocks` (capture and
@@ -148,8 +115,8 @@ class CUDAGraphRunner:
             tables.append(blocks[first:first + width])
             slots.append(self.check_slots[first * self.block_size:first * self.block_size + length])
             first += -(-length // self.block_size)
-        self._set_prefill(bucket, to_device(starts, torch.int32, self.device),
-                          to_device(lengths, torch.int32, self.device), torch.stack(tables), torch.cat(slots))
+        self.slots.set(bucket, to_device(starts, torch.int32, self.device),
+                       to_device(lengths, torch.int32, self.device), torch.stack(tables), torch.cat(slots))
 
     # ---- capture -------------------------------------------------------------------------------------------
     def _capture(self, key: tuple[str, int], forward) -> None:
@@ -176,7 +143,7 @@ class CUDAGraphRunner:
         if self.prefill:
             self._check_prefill(check_table)
             prefill = f"{sum(1 for k in self.graphs if k[0] == 'prefill')} prefill sizes (up to " \
-                      f"{PREFILL_BUCKETS[-1]} tokens of up to {self.seq_slots} sequences)"
+                      f"{PREFILL_BUCKETS[-1]} tokens of up to {self.slots.seq_slots} sequences)"
         else:
             prefill = "no prefill sizes (the KV pool cannot spare their scratch blocks: prefill chunks run eagerly)"
         logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) and %s in %.1f s, using %.2f GiB",
@@ -192,7 +159,7 @@ class CUDAGraphRunner:
         ids = torch.randint(0, self.model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         self.input_ids[:n].copy_(ids)
         # Two fresh sequences where the graphs hold several (a verify step's shape), else one.
-        lengths = [24, n - 24] if self.seq_slots > 1 else [n]
+        lengths = [24, n - 24] if self.slots.seq_slots > 1 else [n]
         positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         self._positions(n).copy_(positions.expand(3, -1) if self.mrope else positions)
         self._set_fresh_prefills(lengths, bucket, check_table)
@@ -216,7 +183,7 @@ class CUDAGraphRunner:
         if md.max_query_len == 1 and md.num_decodes == md.num_seqs and inp.mm is None:
             return md.num_seqs <= self.max_bs
         n = inp.input_ids.shape[0]
-        return md.num_seqs <= self.seq_slots and ("prefill", _bucket(n)) in self.graphs
+        return md.num_seqs <= self.slots.seq_slots and ("prefill", _bucket(n)) in self.graphs
 
     def run(self, inp) -> torch.Tensor:
         md = inp.md
@@ -233,7 +200,7 @@ class CUDAGraphRunner:
             key = ("decode", bs)
         else:
             bucket = _bucket(n)
-            self._set_prefill(bucket, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping)
+            self.slots.set(bucket, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping)
             key = ("prefill", bucket)
         if inp.mm is None:
             self.graphs[key].replay()
