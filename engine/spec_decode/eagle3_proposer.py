@@ -31,6 +31,8 @@ class DraftFeed:
 
 
 class Eagle3Proposer:
+    kv_min_rows = DraftKV.MIN_ROWS   # a request's draft KV is never smaller
+
     def __init__(self, draft_dir: str | Path, target_model, device, dtype, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
@@ -60,8 +62,6 @@ class Eagle3Proposer:
         self.device, self.dtype = torch.device(device), dtype
         self.k = num_speculative_tokens
         self.kv: dict[str, DraftKV] = {}
-
-    kv_min_rows = DraftKV.MIN_ROWS   # a request's draft KV is never smaller
 
     def kv_bytes_per_token(self) -> int:
         """One position's K and V in the draft layer."""

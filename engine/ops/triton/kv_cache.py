@@ -23,13 +23,14 @@ def kernel_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 @triton.jit
 def fp8e4m3_to_float(b, DTYPE: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr = False):
-    """e4m3fn bytes (uint8) -> their values in DTYPE (exact in fp16, bf16 and fp32). NATIVE (sm89+): the GPU's
-    own conversion (two values per instruction). Else the byte's exponent and mantissa bits, moved into an fp16's
-    (sign to bit 15, the rest shifted left by 7), are an fp16 whose value is the e4m3 value / 2^8 for normals and
-    subnormals alike (the exponent biases are 15 and 7); scaling by 2^8 is exact. PACKED (CUDA without FP8
-    conversions: sm80/86) does that for four bytes at a time in PTX (e4m3_bits_ptx), about 2.5 instructions per
-    value instead of ~7 element by element; the interpreter runs the same bits in Triton's integer ops. The NaN
-    bytes (0x7f/0xff), which no encoder here writes, decode as NaN natively and as 480 from the bits."""
+    """e4m3fn bytes (uint8, or already float8e4nv) -> their values in DTYPE (exact in fp16, bf16 and fp32). NATIVE
+    (sm89+): the GPU's own conversion (two values per instruction). Else the byte's exponent and mantissa bits,
+    moved into an fp16's (sign to bit 15, the rest shifted left by 7), are an fp16 whose value is the e4m3 value
+    / 2^8 for normals and subnormals alike (the exponent biases are 15 and 7); scaling by 2^8 is exact. PACKED
+    (CUDA without FP8 conversions: sm80/86) does that for four bytes at a time in PTX (e4m3_bits_ptx), about 2.5
+    instructions per value instead of ~7 element by element; the interpreter runs the same bits in Triton's
+    integer ops. The NaN bytes (0x7f/0xff), which no encoder here writes, decode as NaN natively and as 480 from
+    the bits."""
     if NATIVE:
         f = b.to(tl.float8e4nv, bitcast=True).to(DTYPE)
     elif PACKED:

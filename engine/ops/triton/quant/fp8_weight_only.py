@@ -30,16 +30,6 @@ from engine.ops.triton.quant.table import KernelChoice
 
 
 @triton.jit
-def _e4m3_to_f32(w, NATIVE: tl.constexpr, PACKED: tl.constexpr):
-    """e4m3 values as float32 (exact). NATIVE: w is fp8e4nv (sm89+); else w holds the raw bytes (uint8)."""
-    if NATIVE:
-        f = w.to(tl.float32)
-    else:
-        f = fp8e4m3_to_float(w, tl.float32, False, PACKED)
-    return f
-
-
-@triton.jit
 def _weight_tile(w_rows, ws_ptr, n0, k0, offs_n, n_mask, K, stride_sn, stride_sk, BN_BLK: tl.constexpr,
                  BK_BLK: tl.constexpr, BLOCK_K: tl.constexpr, UNIFORM: tl.constexpr, NATIVE: tl.constexpr,
                  PACKED: tl.constexpr):
@@ -53,7 +43,7 @@ def _weight_tile(w_rows, ws_ptr, n0, k0, offs_n, n_mask, K, stride_sn, stride_sk
         s = tl.load(ws_ptr + (n0 // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
     else:
         s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk)
-    return _e4m3_to_f32(w, NATIVE, PACKED) * s, offs_k, k_mask
+    return fp8e4m3_to_float(w, tl.float32, NATIVE, PACKED) * s, offs_k, k_mask
 
 
 @triton.jit(do_not_specialize=["K_SPLIT"])
@@ -86,11 +76,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
         if ROW_UNIFORM:
             s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (offs_k // BK_BLK) * stride_sk,
                         mask=k_mask, other=0.0)
-            acc += _e4m3_to_f32(w, NATIVE, PACKED) * (x * s)[None, :]
+            acc += fp8e4m3_to_float(w, tl.float32, NATIVE, PACKED) * (x * s)[None, :]
         else:
             s = tl.load(ws_ptr + (offs_n // BN_BLK)[:, None] * stride_sn + (offs_k // BK_BLK)[None, :] * stride_sk,
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += _e4m3_to_f32(w, NATIVE, PACKED) * s * x[None, :]
+            acc += fp8e4m3_to_float(w, tl.float32, NATIVE, PACKED) * s * x[None, :]
         offs_k += BLOCK_K
     pdl.launch_dependents(GDC)
     one_row = tl.full([], 1, tl.int32)
@@ -134,10 +124,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UNIFORM:
             s = tl.load(ws_ptr + (pid_n * BLOCK_N // BN_BLK) * stride_sn + (k0 // BK_BLK) * stride_sk)
-            if NATIVE:
-                wt = w.to(dtype)
-            else:
-                wt = fp8e4m3_to_float(w, dtype, False, PACKED)
+            wt = fp8e4m3_to_float(w, dtype, NATIVE, PACKED)
             if SWAP_AB:
                 acc += tl.dot(wt, tl.trans(a)) * s
             else:
@@ -145,7 +132,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr
         else:
             s = tl.load(ws_ptr + (offs_n[:, None] // BN_BLK) * stride_sn + (offs_k[None, :] // BK_BLK) * stride_sk,
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            wt = (_e4m3_to_f32(w, NATIVE, PACKED) * s).to(dtype)
+            wt = (fp8e4m3_to_float(w, tl.float32, NATIVE, PACKED) * s).to(dtype)
             if SWAP_AB:
                 acc = tl.dot(wt, tl.trans(a), acc)
             else:
