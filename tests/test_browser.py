@@ -118,7 +118,9 @@ def test_a_video_clip_is_answered_by_the_real_engine(page, proxy, tmp_path):
     open_chat(page, proxy)
     clip = make_clip(12, fps=6, width=96, height=64)
     page.set_input_files("#file-input", [{"name": "clip.mp4", "mimeType": "video/mp4", "buffer": clip}])
-    expect(page.locator(".video-card .video-duration")).to_have_text("0:02")
+    # The page gives the browser up to 15 s to read a clip (10 s of metadata, 5 s to seek a frame:
+    # static/video_attach.js); on a loaded 2-core machine a fresh Chromium took longer than a 12 s wait.
+    expect(page.locator(".video-card .video-duration")).to_have_text("0:02", timeout=30_000)
 
     sent = extend_chat_requests(page, max_tokens=8, ignore_eos=True)
     send(page, "What happens in this clip?")
