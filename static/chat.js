@@ -323,6 +323,7 @@ async function generate(chat, user, continuing = null) {
   }
   Object.assign(node.meta, answer.meta(earlierTokens));
   chat.updated = Date.now();
+  await save(chat);     // stored before it shows as finished: a reload right after keeps the answer
   finishElement(chat, box, node);
   if (app.chat === chat) { updateMeter(); if (nearBottom()) scrollToEnd(); }
   return true;
