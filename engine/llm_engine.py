@@ -69,6 +69,10 @@ class LLMEngine:
         self.stats = StatLogger(self)
         self._next_id = 0
         self._inflight: InflightStep | None = None      # the launched step not yet read (see PendingTokens)
+        # When the step() call that launched it began and when its launch returned; when the last step's tokens
+        # were ready. A CPU computes the step inside the launch, a GPU until its tokens are read.
+        self._inflight_times = (0.0, 0.0)
+        self._last_step_done = 0.0
         # Published for other threads (AsyncLLM's admission): the running count as the last schedule() left it.
         self.num_running = 0
         # The start-up objects (modules, tokenizer, config: ~350k) would otherwise be scanned by every full
@@ -179,6 +183,7 @@ class LLMEngine:
         the device computes. Returns the outputs of the previous step. `before_schedule` runs right before the
         scheduler picks the step: AsyncLLM applies there the aborts and adds that came meanwhile (while a
         step whose sampling needs every token id was awaited, just before)."""
+        called = time.perf_counter()
         outputs = []
         if self._inflight is not None and self._inflight.so.needs_host_tokens:
             outputs = self._finish(self._inflight)       # its sampling reads every token id: no overlap
@@ -193,9 +198,10 @@ class LLMEngine:
             launched = self.model_executor.execute_model(so)
         elif so.finished_req_ids:
             self.model_executor.execute_model(so)     # nothing to run: the workers forget finished requests
+        returned = time.perf_counter()
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
-        self._inflight = launched
+        self._inflight, self._inflight_times = launched, (called, returned)
         return outputs
 
     def shutdown(self) -> None:
@@ -206,6 +212,12 @@ class LLMEngine:
 
     def _finish(self, step: InflightStep) -> list[RequestOutput]:
         result = step.result()
+        # The step's cost: from the previous step's tokens, or from the call that launched it if that came later
+        # (the engine idled, or computed the previous step inside its launch).
+        called, returned = self._inflight_times
+        done = returned if self.device.type == "cpu" else time.perf_counter()
+        self.scheduler.record_step_time(step.so, done - max(self._last_step_done, called))
+        self._last_step_done = done
         self._store_prompt_logprobs(result.prompt_logprobs)
         logprobs = result.logprobs
         if self.args.speculative_config is not None:

@@ -229,8 +229,17 @@ class StatLogger:
             "demo_model": e.args.demo_model,
             "tensor_parallel_size": e.tensor_parallel_size,
             "ranks": [r.as_dict() for r in e.ranks],
-            "spec_decode": self.spec_decode_snapshot(),
+            "spec_decode": self._with_cost_ratios(self.spec_decode_snapshot(), sched.spec_policy),
         }
+
+    @staticmethod
+    def _with_cost_ratios(spec: dict | None, policy) -> dict | None:
+        """spec_decode with the verify/plain step-cost ratio the policy measured per batch size: drafts pay while
+        mean_acceptance_length exceeds it."""
+        if spec is not None:
+            spec["verify_cost_ratio"] = {} if policy is None else {str(n): round(r, 3)
+                                                                   for n, r in policy.costs.ratios().items()}
+        return spec
 
     def block_snapshot(self) -> dict:
         """GET /stats/blocks: snapshot() with the block map read right after it (engine/kv_map.py). The map's

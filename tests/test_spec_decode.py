@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.policy import MISS_STREAK, SpeculationPolicy
+from engine.spec_decode.policy import JUDGE_AFTER, MIN_BACKOFF_STEPS, PLAIN_EVERY, SpeculationPolicy
 from engine.spec_decode.rejection_sampler import verify
 from engine_helpers import assert_pool_idle, make_llm
 from test_engine_equivalence import MODES, conversations
@@ -230,28 +230,93 @@ def test_large_batches_do_not_speculate(qwen3_vl_dir):
     assert drafted_with and max(drafted_with) < 3
 
 
-def test_a_request_whose_drafts_keep_missing_backs_off_and_retries():
-    policy = SpeculationPolicy(SpeculativeConfig.parse(NGRAM))
-    policy.on_schedule(1)
-    for _ in range(MISS_STREAK):
-        assert policy.allows("a")
-        policy.record("a", num_drafted=4, num_accepted=0)
-    assert not policy.allows("a")                       # backed off
-    for _ in range(8):
-        policy.on_schedule(1)
-    assert policy.allows("a")                           # and tries again
-    policy.record("a", 4, 2)
-    assert policy.allows("a")
+def policy_with_costs(plain_ms=None, verify_ms=None, num_seqs=1, waiting_is_free=False) -> SpeculationPolicy:
+    """A policy that has timed three plain and three verify steps of `num_seqs` sequences (those given)."""
+    policy = SpeculationPolicy(SpeculativeConfig.parse(NGRAM), waiting_is_free=waiting_is_free)
+    for _ in range(3):
+        if plain_ms is not None:
+            policy.costs.observe(num_seqs, speculative=False, seconds=plain_ms / 1000)
+        if verify_ms is not None:
+            policy.costs.observe(num_seqs, speculative=True, seconds=verify_ms / 1000)
+    return policy
+
+
+def speculate(policy, request_id, accepted_per_step, num_seqs=1):
+    """Steps in which `request_id` drafts 4 tokens and keeps the next count of `accepted_per_step`, for as long as
+    the policy lets it; returns how many steps it speculated."""
+    steps = 0
+    for accepted in accepted_per_step:
+        policy.on_schedule(num_seqs)
+        if not policy.allows(request_id):
+            break
+        policy.record(request_id, num_drafted=4, num_accepted=accepted, num_seqs=num_seqs)
+        steps += 1
+    return steps
+
+
+def test_a_request_speculates_while_its_tokens_per_verify_step_beat_the_verify_steps_cost():
+    # A verify step costs 1.4 plain steps: 2 tokens a step pay, 1.33 (one draft kept every third step) do not.
+    policy = policy_with_costs(plain_ms=10, verify_ms=14)
+    assert policy.costs.ratio(1) == pytest.approx(1.4)
     assert policy.on_schedule(1) and not policy.on_schedule(8)     # disable_by_batch_size 8 by default
+    assert speculate(policy, "pays", [1] * 50) == 50
+    assert speculate(policy, "costs", [1, 0, 0] * 50) < 20
+    assert not policy.allows("costs")
+    # Where verify steps cost hardly more than plain ones, the same drafts pay.
+    cheap = policy_with_costs(plain_ms=10, verify_ms=11)
+    assert speculate(cheap, "costs", [1, 0, 0] * 50) == 150
+
+
+def test_a_request_backed_off_tries_again_later_and_waits_longer_each_time_in_a_row():
+    policy = policy_with_costs(plain_ms=10, verify_ms=14)
+    waits = []
+    for _ in range(3):
+        assert speculate(policy, "a", [0] * 50) == JUDGE_AFTER      # judged afresh after each back-off
+        wait = 1                                     # the step that speculate() was refused in
+        while not policy.allows("a"):
+            policy.on_schedule(1)
+            wait += 1
+        waits.append(wait)
+    assert waits == [MIN_BACKOFF_STEPS, 2 * MIN_BACKOFF_STEPS, 4 * MIN_BACKOFF_STEPS]
+    assert speculate(policy, "a", [3] * 50) == 50
+
+
+def test_before_the_costs_are_measured_only_drafts_that_keep_nothing_back_off():
+    policy = policy_with_costs()
+    assert policy.costs.ratio(1) is None
+    assert speculate(policy, "some", [1, 0, 0] * 20) == 60
+    assert speculate(policy, "none", [0] * 20) == JUDGE_AFTER
+
+
+def test_a_batch_size_whose_plain_step_is_not_timed_gets_a_plain_step_now_and_then():
+    policy = policy_with_costs(verify_ms=14)
+    assert not policy.on_schedule(1)                    # nobody drafts: this step times the plain cost
+    assert policy.on_schedule(2)                        # another size: nothing to time yet
+    for _ in range(3):
+        policy.costs.observe(1, speculative=False, seconds=0.01)
+    assert policy.on_schedule(1)
+    for _ in range(PLAIN_EVERY):
+        policy.costs.observe(1, speculative=True, seconds=0.014)
+    assert not policy.on_schedule(1)                    # timed again, so that the ratio follows the context
 
 
 @pytest.mark.parametrize("waiting_is_free", [False, True], ids=["gpu", "cpu"])
-def test_steps_with_nothing_to_draft_are_misses_only_where_waiting_costs(waiting_is_free):
-    policy = SpeculationPolicy(SpeculativeConfig.parse(NGRAM), waiting_is_free=waiting_is_free)
+def test_steps_with_nothing_to_draft_cost_speculation_only_where_waiting_costs(waiting_is_free):
+    policy = policy_with_costs(plain_ms=10, verify_ms=14, waiting_is_free=waiting_is_free)
     policy.on_schedule(1)
-    for _ in range(MISS_STREAK):
-        policy.record("a", num_drafted=0, num_accepted=0)
+    for _ in range(JUDGE_AFTER):
+        policy.record("a", num_drafted=0, num_accepted=0, num_seqs=1)
     assert policy.allows("a") == waiting_is_free
+    assert policy.is_speculative(drafted=False, speculating=True) != waiting_is_free
+
+
+def test_the_engine_times_its_steps_with_and_without_drafts(qwen3_vl_dir):
+    llm = make_llm(qwen3_vl_dir, speculative_config=NGRAM)
+    llm.generate([llm.engine.input_processor.process_chat(conversations()[0])],
+                 SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    ratio = llm.engine.scheduler.spec_policy.costs.ratio(1)
+    assert ratio is not None and 0.2 < ratio < 20
+    assert llm.engine.stats.snapshot()["spec_decode"]["verify_cost_ratio"]["1"] == round(ratio, 3)   # /stats
 
 
 # ---- EAGLE-3 drafts through the engine ----------------------------------------------------------------------------

@@ -126,6 +126,9 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(rid, n, start, token_ids, self.kv.block_ids(rid),
                                                   spec_token_ids=draft))
         out.needs_host_tokens = self.drafts_from_device
+        if self.spec_policy is not None:
+            out.speculative = self.spec_policy.is_speculative(
+                bool(drafts), any(self.requests[s.request_id].speculating for s in out.scheduled))
         self.pending.on_scheduled(out, self.requests)
         return out
 
@@ -267,6 +270,12 @@ class Scheduler:
             req.request_id, mode, self.counters.num_preemptions)
 
     # ---- after the forward ---------------------------------------------------------------------------------
+    def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """Step `out` took this long, from the previous step's tokens (or its own launch) to its own: the costs
+        that SpeculationPolicy weighs drafts against."""
+        if self.spec_policy is not None and out.is_pure_decode:
+            self.spec_policy.costs.observe(len(out.scheduled), out.speculative, seconds)
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                            spec_token_ids: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:
         """Step `out` finished: append its sampled tokens (a verify step's accepted drafts and the token after
@@ -284,7 +293,7 @@ class Scheduler:
             if s.spec_token_ids:
                 self._roll_back(req, s, tokens)
             if req.speculating and tokens is not None:
-                self.spec_policy.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1)
+                self.spec_policy.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1, len(out.scheduled))
             status = None
             if tokens is not None:
                 tokens, status = self._until_stop(req, tokens)

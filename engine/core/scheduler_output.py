@@ -52,10 +52,18 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)   # finished since the last step: the runner forgets them
     preempted: list[str] = field(default_factory=list)        # request ids
     needs_host_tokens: bool = False    # the next step waits for this one's sampled ids (see PendingTokens)
+    speculative: bool = False          # it costs what speculation costs (SpeculationPolicy.is_speculative)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request computes one token and its drafts (no prompt chunk, no swap): a step whose time says
+        what decoding costs at this batch size."""
+        return (bool(self.scheduled) and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+                and all(s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in self.scheduled))
 
     @property
     def is_empty(self) -> bool:
