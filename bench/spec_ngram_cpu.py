@@ -85,9 +85,10 @@ def main() -> None:
             row[k]["decode_tok_s"] = statistics.median(rates[k])
             row[k]["all_tok_s"] = [round(r, 1) for r in rates[k]]
         row["speedup"] = row["ngram k=4"]["decode_tok_s"] / row["off"]["decode_tok_s"]
+        row["verify_cost_ratio"] = llms["ngram k=4"].engine.get_stats()["spec_decode"].get("verify_cost_ratio")
         print(f"{name}: off {row['off']['decode_tok_s']:.1f} tok/s, ngram {row['ngram k=4']['decode_tok_s']:.1f} "
-              f"tok/s, x{row['speedup']:.2f}, same tokens {row['same_tokens']}, {row['ngram k=4'].get('spec_decode')}",
-              flush=True)
+              f"tok/s, x{row['speedup']:.2f}, same tokens {row['same_tokens']}, {row['ngram k=4'].get('spec_decode')}, "
+              f"verify/plain step cost {row['verify_cost_ratio']}", flush=True)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
 
