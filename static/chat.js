@@ -119,8 +119,19 @@ function renderConversation() {
 function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen, attachments.tokens()); }
 
 // ---- saving -----------------------------------------------------------------------------------------------
-// A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
+// body[data-saving] counts the saves under way: a reload (or a test) knows when every change is stored.
+let savesUnderWay = 0;
 async function save(chat = app.chat) {
+  document.body.dataset.saving = String(++savesUnderWay);
+  try {
+    await storeChat(chat);
+  } finally {
+    document.body.dataset.saving = String(--savesUnderWay);
+  }
+}
+
+// A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
+async function storeChat(chat) {
   try {
     if (!Object.keys(chat.nodes).some((k) => k !== "root")) {
       if (app.chats.includes(chat)) { app.chats = app.chats.filter((c) => c !== chat); app.sidebar.render(); }

@@ -136,6 +136,14 @@ def send(page, text):
     page.press("#prompt", "Enter")
 
 
+def reload(page):
+    """Reload once every chat save the page began has finished (body[data-saving] back to 0), then wait until the
+    page is ready again."""
+    page.wait_for_function("() => (document.body.dataset.saving ?? '0') === '0'")
+    page.reload()
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+
+
 def last_answer(page):
     return page.locator(".msg.assistant").last
 

@@ -13,7 +13,7 @@ import json
 import pytest
 from PIL import Image
 
-from browser_helpers import (browser, expect, last_answer, new_page, screenshot, script_replies, send,  # noqa: F401
+from browser_helpers import (browser, expect, last_answer, new_page, reload, screenshot, script_replies, send,  # noqa: F401
                              sent_requests)
 from page_bench import (MODEL, answer_done, chat, exchange, FakeEngine, open_page, page_proxy, png_file,  # noqa: F401
                         sent_images)
@@ -271,8 +271,7 @@ def test_every_sampling_field_reaches_the_request(chat):
     assert request["messages"][0] == {"role": "system", "content": "Answer briefly."}
 
     # Settings are kept; a preset replaces the sampling fields, "Model defaults" empties them.
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")   # the open chat's settings are shown
+    reload(chat)   # the open chat's settings are shown
     chat.click("#settings summary")
     expect(chat.locator("#top-k")).to_have_value("30")
     chat.select_option("#preset", "precise")

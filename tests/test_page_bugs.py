@@ -13,7 +13,7 @@ import time
 import pytest
 
 from app.supervision import EngineStatusFile, EngineWatch, RestartPolicy
-from browser_helpers import (browser, expect, last_answer, new_page, screenshot, script_replies, send,  # noqa: F401
+from browser_helpers import (browser, expect, last_answer, new_page, reload, screenshot, script_replies, send,  # noqa: F401
                              sent_requests)
 from page_bench import answer_done, chat, exchange, FakeEngine, open_page, page_proxy, png_file  # noqa: F401
 from servers import free_port, start_proxy
@@ -28,10 +28,6 @@ def sized_page(browser, page_proxy, size, **kw):
     page.engine, page.base_url = FakeEngine(page), page_proxy.url
     return context, page, errors
 
-
-def reload(page):
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
 
 
 def titles(page) -> list[str]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from browser_helpers import browser, expect, last_answer, script_replies, send, sent_requests  # noqa: F401
+from browser_helpers import browser, expect, last_answer, reload, script_replies, send, sent_requests  # noqa: F401
 from page_bench import answer_done, chat, exchange, open_page, page_proxy, png_file  # noqa: F401
 
 pytestmark = [pytest.mark.browser]
@@ -29,8 +29,7 @@ def test_chats_survive_a_reload_with_their_images(chat, tmp_path):
     expect(chat.locator("#chat-list .chat-open")).to_have_count(2)
     assert chat_titles(chat) == ["Capital of France?", "What is in this picture?"]   # newest first, first line
 
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     assert chat_titles(chat) == ["Capital of France?", "What is in this picture?"]
     expect(chat.locator(".msg.assistant .content")).to_have_text("Paris.")    # the chat open before the reload
     chat.locator("#chat-list .chat-open", has_text="picture").click()
@@ -47,14 +46,42 @@ def test_a_question_survives_a_reload_mid_answer_and_can_be_answered(chat):
     send(chat, "Are you still there?")
     expect(last_answer(chat).locator(".content")).to_have_text("never")
     expect(chat.locator(".msg.user .act-answer")).to_be_hidden()
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(chat.locator(".msg.user .content")).to_have_text("Are you still there?")
     expect(chat.locator(".msg.assistant")).to_have_count(0)
     script_replies(chat, {"chunks": ["Yes."]})
     chat.locator(".msg.user .act-answer").click()
     expect(answer_done(chat).locator(".content")).to_have_text("Yes.")
     expect(chat.locator(".msg.user .act-answer")).to_be_hidden()
+
+
+# The moment an answer shows as finished, read what the browser has stored: a transaction begun right then (in the
+# observer's microtask, on a connection opened before) sees every save that has ended, and none begun after it.
+WATCH_FINISHED_ANSWERS = """async () => {
+  window.__storedWhenDone = [];
+  const db = await new Promise((ok) => { const r = indexedDB.open('localchat', 1); r.onsuccess = () => ok(r.result); });
+  new MutationObserver((records) => {
+    for (const r of records) {
+      if (!r.target.matches('.msg.assistant') || r.target.dataset.status !== 'done') continue;
+      const id = r.target.dataset.id;
+      const all = db.transaction('chats').objectStore('chats').getAll();
+      all.onsuccess = () => window.__storedWhenDone.push(all.result.some((c) => c.nodes?.[id]?.text));
+    }
+  }).observe(document.body, { attributes: true, subtree: true, attributeFilter: ['data-status'] });
+}"""
+
+
+def test_an_answer_is_stored_before_it_shows_as_finished(chat):
+    # So a reload the moment it shows as finished keeps it.
+    open_page(chat)
+    chat.evaluate(WATCH_FINISHED_ANSWERS)
+    script_replies(chat, {"chunks": ["Stored ", "first."]})
+    send(chat, "Hello")
+    answer_done(chat)
+    chat.wait_for_function("window.__storedWhenDone.length > 0")
+    assert chat.evaluate("window.__storedWhenDone") == [True]
+    chat.reload()                                    # at once: no wait for saves
+    expect(answer_done(chat).locator(".content")).to_have_text("Stored first.")
 
 
 def test_sidebar_search_rename_and_delete(chat):
@@ -81,8 +108,7 @@ def test_sidebar_search_rename_and_delete(chat):
     expect(dogs.locator(".chat-delete")).to_have_text("Delete?")   # asks once more
     dogs.locator(".chat-delete").click()
     expect(chat.locator(".chat-item")).to_have_count(2)
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     assert sorted(chat_titles(chat)) == ["Felines", "Weather today?"]
 
 
@@ -115,8 +141,7 @@ def test_export_and_import_round_trip(chat, tmp_path):
         await new Promise((ok) => { const t = db.transaction('chats', 'readwrite'); t.objectStore('chats').clear(); t.oncomplete = ok; });
         localStorage.clear();
     }""")
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(chat.locator(".chat-item")).to_have_count(0)
     chat.set_input_files("#import-file", [str(everything)])
     expect(chat.locator(".chat-item")).to_have_count(2)
@@ -150,7 +175,7 @@ def test_regenerate_keeps_every_version(chat):
     # The next turn continues from the version on screen.
     request = exchange(chat, "And then?", "Follow-up.")
     assert request["messages"][1] == {"role": "assistant", "content": "First version."}
-    chat.reload()
+    reload(chat)
     expect(chat.locator(".msg.assistant").first.locator(".version-count")).to_have_text("1/2")
 
 
@@ -207,6 +232,5 @@ def test_delete_copy_and_retry_after_an_error(chat):
     expect(last_answer(chat).locator(".versions")).to_have_count(0)
     last_answer(chat).locator(".act-delete").click()
     expect(chat.locator(".msg")).to_have_count(1)
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(chat.locator(".msg")).to_have_count(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from browser_helpers import browser, expect, last_answer, new_page, script_replies, send, sent_requests  # noqa: F401
+from browser_helpers import browser, expect, last_answer, new_page, reload, script_replies, send, sent_requests  # noqa: F401
 from page_bench import FakeEngine, answer_done, chat, exchange, open_page, page_proxy  # noqa: F401
 
 pytestmark = [pytest.mark.browser]
@@ -34,8 +34,7 @@ def test_system_prompt_and_sampling_belong_to_their_chat(chat):
 
     chat.locator(".chat-open", has_text="Ahoy?").click()
     expect(chat.locator("#system-prompt")).to_have_value("Talk like a pirate.")
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(chat.locator("#system-prompt")).to_have_value("Talk like a pirate.")
     expect(chat.locator("#temperature")).to_have_value("0.3")
     script_replies(chat, {"chunks": ["Arr again."]})
@@ -88,8 +87,7 @@ def test_the_model_titles_a_new_chat_once_without_holding_it_up(titled):
     page.evaluate("window.__chat.go = true")
     expect(page.locator("#chat-list .chat-open")).to_have_text(["Capital of France"])
     assert len(sent_requests(page)) == 3              # only the first answer asks for a title
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    reload(page)
     expect(page.locator("#chat-list .chat-open")).to_have_text(["Capital of France"])
 
 
@@ -101,8 +99,7 @@ def test_titles_by_the_model_can_be_switched_off(titled):
     page.wait_for_timeout(300)
     assert len(sent_requests(page)) == 1
     expect(page.locator("#chat-list .chat-open")).to_have_text(["Second chat here"])
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    reload(page)
     expect(page.locator("#auto-title")).not_to_be_checked()
 
 
@@ -147,8 +144,7 @@ def test_an_answer_cut_off_by_max_tokens_can_be_continued(chat):
     script_replies(chat, {"chunks": [" there was a cat."]})
     last_answer(chat).locator(".act-continue").click()
     expect(answer_done(chat).locator(".content")).to_have_text("Once there was a cat.")
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(last_answer(chat).locator(".content")).to_have_text("Once there was a cat.")
 
 
@@ -166,8 +162,7 @@ def test_an_edited_answer_is_saved_as_a_version_and_sent_as_edited(chat):
     assert len(sent_requests(chat)) == 1                  # an edit asks nothing of the model
     sent = exchange(chat, "Why?", "Because.")
     assert sent["messages"][1] == {"role": "assistant", "content": "Green, *obviously*."}
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     first = chat.locator(".msg.assistant").first
     expect(first.locator(".content")).to_have_text("Green, obviously.")
     first.locator(".act-prev").click()

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from browser_helpers import browser, expect, script_replies, send  # noqa: F401
+from browser_helpers import browser, expect, reload, script_replies, send  # noqa: F401
 from page_bench import FakeEngine, answer_done, chat, exchange, open_page, page_proxy  # noqa: F401
 
 pytestmark = [pytest.mark.browser]
@@ -24,10 +24,6 @@ def list_rows(page) -> list[str]:
     return page.evaluate("""() => [...document.querySelectorAll('#chat-list > li')]
         .map((li) => (li.querySelector('.chat-open') || li).textContent)""")
 
-
-def reload(page):
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
 
 
 # ---- tabs in sync --------------------------------------------------------------------------------------------

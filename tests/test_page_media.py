@@ -13,17 +13,13 @@ import zlib
 import pytest
 from PIL import Image
 
-from browser_helpers import browser, delta, expect, last_answer, script_replies, send, sent_requests, sse  # noqa: F401
+from browser_helpers import browser, delta, expect, last_answer, reload, script_replies, send, sent_requests, sse  # noqa: F401
 from page_bench import answer_done, chat, open_page, page_proxy, png_file, sent_images  # noqa: F401
 from proxy.page import available_vendor
 from servers import REPO
 
 pytestmark = [pytest.mark.browser]
 
-
-def reload(page):
-    page.reload()
-    expect(page.locator("body")).to_have_attribute("data-ready", "true")
 
 
 # ---- video --------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from browser_helpers import browser, expect, last_answer, new_page, script_replies, send, sent_requests  # noqa: F401
+from browser_helpers import browser, expect, last_answer, new_page, reload, script_replies, send, sent_requests  # noqa: F401
 from page_bench import FakeEngine, answer_done, chat, open_page, page_proxy  # noqa: F401
 
 pytestmark = [pytest.mark.browser]
@@ -38,8 +38,7 @@ def test_reasoning_streams_into_a_collapsed_block_above_the_answer(chat):
     assert answer.locator(".thought").evaluate("(b) => b.nextElementSibling.classList.contains('content')")
 
     label = block.locator("summary").text_content()
-    chat.reload()                                                      # kept with the chat
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)   # kept with the chat
     kept = last_answer(chat).locator(".thought")
     expect(kept.locator("summary")).to_have_text(label)
     expect(kept.locator(".thought-text")).to_have_text("".join(THOUGHTS))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from browser_helpers import browser, expect, last_answer, new_page, screenshot, script_replies, send  # noqa: F401
+from browser_helpers import browser, expect, last_answer, new_page, reload, screenshot, script_replies, send  # noqa: F401
 from page_bench import answer_done, chat, FakeEngine, open_page, page_proxy  # noqa: F401
 
 pytestmark = [pytest.mark.browser]
@@ -124,8 +124,7 @@ def test_theme_toggle_and_keyboard_shortcuts(chat):
     chat.click("#theme")
     chat.click("#theme")
     expect(html).to_have_attribute("data-theme", "dark")
-    chat.reload()
-    expect(chat.locator("body")).to_have_attribute("data-ready", "true")
+    reload(chat)
     expect(html).to_have_attribute("data-theme", "dark")             # the choice is kept
     assert chat.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(15, 17, 21)"
 
