@@ -4,7 +4,7 @@ import { AnswerStream } from "./answer.js";
 import { messageActions } from "./actions.js";
 import { showReasoning } from "./reasoning.js";
 import { Attachments } from "./attachments.js";
-import { addChild, newChat, pathOf, removeNode, titleFrom } from "./conversation.js";
+import { addChild, newChat, pathOf, removeNode } from "./conversation.js";
 import { finishElement, messageElement } from "./messages.js";
 import { handleCodeCopy, loadLibraries } from "./render.js";
 import { Settings } from "./settings.js";
@@ -16,7 +16,7 @@ import { showContextMeter } from "./meter.js";
 import { initShell } from "./shell.js";
 import { KVMap } from "./kvmap.js";
 import { ChatSettings } from "./chatsettings.js";
-import { TabSync } from "./tabsync.js";
+import { ChatSaving } from "./saving.js";
 import { titleChat } from "./autotitle.js";
 import { initScrollButton } from "./scrolldown.js";
 import { chatRequest } from "./request.js";
@@ -28,7 +28,7 @@ const ui = { messages: $("messages"), prompt: $("prompt"), send: $("send"), stop
              error: $("error"), sendNote: $("send-note"), meter: $("context-meter") };
 // limits: what the server accepts (from /v1/models and /api/page-config); 8 images is the engine's default.
 // abortReason: why the page itself gave up on the answer in flight (the engine went down meanwhile);
-// refreshing: the read of this chat's stored copy in flight (refreshChat).
+// refreshing: the read of this chat's stored copy in flight (ChatSaving.refresh).
 const app = { store: new ChatStore(), drafts: null, chats: [], chat: newChat(), controller: null, model: null,
               abortReason: "", refreshing: null,
               limits: { maxImages: 8, maxBytes: 20 << 20, maxModelLen: null, multimodal: true, video: videoLimits(null) } };
@@ -42,7 +42,8 @@ app.drafts = new Drafts({ prompt: ui.prompt, attachments, resize: () => autoresi
 const settings = new Settings({ onChange: () => chatSettings.capture() });
 const chatSettings = new ChatSettings({ current: () => app.chat, save: (chat) => save(chat),
                                        validate: () => settings.validate() });
-const tabSync = new TabSync({ store: app.store, saved: chatSavedElsewhere, deleted: chatDeletedElsewhere });
+const saving = new ChatSaving({ app, render: () => renderConversation(), show: (chat) => chatSettings.show(chat),
+                                open: (id) => openChat(id), showError: (m) => showError(m) });
 const kvmap = new KVMap();
 const status = new StatusMonitor({
   onModel: (card) => {
@@ -118,71 +119,8 @@ function renderConversation() {
 
 function updateMeter() { showContextMeter(ui.meter, pathOf(app.chat), app.limits.maxModelLen, attachments.tokens()); }
 
-// ---- saving -----------------------------------------------------------------------------------------------
-// body[data-saving] counts the saves under way: a reload (or a test) knows when every change is stored.
-let savesUnderWay = 0;
-async function save(chat = app.chat) {
-  document.body.dataset.saving = String(++savesUnderWay);
-  try {
-    await storeChat(chat);
-  } finally {
-    document.body.dataset.saving = String(--savesUnderWay);
-  }
-}
-
-// A chat left without messages (its only question failed and was taken back) is not kept: no ghost chats.
-async function storeChat(chat) {
-  try {
-    if (!Object.keys(chat.nodes).some((k) => k !== "root")) {
-      if (app.chats.includes(chat)) { app.chats = app.chats.filter((c) => c !== chat); app.sidebar.render(); }
-      await app.store.delete(chat.id);
-      return;
-    }
-    if (!chat.title) chat.title = titleFrom(pathOf(chat).find((n) => n.role === "user")?.text);
-    if (!app.chats.includes(chat)) app.chats.unshift(chat);
-    app.chats.sort((a, b) => b.updated - a.updated);
-    app.sidebar.render();
-    const merged = await app.store.put(chat);       // another tab's turns in this chat come in, none is lost
-    if (merged && chat === app.chat && !app.controller) renderConversation();
-  } catch (err) { showError(`This chat could not be saved in the browser: ${err.message}`); return; }
-  tabSync.saved(chat);
-}
-
-// Another tab saved this chat: its stored copy replaces ours, unless an answer is streaming into ours here.
-function chatSavedElsewhere(stored) {
-  if (app.controller && app.chat.id === stored.id) return;
-  const i = app.chats.findIndex((c) => c.id === stored.id);
-  if (i >= 0) app.chats[i] = stored; else app.chats.push(stored);
-  app.chats.sort((a, b) => b.updated - a.updated);
-  if (app.chat.id !== stored.id) { app.sidebar?.render(); return; }
-  app.chat = stored;
-  chatSettings.show(stored);
-  renderConversation();
-}
-
-// A title the model wrote, for the chat as it is now (another tab may have replaced our copy meanwhile).
-function retitle(id, title, fallback) {
-  const chat = app.chats.find((c) => c.id === id);
-  if (chat?.title !== fallback) return;
-  chat.title = title;
-  save(chat);
-}
-
-function chatDeletedElsewhere(id) {
-  app.chats = app.chats.filter((c) => c.id !== id);
-  if (app.chat.id === id && !app.controller) openChat(null); else app.sidebar?.render();
-}
-
-// Another tab may have added turns to this chat: they are merged in when this tab is looked at again and when
-// the user types (at most one read in flight), so that a message sent here follows them.
-function refreshChat() {
-  const chat = app.chat;
-  app.refreshing ??= app.store.refresh(chat)
-    .then((changed) => { if (changed && chat === app.chat && !app.controller) renderConversation(); })
-    .catch(() => {})
-    .finally(() => { app.refreshing = null; });
-  return app.refreshing;
-}
+// ---- saving (saving.js) ---------------------------------------------------------------------------------
+function save(chat = app.chat) { return saving.save(chat); }
 
 // Every removal goes through here, so that a later save (merged with the stored copy) does not bring it back.
 function removeMessage(chat, id) {
@@ -255,7 +193,7 @@ async function send() {
   }
   await save(chat);
   // Not awaited: the chat goes on while the model thinks of a title.
-  if (answered) titleChat(chat, { model: app.model, apply: (title, fallback) => retitle(chat.id, title, fallback) });
+  if (answered) titleChat(chat, { model: app.model, apply: (title, fallback) => saving.retitle(chat.id, title, fallback) });
 }
 
 // Streams a new answer to `user` (a question node), or more of the answer `continuing` (cut off: the model goes
@@ -382,10 +320,10 @@ function autoresize() {
 
 ui.form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
 ui.stop.addEventListener("click", stop);
-ui.prompt.addEventListener("input", () => { autoresize(); app.drafts.keep(); refreshChat(); });
-ui.prompt.addEventListener("focus", refreshChat);
-addEventListener("focus", refreshChat);
-document.addEventListener("visibilitychange", () => { if (!document.hidden) refreshChat(); });
+ui.prompt.addEventListener("input", () => { autoresize(); app.drafts.keep(); saving.refresh(); });
+ui.prompt.addEventListener("focus", () => saving.refresh());
+addEventListener("focus", () => saving.refresh());
+document.addEventListener("visibilitychange", () => { if (!document.hidden) saving.refresh(); });
 addEventListener("pagehide", () => app.drafts.flush());
 ui.prompt.addEventListener("keydown", (e) => {
   // isComposing: Enter that confirms an IME candidate (Chinese, Japanese…) must not send.
@@ -415,7 +353,7 @@ async function start() {
       app.chats = app.chats.filter((c) => c.id !== id);
       await app.store.delete(id);
       await app.drafts.clear(id);
-      tabSync.deleted(id);
+      saving.tabs.deleted(id);
       if (app.chat.id === id) openChat(null); else app.sidebar.render();
     },
     save: (chat) => save(chat),
