@@ -56,7 +56,9 @@ def run_side(a, side: str) -> dict:
     if side == "plain":
         llm = LLM(a.model, **common)
         return {f"decode_step_ms_b{b}": step_ms(llm, prompt, a.steps, b)[0] for b in a.batches}
-    policy.MISS_STREAK = 10 ** 9                              # dummy weights reject every draft: keep drafting
+    # Dummy weights reject every draft: every request keeps drafting, and no step leaves the drafts out.
+    policy.SpeculationPolicy.record = lambda self, *args, **kwargs: None
+    policy.StepCosts.wants_plain_step = lambda self, num_seqs: False
     # Random weights repeat nothing for a lookup to find: every step drafts k tokens regardless.
     NgramProposer.propose = lambda self, ids, max_tokens=None: [ids[-1]] * min(self.k, max_tokens or self.k)
     spec = LLM(a.model, speculative_config={"method": "ngram", "num_speculative_tokens": a.k,
