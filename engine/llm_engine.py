@@ -61,8 +61,10 @@ class LLMEngine:
         self.input_processor.max_prompt_tokens = self.max_model_len
         self.max_num_batched_tokens = args.batched_tokens_budget
         self.kv = KVCacheManager(kv.num_gpu_blocks, kv.num_cpu_blocks, args.block_size, args.enable_prefix_caching)
+        # A CPU computes each step inside its launch, on this thread: reading its tokens never waits.
+        self._steps_in_launch = self.device.type == "cpu"
         self.scheduler = Scheduler(self.kv, self.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
-                                   args.speculative_config, waiting_is_free=self.device.type == "cpu")
+                                   args.speculative_config, waiting_is_free=self._steps_in_launch)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                          self.model_config.eos_token_ids)
@@ -215,7 +217,7 @@ class LLMEngine:
         # The step's cost: from the previous step's tokens, or from the call that launched it if that came later
         # (the engine idled, or computed the previous step inside its launch).
         called, returned = self._inflight_times
-        done = returned if self.device.type == "cpu" else time.perf_counter()
+        done = returned if self._steps_in_launch else time.perf_counter()
         self.scheduler.record_step_time(step.so, done - max(self._last_step_done, called))
         self._last_step_done = done
         self._store_prompt_logprobs(result.prompt_logprobs)

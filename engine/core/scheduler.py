@@ -273,8 +273,9 @@ class Scheduler:
     def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         """Step `out` took this long, from the previous step's tokens (or its own launch) to its own: the costs
         that SpeculationPolicy weighs drafts against."""
-        if self.spec_policy is not None and out.is_pure_decode:
-            self.spec_policy.costs.observe(len(out.scheduled), out.speculative, seconds)
+        policy = self.spec_policy
+        if policy is not None and policy.speculates_at(len(out.scheduled)) and out.is_pure_decode:
+            policy.costs.observe(len(out.scheduled), out.speculative, seconds)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                            spec_token_ids: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:

@@ -86,11 +86,15 @@ class SpeculationPolicy:
         self.step = 0
         self._tracks: dict[str, _Track] = {}
 
+    def speculates_at(self, num_seqs: int) -> bool:
+        """Whether a batch of this size may speculate at all (and so whether its step costs are worth timing)."""
+        return num_seqs < self.config.disable_by_batch_size
+
     def on_schedule(self, num_running: int) -> bool:
         """A new step: whether anyone may speculate in it. Not in a large batch, nor in a step that times the
         plain cost of this batch size."""
         self.step += 1
-        return num_running < self.config.disable_by_batch_size and not self.costs.wants_plain_step(num_running)
+        return self.speculates_at(num_running) and not self.costs.wants_plain_step(num_running)
 
     def allows(self, request_id: str) -> bool:
         track = self._tracks.get(request_id)
